@@ -1,0 +1,193 @@
+"""Typed clients for the harnessrl services; the CLI, the services, the tests and outside
+integrations all use these.
+
+Each client wraps one generated stub. Built on a blocking channel (`StoreClient.connect`)
+its methods return the response; built on an asyncio channel (`StoreClient.connect_async`)
+they return awaitables of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from harnessrl import rpc
+from harnessrl.v1 import (
+    common_pb2 as c,
+    controller_pb2 as cpb,
+    controller_pb2_grpc,
+    gateway_pb2 as gpb,
+    gateway_pb2_grpc,
+    store_pb2 as spb,
+    store_pb2_grpc,
+    trainer_pb2 as tpb,
+    trainer_pb2_grpc,
+)
+
+S = TypeVar("S")
+
+
+class _Client(Generic[S]):
+    _stub_cls: Any
+
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel, timeout: float = 30.0) -> None:
+        self.channel = channel
+        self.stub: S = self._stub_cls(channel)
+        self.timeout = timeout
+
+    @classmethod
+    def connect(cls, address: str, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+        return cls(rpc.channel(address), timeout)
+
+    @classmethod
+    def connect_async(cls, address: str, timeout: float = 30.0):  # type: ignore[no-untyped-def]
+        return cls(rpc.aio_channel(address), timeout)
+
+    def close(self) -> Any:
+        return self.channel.close()
+
+
+class StoreClient(_Client[store_pb2_grpc.StoreStub]):
+    _stub_cls = store_pb2_grpc.StoreStub
+
+    def put_run(self, run: c.Run) -> c.Run:
+        return self.stub.PutRun(spb.PutRunRequest(run=run), timeout=self.timeout)
+
+    def get_run(self, run_id: str) -> c.Run:
+        return self.stub.GetRun(c.GetRunRequest(run_id=run_id), timeout=self.timeout)
+
+    def list_runs(self, limit: int = 100) -> spb.ListRunsResponse:
+        return self.stub.ListRuns(spb.ListRunsRequest(limit=limit), timeout=self.timeout)
+
+    def create_rollouts(self, rollouts: Iterable[c.Rollout]) -> spb.CreateRolloutsResponse:
+        return self.stub.CreateRollouts(
+            spb.CreateRolloutsRequest(rollouts=list(rollouts)), timeout=self.timeout
+        )
+
+    def start_attempt(self, rollout_id: str, attempt: int, workdir: str = "") -> c.Rollout:
+        return self.stub.StartAttempt(
+            spb.StartAttemptRequest(rollout_id=rollout_id, attempt=attempt, workdir=workdir),
+            timeout=self.timeout,
+        )
+
+    def append_calls(self, calls: Iterable[c.Call], timeout: float | None = None
+                     ) -> spb.AppendCallsResponse:
+        return self.stub.AppendCalls(
+            spb.AppendCallsRequest(calls=list(calls)), timeout=timeout or self.timeout
+        )
+
+    def report_reward(self, rollout_id: str, attempt: int, reward: float) -> c.Rollout:
+        return self.stub.ReportReward(
+            spb.ReportRewardRequest(rollout_id=rollout_id, attempt=attempt, reward=reward),
+            timeout=self.timeout,
+        )
+
+    def finish_attempt(self, request: spb.FinishAttemptRequest) -> c.Rollout:
+        return self.stub.FinishAttempt(request, timeout=self.timeout)
+
+    def get_rollout(self, rollout_id: str, include_calls: bool = False) -> c.Rollout:
+        return self.stub.GetRollout(
+            spb.GetRolloutRequest(rollout_id=rollout_id, include_calls=include_calls),
+            timeout=self.timeout,
+        )
+
+    def list_rollouts(self, run_id: str, group_id: str = "", include_calls: bool = False
+                      ) -> spb.ListRolloutsResponse:
+        return self.stub.ListRollouts(
+            spb.ListRolloutsRequest(run_id=run_id, group_id=group_id,
+                                    include_calls=include_calls),
+            timeout=self.timeout,
+        )
+
+    def read_groups(self, stream: str = "train", consumer_group: str = "trainer",
+                    consumer: str = "trainer-0", max_groups: int = 1, block_ms: int = 0,
+                    include_calls: bool = True) -> spb.ReadGroupsResponse:
+        return self.stub.ReadGroups(
+            spb.ReadGroupsRequest(stream=stream, consumer_group=consumer_group,
+                                  consumer=consumer, max_groups=max_groups, block_ms=block_ms,
+                                  include_calls=include_calls),
+            timeout=self.timeout + block_ms / 1000.0,
+        )
+
+    def ack_groups(self, entry_ids: Iterable[str], stream: str = "train",
+                   consumer_group: str = "trainer") -> spb.AckGroupsResponse:
+        return self.stub.AckGroups(
+            spb.AckGroupsRequest(stream=stream, consumer_group=consumer_group,
+                                 entry_ids=list(entry_ids)),
+            timeout=self.timeout,
+        )
+
+
+class ControllerClient(_Client[controller_pb2_grpc.ControllerStub]):
+    _stub_cls = controller_pb2_grpc.ControllerStub
+
+    def create_run(self, spec: c.RunSpec, run_id: str = "") -> c.Run:
+        return self.stub.CreateRun(cpb.CreateRunRequest(spec=spec, run_id=run_id),
+                                   timeout=self.timeout)
+
+    def get_run(self, run_id: str) -> c.Run:
+        return self.stub.GetRun(c.GetRunRequest(run_id=run_id), timeout=self.timeout)
+
+    def list_rollouts(self, run_id: str, include_calls: bool = False
+                      ) -> cpb.ListRunRolloutsResponse:
+        return self.stub.ListRunRollouts(
+            cpb.ListRunRolloutsRequest(run_id=run_id, include_calls=include_calls),
+            timeout=self.timeout,
+        )
+
+    def cancel_run(self, run_id: str) -> c.Run:
+        return self.stub.CancelRun(cpb.CancelRunRequest(run_id=run_id), timeout=self.timeout)
+
+    def watch_run(self, run_id: str, timeout: float | None = None) -> Any:
+        """Iterator (async iterator on an asyncio channel) of `RunEvent`s until the run ends."""
+        return self.stub.WatchRun(cpb.WatchRunRequest(run_id=run_id), timeout=timeout)
+
+
+class GatewayAdminClient(_Client[gateway_pb2_grpc.GatewayAdminStub]):
+    _stub_cls = gateway_pb2_grpc.GatewayAdminStub
+
+    def register_engine(self, name: str, base_url: str, model: str = "",
+                        policy_version: int = 0) -> gpb.Engine:
+        engine = gpb.Engine(name=name, base_url=base_url, model=model,
+                            policy_version=policy_version)
+        return self.stub.RegisterEngine(gpb.RegisterEngineRequest(engine=engine),
+                                        timeout=self.timeout)
+
+    def remove_engine(self, name: str) -> gpb.RemoveEngineResponse:
+        return self.stub.RemoveEngine(gpb.RemoveEngineRequest(name=name), timeout=self.timeout)
+
+    def list_engines(self) -> gpb.ListEnginesResponse:
+        return self.stub.ListEngines(gpb.ListEnginesRequest(), timeout=self.timeout)
+
+    def update_engine(self, name: str, policy_version: int | None = None,
+                      state: int = gpb.ENGINE_STATE_UNSPECIFIED, reason: str = "") -> gpb.Engine:
+        req = gpb.UpdateEngineRequest(name=name, state=state, reason=reason)
+        if policy_version is not None:
+            req.policy_version = policy_version
+        return self.stub.UpdateEngine(req, timeout=self.timeout)
+
+    def pause(self, engines: Iterable[str] = (), drain: bool = True,
+              drain_timeout_s: float = 60.0) -> gpb.PauseResponse:
+        return self.stub.Pause(
+            gpb.PauseRequest(engines=list(engines), drain=drain, drain_timeout_s=drain_timeout_s),
+            timeout=self.timeout + drain_timeout_s,
+        )
+
+    def resume(self, engines: Iterable[str] = ()) -> gpb.ResumeResponse:
+        return self.stub.Resume(gpb.ResumeRequest(engines=list(engines)), timeout=self.timeout)
+
+
+class TrainerClient(_Client[trainer_pb2_grpc.TrainerStub]):
+    _stub_cls = trainer_pb2_grpc.TrainerStub
+
+    def get_status(self) -> tpb.TrainerStatus:
+        return self.stub.GetStatus(tpb.GetStatusRequest(), timeout=self.timeout)
+
+    def checkpoint_now(self) -> tpb.CheckpointNowResponse:
+        return self.stub.CheckpointNow(tpb.CheckpointNowRequest(), timeout=self.timeout)
+
+    def stop(self, skip_checkpoint: bool = False) -> tpb.TrainerStatus:
+        return self.stub.Stop(tpb.StopRequest(skip_checkpoint=skip_checkpoint),
+                              timeout=self.timeout)

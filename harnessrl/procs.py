@@ -1,0 +1,137 @@
+"""Child processes of harnessrl: services started on port 0 that announce their ports through
+a ready file, and Redis started on demand. Used by `harnessrl up`, the benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServiceProcess:
+    """A child process (its own process group) whose output goes to a log file and which
+    writes a JSON ready file once it serves."""
+
+    def __init__(self, name: str, argv: list[str], workdir: Path,
+                 env: dict[str, str] | None = None, ready_file: Path | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.workdir / f"{name}.log"
+        self.ready_file = ready_file
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "ServiceProcess":
+        if self.ready_file is not None and self.ready_file.exists():
+            self.ready_file.unlink()
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            cwd=self.workdir, start_new_session=True,
+        )
+        log.close()
+        return self
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
+        assert self.proc is not None and self.ready_file is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before it was "
+                                   f"ready; log {self.log_path}:\n{self.log_tail()}")
+            if self.ready_file.exists():
+                return json.loads(self.ready_file.read_text())
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s; log {self.log_path}:\n"
+                           f"{self.log_tail()}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            assert self.proc is not None
+            os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """kill -9 the whole process group."""
+        self.signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout`."""
+        if not self.alive:
+            return
+        assert self.proc is not None
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+def redis_alive(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
+def start_redis(data_dir: Path, port: int | None = None) -> tuple[str, ServiceProcess]:
+    """Starts a private redis-server with AOF persistence (appendfsync everysec) in `data_dir`;
+    returns its URL and process."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server not found: install Redis 7 (apt-get install "
+                           "redis-server) or point --redis-url at a running server")
+    port = port or free_port()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+            "--daemonize", "no"]
+    proc = ServiceProcess("redis", argv, data_dir).start()
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 20
+    while not redis_alive(url):
+        if not proc.alive or time.monotonic() > deadline:
+            raise RuntimeError(f"redis-server did not start: {proc.log_tail()}")
+        time.sleep(0.05)
+    return url, proc
+
+
+def ensure_redis(url: str, data_dir: Path) -> tuple[str, ServiceProcess | None]:
+    """`url` when a Redis answers there; otherwise starts one with AOF on that URL's port."""
+    if redis_alive(url):
+        return url, None
+    port = redis.connection.parse_url(url).get("port", 6379)
+    return start_redis(data_dir, int(port))

@@ -1,0 +1,195 @@
+"""Shared gRPC wiring: message limits, keepalive, health, reflection, error mapping, shutdown.
+
+Every service builds its server with `start_server` (asyncio) and so serves
+`grpc.health.v1.Health` and server reflection (grpcurl works against it), maps domain errors
+(`harnessrl.errors`) to explicit status codes via `@map_errors`, and stops gracefully on
+SIGTERM/SIGINT via `wait_for_termination`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import logging
+import os
+import signal
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from harnessrl.errors import HarnessRLError
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+# Every harnessrl write is idempotent, so clients may retry any RPC that found no server.
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "harnessrl.v1.Store"}, {"service": "harnessrl.v1.Controller"},
+                 {"service": "harnessrl.v1.GatewayAdmin"}, {"service": "harnessrl.v1.Trainer"}],
+        "retryPolicy": {
+            "maxAttempts": 5, "initialBackoff": "0.1s", "maxBackoff": "2s",
+            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]
+})
+CLIENT_OPTIONS = OPTIONS + [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+
+
+def channel(address: str) -> grpc.Channel:
+    """A blocking channel with the project's limits and retry policy."""
+    return grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    """An asyncio channel with the project's limits and retry policy."""
+    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, HarnessRLError):
+        return exc.code, str(exc)
+    log.exception("unexpected error in RPC", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+def _wrap(fn: F) -> F:
+    if inspect.isasyncgenfunction(fn):
+        @functools.wraps(fn)
+        async def agen(self: Any, request: Any, context: Any) -> Any:
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status code
+                code, msg = _status_for(exc)
+                await context.abort(code, msg)
+        return agen  # type: ignore[return-value]
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def coro(self: Any, request: Any, context: Any) -> Any:
+            try:
+                return await fn(self, request, context)
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status code
+                code, msg = _status_for(exc)
+                await context.abort(code, msg)
+        return coro  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def sync(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - mapped to a status code
+            if type(exc).__name__ == "_AbortError" or isinstance(exc, grpc.RpcError):
+                raise
+            code, msg = _status_for(exc)
+            context.abort(code, msg)
+    return sync  # type: ignore[return-value]
+
+
+C = TypeVar("C", bound=type)
+
+
+def map_errors(cls: C) -> C:
+    """Class decorator for servicers: every public method (an RPC) maps `HarnessRLError` to its
+    status code and anything else to INTERNAL with the message (never UNKNOWN)."""
+    for name, fn in list(vars(cls).items()):
+        if not name.startswith("_") and callable(fn):
+            setattr(cls, name, _wrap(fn))
+    return cls
+
+
+async def start_server(
+    bind: str,
+    services: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
+    """Starts an asyncio gRPC server on `bind` ("host:port"; port 0 picks a free one).
+
+    `services` holds (add_XServicer_to_server, servicer, full service name) triples. Health
+    (SERVING for each service and overall) and reflection are added. Returns the server, the
+    bound port and the health servicer.
+    """
+    server = grpc.aio.server(options=OPTIONS)
+    health = health_aio.HealthServicer()
+    names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME]
+    for add, servicer, name in services:
+        add(servicer, server)
+        names.append(name)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise RuntimeError(f"could not bind gRPC server to {bind}")
+    await server.start()
+    for name in names:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health
+
+
+async def wait_for_termination(
+    server: grpc.aio.Server, grace_s: float = 5.0, on_stop: Callable[[], Any] | None = None
+) -> None:
+    """Serves until SIGTERM/SIGINT, then runs `on_stop` and stops with a grace period."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(server.wait_for_termination())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+    log.info("stopping")
+    if on_stop is not None:
+        result = on_stop()
+        if inspect.isawaitable(result):
+            await result
+    await server.stop(grace_s)
+    waiter.cancel()
+    stopper.cancel()
+
+
+def write_ready_file(path: str | os.PathLike[str] | None, **info: Any) -> None:
+    """Atomically writes `info` (ports, pid) as JSON to `path` once a service is serving, so
+    launchers and tests can start services on port 0 and learn the ports."""
+    if not path:
+        return
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), **info}))
+    tmp.replace(p)
+
+
+def health_check(address: str, service: str = "", timeout: float = 2.0) -> bool:
+    """True when the server at `address` answers SERVING for `service`."""
+    with channel(address) as ch:
+        try:
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
