@@ -1,0 +1,24 @@
+"""Configuration of the store service."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from harnessrl.config import ServiceConfig
+
+
+class StoreConfig(ServiceConfig):
+    """harnessrl store: gRPC in front of Redis."""
+
+    model_config = SettingsConfigDict(env_prefix="HARNESSRL_STORE_", extra="forbid")
+
+    bind: str = Field("127.0.0.1:50051", description="host:port of the gRPC server (port 0: any)")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis to keep everything in")
+    key_prefix: str = Field("hrl:", description="prefix of every Redis key (one deployment each)")
+    start_redis: bool = Field(
+        False, description="start a private redis-server with AOF when none answers at redis_url"
+    )
+    redis_data_dir: str = Field(".harnessrl/redis", description="data dir of a started Redis")
+    ready_file: str = Field("", description="write {pid, grpc_port} here once serving")
+    log_level: str = Field("INFO", description="logging level")

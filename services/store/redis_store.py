@@ -1,0 +1,398 @@
+"""Rollouts, calls, runs and the completed-group stream, kept in Redis.
+
+Keys (all under the configured prefix P):
+
+- `P run:{run_id}` the `Run` record (protobuf bytes); `P runs` ZSET of run ids by creation time.
+- `P ro:{rollout_id}` the `Rollout` record without calls (protobuf bytes).
+- `P st:{rollout_id}` the rollout's write state, read by the call-append script:
+  `P` pending, `R{k}` attempt k running, `F{k}` attempt k failed (another may start),
+  `T` terminal. Updated in the same transaction as the record.
+- `P calls:{rollout_id}:{k}` HASH seq -> `Call` bytes of attempt k (HSETNX: idempotent).
+- `P runro:{run_id}` / `P grp:{group_id}` LISTs of rollout ids, in creation order.
+- `P gdone:{group_id}` SET of terminal rollouts; `P gpub:{group_id}` published flag.
+- `P stream:{name}` the Redis Stream of completed groups, read through consumer groups.
+
+Appends are checked and written by one Lua script, so a call can never land in an attempt
+that has finished. Record updates use optimistic transactions (WATCH/MULTI). Publishing a
+completed group is a Lua script guarded by a flag, so it happens exactly once even when the
+store dies between finishing the last rollout and publishing (the idempotent retry of
+FinishAttempt publishes then).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError, WatchError
+
+from harnessrl.errors import FailedPrecondition, InvalidArgument, NotFound
+from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import store_pb2 as spb
+
+TERMINAL = (c.ROLLOUT_STATUS_SUCCEEDED, c.ROLLOUT_STATUS_FAILED, c.ROLLOUT_STATUS_CANCELLED)
+NO_STREAM = ("", "-")
+
+_APPEND_LUA = """
+-- KEYS[1] state key, KEYS[2] calls hash; ARGV[1] attempt, ARGV[2] seq, ARGV[3] call bytes
+if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then return 0 end
+local st = redis.call('GET', KEYS[1])
+if not st then return -1 end
+if st ~= ('R' .. ARGV[1]) then return -2 end
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+return 1
+"""
+
+_CREATE_LUA = """
+-- KEYS: ro, st, runro, grp; ARGV: rollout bytes, rollout id
+if redis.call('SETNX', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('SET', KEYS[2], 'P')
+redis.call('RPUSH', KEYS[3], ARGV[2])
+redis.call('RPUSH', KEYS[4], ARGV[2])
+return 1
+"""
+
+_PUBLISH_LUA = """
+-- KEYS: gdone, gpub, stream; ARGV: group size, group id, run id, task id
+if redis.call('SCARD', KEYS[1]) < tonumber(ARGV[1]) then return 0 end
+if redis.call('SETNX', KEYS[2], '1') == 0 then return 0 end
+redis.call('XADD', KEYS[3], '*', 'group_id', ARGV[2], 'run_id', ARGV[3], 'task_id', ARGV[4])
+return 1
+"""
+
+def _require(value: str, what: str) -> str:
+    if not value:
+        raise InvalidArgument(f"{what} is required")
+    return value
+
+
+class RolloutStore:
+    def __init__(self, redis: aioredis.Redis, prefix: str = "hrl:") -> None:
+        self.r = redis
+        self.p = prefix
+        self._append = redis.register_script(_APPEND_LUA)
+        self._create = redis.register_script(_CREATE_LUA)
+        self._publish = redis.register_script(_PUBLISH_LUA)
+
+    # keys -----------------------------------------------------------------------------------
+    def _k(self, *parts: str) -> str:
+        return self.p + ":".join(parts)
+
+    def _calls_key(self, rollout_id: str, attempt: int) -> str:
+        return self._k("calls", rollout_id, str(attempt))
+
+    def _stream_key(self, stream: str) -> str:
+        return self._k("stream", stream or "train")
+
+    # runs -----------------------------------------------------------------------------------
+    async def put_run(self, run: c.Run) -> c.Run:
+        _require(run.run_id, "run.run_id")
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.set(self._k("run", run.run_id), run.SerializeToString())
+            pipe.zadd(self._k("runs"), {run.run_id: run.created_at or time.time()}, nx=True)
+            await pipe.execute()
+        return run
+
+    async def get_run(self, run_id: str) -> c.Run:
+        data = await self.r.get(self._k("run", _require(run_id, "run_id")))
+        if data is None:
+            raise NotFound(f"run {run_id!r} not found")
+        return c.Run.FromString(data)
+
+    async def list_runs(self, limit: int = 100) -> list[c.Run]:
+        ids = await self.r.zrevrange(self._k("runs"), 0, (limit or 100) - 1)
+        if not ids:
+            return []
+        datas = await self.r.mget([self._k("run", i.decode()) for i in ids])
+        return [c.Run.FromString(d) for d in datas if d is not None]
+
+    # rollouts -------------------------------------------------------------------------------
+    async def create_rollouts(self, rollouts: Sequence[c.Rollout]) -> tuple[int, int]:
+        for ro in rollouts:
+            _require(ro.rollout_id, "rollout_id")
+            _require(ro.run_id, "run_id")
+            _require(ro.group_id, "group_id")
+            if ro.group_size < 1:
+                raise InvalidArgument(f"rollout {ro.rollout_id}: group_size must be >= 1")
+            if ro.calls:
+                raise InvalidArgument("calls are appended with AppendCalls, not created")
+        created = 0
+        async with self.r.pipeline(transaction=False) as pipe:
+            for ro in rollouts:
+                rec = c.Rollout()
+                rec.CopyFrom(ro)
+                rec.status = c.ROLLOUT_STATUS_PENDING
+                rec.attempt = 0
+                rec.max_attempts = max(1, ro.max_attempts)
+                rec.created_at = ro.created_at or time.time()
+                del rec.attempts[:]
+                keys = [self._k("ro", ro.rollout_id), self._k("st", ro.rollout_id),
+                        self._k("runro", ro.run_id), self._k("grp", ro.group_id)]
+                await self._create(keys=keys, args=[rec.SerializeToString(), ro.rollout_id],
+                                   client=pipe)
+            results = await pipe.execute()
+        created = sum(int(x) for x in results)
+        return created, len(rollouts) - created
+
+    async def _load(self, rollout_id: str) -> c.Rollout:
+        data = await self.r.get(self._k("ro", _require(rollout_id, "rollout_id")))
+        if data is None:
+            raise NotFound(f"rollout {rollout_id!r} not found")
+        return c.Rollout.FromString(data)
+
+    async def _update(
+        self, rollout_id: str,
+        change: Callable[[c.Rollout], tuple[c.Rollout, str | None] | None],
+    ) -> c.Rollout:
+        """Read-modify-write of a rollout under WATCH. `change` returns (new record, new state)
+        or None to leave it unchanged (idempotent repeat); it raises on a bad transition."""
+        ro_key, st_key = self._k("ro", rollout_id), self._k("st", rollout_id)
+        while True:
+            async with self.r.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(ro_key)
+                    data = await pipe.get(ro_key)
+                    if data is None:
+                        raise NotFound(f"rollout {rollout_id!r} not found")
+                    current = c.Rollout.FromString(data)
+                    result = change(current)
+                    if result is None:
+                        await pipe.unwatch()
+                        return current
+                    new, state = result
+                    pipe.multi()
+                    pipe.set(ro_key, new.SerializeToString())
+                    if state is not None:
+                        pipe.set(st_key, state)
+                    await pipe.execute()
+                    return new
+                except WatchError:
+                    continue
+
+    async def start_attempt(self, rollout_id: str, attempt: int, workdir: str) -> c.Rollout:
+        def change(ro: c.Rollout) -> tuple[c.Rollout, str] | None:
+            if ro.attempt == attempt and ro.status == c.ROLLOUT_STATUS_RUNNING and \
+                    ro.attempts and ro.attempts[-1].status == c.ROLLOUT_STATUS_RUNNING:
+                return None  # repeated start of the running attempt
+            if ro.status in TERMINAL:
+                raise FailedPrecondition(
+                    f"rollout {rollout_id} is {c.RolloutStatus.Name(ro.status)}")
+            if attempt != ro.attempt + 1:
+                raise FailedPrecondition(
+                    f"rollout {rollout_id}: attempt {attempt} cannot start after attempt "
+                    f"{ro.attempt}")
+            if ro.attempts and ro.attempts[-1].status == c.ROLLOUT_STATUS_RUNNING:
+                raise FailedPrecondition(f"rollout {rollout_id}: attempt {ro.attempt} still runs")
+            if attempt > ro.max_attempts:
+                raise FailedPrecondition(
+                    f"rollout {rollout_id}: attempt {attempt} exceeds max_attempts "
+                    f"{ro.max_attempts}")
+            ro.attempt = attempt
+            ro.status = c.ROLLOUT_STATUS_RUNNING
+            ro.attempts.add(attempt=attempt, status=c.ROLLOUT_STATUS_RUNNING,
+                            started_at=time.time(), workdir=workdir)
+            return ro, f"R{attempt}"
+
+        return await self._update(rollout_id, change)
+
+    async def report_reward(self, rollout_id: str, attempt: int, reward: float) -> c.Rollout:
+        if not math.isfinite(reward):
+            raise InvalidArgument("reward must be a finite number")
+
+        def change(ro: c.Rollout) -> tuple[c.Rollout, None]:
+            if ro.attempt != attempt or not ro.attempts or \
+                    ro.attempts[-1].status != c.ROLLOUT_STATUS_RUNNING:
+                raise FailedPrecondition(
+                    f"rollout {rollout_id}: attempt {attempt} is not running")
+            ro.attempts[-1].has_reported_reward = True
+            ro.attempts[-1].reported_reward = reward
+            return ro, None
+
+        return await self._update(rollout_id, change)
+
+    async def finish_attempt(self, req: spb.FinishAttemptRequest) -> c.Rollout:
+        if req.status not in TERMINAL:
+            raise InvalidArgument("status must be SUCCEEDED, FAILED or CANCELLED")
+        if req.status == c.ROLLOUT_STATUS_SUCCEEDED and not math.isfinite(req.reward):
+            raise InvalidArgument("reward must be a finite number")
+        retry = req.status == c.ROLLOUT_STATUS_FAILED and req.will_retry
+        num_calls = await self.r.hlen(self._calls_key(req.rollout_id, req.attempt))
+
+        def change(ro: c.Rollout) -> tuple[c.Rollout, str] | None:
+            if ro.status in TERMINAL and req.status == c.ROLLOUT_STATUS_CANCELLED:
+                return None  # cancelling a finished rollout changes nothing
+            if req.attempt != ro.attempt and not (
+                    req.status == c.ROLLOUT_STATUS_CANCELLED and ro.attempt == 0):
+                if req.attempt < ro.attempt or ro.status in TERMINAL:
+                    return None  # an earlier attempt's finish, repeated
+                raise FailedPrecondition(
+                    f"rollout {req.rollout_id}: attempt {req.attempt} was never started")
+            att = ro.attempts[-1] if ro.attempts else None
+            if att is not None and att.status != c.ROLLOUT_STATUS_RUNNING:
+                return None  # repeated finish of this attempt: idempotent
+            if att is not None:
+                att.status = c.ROLLOUT_STATUS_FAILED if req.status == c.ROLLOUT_STATUS_CANCELLED \
+                    else req.status
+                att.error = req.error
+                att.exit_code = req.exit_code
+                att.timed_out = req.timed_out
+                att.finished_at = time.time()
+                att.num_calls = num_calls
+            if retry:
+                if ro.attempt >= ro.max_attempts:
+                    raise FailedPrecondition(
+                        f"rollout {req.rollout_id}: no attempts left to retry")
+                ro.error = req.error
+                return ro, f"F{ro.attempt}"
+            ro.status = req.status
+            ro.error = req.error
+            ro.finished_at = time.time()
+            if req.status == c.ROLLOUT_STATUS_SUCCEEDED:
+                ro.has_reward = True
+                ro.reward = req.reward
+            return ro, "T"
+
+        ro = await self._update(req.rollout_id, change)
+        if ro.status in TERMINAL:
+            await self._mark_done_and_publish(ro)
+        return ro
+
+    async def _mark_done_and_publish(self, ro: c.Rollout) -> None:
+        gdone = self._k("gdone", ro.group_id)
+        await self.r.sadd(gdone, ro.rollout_id)
+        if ro.stream in NO_STREAM:
+            return
+        await self._publish(
+            keys=[gdone, self._k("gpub", ro.group_id), self._stream_key(ro.stream)],
+            args=[ro.group_size, ro.group_id, ro.run_id, ro.task_id],
+        )
+
+    async def get_rollout(self, rollout_id: str, include_calls: bool) -> c.Rollout:
+        return (await self._with_calls([await self._load(rollout_id)], include_calls))[0]
+
+    async def list_rollouts(self, run_id: str, group_id: str, include_calls: bool
+                            ) -> list[c.Rollout]:
+        if group_id:
+            key = self._k("grp", group_id)
+        else:
+            key = self._k("runro", _require(run_id, "run_id or group_id"))
+        ids = [i.decode() for i in await self.r.lrange(key, 0, -1)]
+        if not ids:
+            return []
+        datas = await self.r.mget([self._k("ro", i) for i in ids])
+        rollouts = [c.Rollout.FromString(d) for d in datas if d is not None]
+        if run_id:
+            rollouts = [ro for ro in rollouts if ro.run_id == run_id]
+        return await self._with_calls(rollouts, include_calls)
+
+    async def _with_calls(self, rollouts: list[c.Rollout], include_calls: bool
+                          ) -> list[c.Rollout]:
+        """Fills each attempt's num_calls (and the current attempt's calls when asked)."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            for ro in rollouts:
+                for att in ro.attempts:
+                    pipe.hlen(self._calls_key(ro.rollout_id, att.attempt))
+                if include_calls and ro.attempt:
+                    pipe.hgetall(self._calls_key(ro.rollout_id, ro.attempt))
+            results = iter(await pipe.execute())
+        for ro in rollouts:
+            for att in ro.attempts:
+                att.num_calls = next(results)
+            if include_calls and ro.attempt:
+                calls = next(results)
+                for seq in sorted(calls, key=int):
+                    ro.calls.add().MergeFromString(calls[seq])
+        return rollouts
+
+    # calls ----------------------------------------------------------------------------------
+    async def append_calls(self, calls: Sequence[c.Call]) -> tuple[list[int], list[str]]:
+        results: list[int] = [spb.APPEND_RESULT_UNSPECIFIED] * len(calls)
+        reasons = [""] * len(calls)
+        todo: list[int] = []
+        for i, call in enumerate(calls):
+            problem = _call_problem(call)
+            if problem:
+                results[i], reasons[i] = spb.APPEND_RESULT_REJECTED, problem
+            else:
+                todo.append(i)
+        if todo:
+            async with self.r.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    call = calls[i]
+                    await self._append(
+                        keys=[self._k("st", call.rollout_id),
+                              self._calls_key(call.rollout_id, call.attempt)],
+                        args=[call.attempt, call.seq, call.SerializeToString()], client=pipe)
+                outcomes = await pipe.execute()
+            for i, out in zip(todo, outcomes):
+                if out == 1:
+                    results[i] = spb.APPEND_RESULT_STORED
+                elif out == 0:
+                    results[i] = spb.APPEND_RESULT_DUPLICATE
+                else:
+                    results[i] = spb.APPEND_RESULT_REJECTED
+                    reasons[i] = (f"unknown rollout {calls[i].rollout_id!r}" if out == -1 else
+                                  f"attempt {calls[i].attempt} of rollout "
+                                  f"{calls[i].rollout_id} is not running")
+        return results, reasons
+
+    # the completed-group stream -------------------------------------------------------------
+    async def _ensure_consumer_group(self, stream_key: str, group: str) -> None:
+        try:
+            await self.r.xgroup_create(stream_key, group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_groups(self, stream: str, group: str, consumer: str, max_groups: int,
+                          block_ms: int, include_calls: bool) -> list[c.Group]:
+        key = self._stream_key(stream)
+        await self._ensure_consumer_group(key, group)
+        count = max(1, max_groups)
+        # Entries given to this consumer earlier and never acknowledged come first.
+        entries = _entries(await self.r.xreadgroup(group, consumer, {key: "0"}, count=count))
+        if len(entries) < count:
+            fresh = await self.r.xreadgroup(group, consumer, {key: ">"},
+                                            count=count - len(entries),
+                                            block=block_ms if block_ms > 0 and not entries
+                                            else None)
+            entries += _entries(fresh)
+        groups = []
+        for entry_id, fields in entries:
+            g = c.Group(entry_id=entry_id, group_id=fields["group_id"], run_id=fields["run_id"],
+                        task_id=fields["task_id"])
+            g.rollouts.extend(await self.list_rollouts("", g.group_id, include_calls))
+            groups.append(g)
+        return groups
+
+    async def ack_groups(self, stream: str, group: str, entry_ids: Iterable[str]) -> int:
+        ids = list(entry_ids)
+        if not ids:
+            return 0
+        return int(await self.r.xack(self._stream_key(stream), group, *ids))
+
+
+def _entries(resp: list) -> list[tuple[str, dict[str, str]]]:  # type: ignore[type-arg]
+    out = []
+    for _stream, items in resp or []:
+        for entry_id, fields in items:
+            if fields:  # an entry deleted from the stream shows as empty: skip it
+                out.append((entry_id.decode(),
+                            {k.decode(): v.decode() for k, v in fields.items()}))
+    return out
+
+
+def _call_problem(call: c.Call) -> str:
+    if not call.rollout_id:
+        return "rollout_id is required"
+    if call.attempt < 1:
+        return "attempt must be >= 1"
+    if call.seq < 0:
+        return "seq must be >= 0"
+    if len(call.logprobs) != len(call.completion_token_ids):
+        return (f"{len(call.logprobs)} logprobs for {len(call.completion_token_ids)} completion "
+                "tokens: one logprob per token is required")
+    return ""
+

@@ -1,0 +1,42 @@
+"""Wires the store: Redis connection, servicer, gRPC server with health and reflection."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import redis.asyncio as aioredis
+
+from harnessrl import procs, rpc
+from harnessrl.v1 import store_pb2, store_pb2_grpc
+from services.store.config import StoreConfig
+from services.store.redis_store import RolloutStore
+from services.store.servicer import StoreServicer
+
+log = logging.getLogger("harnessrl.store")
+
+
+async def serve(cfg: StoreConfig) -> None:
+    redis_proc = None
+    if cfg.start_redis:
+        cfg.redis_url, redis_proc = procs.ensure_redis(cfg.redis_url, Path(cfg.redis_data_dir))
+        if redis_proc is not None:
+            log.info("started redis-server (AOF on) at %s, data in %s", cfg.redis_url,
+                     cfg.redis_data_dir)
+    client = aioredis.Redis.from_url(cfg.redis_url, socket_keepalive=True,
+                                     health_check_interval=10)
+    await client.ping()
+    store = RolloutStore(client, cfg.key_prefix)
+    server, port, _ = await rpc.start_server(cfg.bind, [
+        (store_pb2_grpc.add_StoreServicer_to_server, StoreServicer(store),
+         store_pb2.DESCRIPTOR.services_by_name["Store"].full_name),
+    ])
+    log.info("store serving on port %d, redis %s, prefix %r", port, cfg.redis_url,
+             cfg.key_prefix)
+    rpc.write_ready_file(cfg.ready_file, grpc_port=port, redis_url=cfg.redis_url)
+    try:
+        await rpc.wait_for_termination(server)
+    finally:
+        await client.aclose()
+        if redis_proc is not None:
+            redis_proc.stop()
