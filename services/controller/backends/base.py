@@ -1,0 +1,103 @@
+"""The job-backend interface: how the controller launches a harness (or grader) run.
+
+A backend runs one *job* from a `JobSpec` (argv, environment, working directory, timeout,
+labels) and reports its `JobResult` (exit code, whether it timed out or was cancelled, where
+its stdout/stderr lie). Implementations: `local` (a process group on this machine); a
+Kubernetes backend (one Job per spec) implements the same interface. Every implementation
+passes the conformance suite in `tests/test_job_backends.py`.
+
+Contract every backend keeps:
+- `launch` returns once the job was submitted; the timeout counts from then.
+- `wait` returns the job's result once it ended and nothing of it runs any more (for the local
+  backend: its whole process group is gone); it may be awaited by several callers.
+- A job past `timeout_s` is killed (everything it started, not only its main process) and
+  reported with `timed_out=True`.
+- `cancel` kills a running job; its result has `cancelled=True`. Cancelling a finished or
+  unknown job is a no-op.
+- stdout and stderr of the job end up in the files named by `JobResult.stdout_path` and
+  `stderr_path` (for Kubernetes: copied from the pod's log once it ends).
+- A job that cannot start at all (no such executable, image pull failure) is a finished job
+  with `exit_code` 127 and `error` saying why, not an exception: the caller treats it like a
+  crash of the program.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job_id: str  # unique among the backend's jobs; [A-Za-z0-9._-], at most 200 characters
+    argv: list[str]
+    env: dict[str, str]  # environment the job gets on top of the backend's base environment
+    workdir: Path  # working directory; also where stdout/stderr files are kept
+    timeout_s: float  # wall clock from launch; then the job is killed and reported timed out
+    labels: dict[str, str] = field(default_factory=dict)  # run/rollout/attempt ids, for listing
+    stdout_name: str = "stdout.log"  # file name of the captured stdout inside `workdir`
+    stderr_name: str = "stderr.log"
+
+
+class JobState(enum.Enum):
+    RUNNING = "running"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class JobResult:
+    job_id: str
+    exit_code: int  # the main process's exit status; negative: killed by that signal number
+    timed_out: bool
+    cancelled: bool
+    stdout_path: Path
+    stderr_path: Path
+    started_at: float  # unix seconds
+    finished_at: float
+    error: str = ""  # set when the job could not run at all (then exit_code is 127)
+
+    @property
+    def succeeded(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and not self.cancelled
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    job_id: str
+    state: JobState
+    labels: dict[str, str]
+
+
+class JobBackend(abc.ABC):
+    """Runs jobs. All methods are coroutines on the controller's event loop."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def launch(self, spec: JobSpec) -> None:
+        """Submits a job; raises `ValueError` for a spec it cannot accept (duplicate job_id)."""
+
+    @abc.abstractmethod
+    async def wait(self, job_id: str) -> JobResult:
+        """The job's result once it has ended; raises `KeyError` for an unknown job."""
+
+    @abc.abstractmethod
+    async def cancel(self, job_id: str) -> None:
+        """Kills a running job (its `wait` then reports `cancelled`); no-op when not running."""
+
+    @abc.abstractmethod
+    async def list_jobs(self, labels: dict[str, str] | None = None) -> list[JobInfo]:
+        """Jobs the backend knows of (not yet cleaned up) whose labels include `labels`."""
+
+    @abc.abstractmethod
+    async def cleanup(self, job_id: str) -> None:
+        """Forgets a finished job and frees what the backend holds for it (a Kubernetes Job
+        object, say); its stdout/stderr files stay. Cancels it first when still running."""
+
+    async def close(self) -> None:
+        """Kills every running job (controller shutdown)."""
+        for info in await self.list_jobs():
+            if info.state is JobState.RUNNING:
+                await self.cancel(info.job_id)

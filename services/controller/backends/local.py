@@ -1,0 +1,208 @@
+"""Local process backend: each job is a process group on this machine.
+
+The job's main process starts in a new session (`start_new_session=True`), so it leads its own
+process group and everything it spawns stays in that group. A timeout or a cancel sends
+SIGTERM to the whole group, then SIGKILL after `kill_grace_s`; when the main process has
+ended (for any reason) whatever is left of the group is killed too, so no grandchild outlives
+its job. (A process that deliberately leaves the group with `setsid` escapes this; containers
+or cgroups — the Kubernetes backend — are the remedy for hostile jobs.)
+
+Environment: the controller's own environment without its `HARNESSRL_*` variables (they hold
+the controller's config and may hold the credential secret), plus the spec's `env`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.controller.backends.base import JobBackend, JobInfo, JobResult, JobSpec, JobState
+
+log = logging.getLogger(__name__)
+
+_JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+EXEC_FAILED_EXIT_CODE = 127
+
+
+def base_environment() -> dict[str, str]:
+    """The controller's environment minus `HARNESSRL_*` (its config, possibly its secret)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("HARNESSRL_")}
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`."""
+    members: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no procfs: ask the kernel whether the group still exists at all
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(name))
+    return members
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Sends `sig` to the group; False when the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # only zombies left, or a member changed uid: nothing to signal
+        return False
+    return True
+
+
+@dataclass
+class _Job:
+    spec: JobSpec
+    started_at: float
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Future[JobResult] | None = None
+
+
+class LocalBackend(JobBackend):
+    name = "local"
+
+    def __init__(self, kill_grace_s: float = 2.0, base_env: dict[str, str] | None = None,
+                 reap_timeout_s: float = 5.0) -> None:
+        """`kill_grace_s`: between SIGTERM and SIGKILL. `base_env`: environment every job
+        starts from (default `base_environment()`). `reap_timeout_s`: how long to wait for a
+        SIGKILLed group to disappear before reporting the job done anyway (with a warning)."""
+        self.kill_grace_s = kill_grace_s
+        self.base_env = base_environment() if base_env is None else dict(base_env)
+        self.reap_timeout_s = reap_timeout_s
+        self._jobs: dict[str, _Job] = {}
+
+    async def launch(self, spec: JobSpec) -> None:
+        if not _JOB_ID.match(spec.job_id):
+            raise ValueError(f"invalid job id {spec.job_id!r}: use [A-Za-z0-9._-], 1-200 chars")
+        if spec.job_id in self._jobs:
+            raise ValueError(f"job {spec.job_id} exists already")
+        if not spec.argv:
+            raise ValueError("empty argv")
+        if not spec.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {spec.timeout_s}")
+        workdir = Path(spec.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        job = _Job(spec, time.time())
+        self._jobs[spec.job_id] = job
+        env = {**self.base_env, **spec.env}
+        deadline = time.monotonic() + spec.timeout_s
+        with open(workdir / spec.stdout_name, "wb") as out, \
+                open(workdir / spec.stderr_name, "wb") as err:
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *spec.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                    cwd=workdir, env=env, start_new_session=True,
+                )
+            except OSError as exc:
+                reason = f"cannot execute {spec.argv[0]!r}: {exc}"
+                err.write(f"harnessrl: {reason}\n".encode())
+                done: asyncio.Future[JobResult] = asyncio.get_running_loop().create_future()
+                done.set_result(self._result(job, EXEC_FAILED_EXIT_CODE, False, False, reason))
+                job.task = done
+                return
+        job.task = asyncio.ensure_future(self._supervise(job, proc, deadline))
+
+    def _result(self, job: _Job, exit_code: int, timed_out: bool, cancelled: bool,
+                error: str = "") -> JobResult:
+        spec = job.spec
+        return JobResult(
+            job_id=spec.job_id, exit_code=exit_code, timed_out=timed_out, cancelled=cancelled,
+            stdout_path=Path(spec.workdir) / spec.stdout_name,
+            stderr_path=Path(spec.workdir) / spec.stderr_name,
+            started_at=job.started_at, finished_at=time.time(), error=error,
+        )
+
+    async def _supervise(self, job: _Job, proc: asyncio.subprocess.Process,
+                         deadline: float) -> JobResult:
+        pgid = proc.pid  # session leader: its pid is the group id
+        exited = asyncio.ensure_future(proc.wait())
+        cancelled_ev = asyncio.ensure_future(job.cancel.wait())
+        timed_out = cancelled = False
+        try:
+            done, _ = await asyncio.wait(
+                {exited, cancelled_ev}, timeout=max(0.0, deadline - time.monotonic()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if exited not in done:
+                cancelled = cancelled_ev in done
+                timed_out = not cancelled
+                log.info("job %s: %s, terminating its process group", job.spec.job_id,
+                         "cancelled" if cancelled else f"timed out after {job.spec.timeout_s}s")
+                _signal_group(pgid, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(asyncio.shield(exited), self.kill_grace_s)
+                except asyncio.TimeoutError:
+                    pass
+            # Whatever is left of the group (the main process past its grace period, or
+            # children it left behind) is killed now.
+            if _signal_group(pgid, signal.SIGKILL):
+                await self._wait_group_gone(job.spec.job_id, pgid)
+            exit_code = await exited
+        finally:
+            cancelled_ev.cancel()
+        return self._result(job, exit_code, timed_out, cancelled)
+
+    async def _wait_group_gone(self, job_id: str, pgid: int) -> None:
+        deadline = time.monotonic() + self.reap_timeout_s
+        while True:
+            members = await asyncio.to_thread(_group_members, pgid)
+            if not members:
+                return
+            if time.monotonic() > deadline:
+                log.warning("job %s: processes %s of its group survive SIGKILL", job_id, members)
+                return
+            _signal_group(pgid, signal.SIGKILL)
+            await asyncio.sleep(0.02)
+
+    def _job(self, job_id: str) -> _Job:
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise KeyError(f"unknown job {job_id}") from None
+
+    async def wait(self, job_id: str) -> JobResult:
+        job = self._job(job_id)
+        assert job.task is not None
+        return await asyncio.shield(job.task)
+
+    async def cancel(self, job_id: str) -> None:
+        job = self._jobs.get(job_id)
+        if job is None or job.task is None or job.task.done():
+            return
+        job.cancel.set()
+        await asyncio.shield(job.task)
+
+    async def list_jobs(self, labels: dict[str, str] | None = None) -> list[JobInfo]:
+        want = labels or {}
+        return [
+            JobInfo(job_id, JobState.DONE if job.task is not None and job.task.done()
+                    else JobState.RUNNING, dict(job.spec.labels))
+            for job_id, job in self._jobs.items()
+            if all(job.spec.labels.get(k) == v for k, v in want.items())
+        ]
+
+    async def cleanup(self, job_id: str) -> None:
+        await self.cancel(job_id)
+        self._jobs.pop(job_id, None)
