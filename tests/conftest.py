@@ -65,3 +65,50 @@ def store_service(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[S
     svc = StoreService(tmp_path / "store", redis_url, key_prefix).start()
     yield svc
     svc.stop()
+
+
+TEST_SECRET = "test-secret-0123456789abcdef0123456789"
+
+
+class StubEngineService:
+    """`harnessrl.testing.stub_engine` in its own process: answers like vLLM, no model."""
+
+    def __init__(self, workdir: Path, model: str = "tiny") -> None:
+        ready = workdir / "stub.ready"
+        self.model = model
+        self.proc = procs.ServiceProcess(
+            "stub", procs.python_module("harnessrl.testing.stub_engine", "--model", model,
+                                        "--ready-file", str(ready)), workdir,
+            ready_file=ready).start()
+        self.port = self.proc.wait_ready(30)["http_port"]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+
+class GatewayService:
+    """A real gateway process on port 0 in front of the given store."""
+
+    def __init__(self, workdir: Path, store_address: str, engines: list[dict[str, object]],
+                 *extra: str) -> None:
+        import json as _json
+        self.workdir = workdir
+        ready = workdir / "gateway.ready"
+        argv = procs.python_module(
+            "services.gateway", "--http-port", "0", "--grpc-bind", "127.0.0.1:0",
+            "--store-address", store_address, "--engines", _json.dumps(engines),
+            "--ready-file", str(ready), *extra)
+        self.proc = procs.ServiceProcess("gateway", argv, workdir, ready_file=ready,
+                                         env={"HARNESSRL_GATEWAY_SECRET": TEST_SECRET}).start()
+        info = self.proc.wait_ready(30)
+        self.http_port, self.grpc_port = info["http_port"], info["grpc_port"]
+        self.base_url = f"http://127.0.0.1:{self.http_port}/v1"
+        self.admin_address = f"127.0.0.1:{self.grpc_port}"
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+@pytest.fixture
+def stub_engine(tmp_path: Path) -> Iterator[StubEngineService]:
+    svc = StubEngineService(tmp_path / "stub")
+    yield svc
+    svc.proc.stop()

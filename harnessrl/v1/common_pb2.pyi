@@ -233,6 +233,7 @@ class Attempt(_message.Message):
     WORKDIR_FIELD_NUMBER: _builtins.int
     HAS_REPORTED_REWARD_FIELD_NUMBER: _builtins.int
     REPORTED_REWARD_FIELD_NUMBER: _builtins.int
+    NEXT_SEQ_FIELD_NUMBER: _builtins.int
     attempt: _builtins.int
     """1-based"""
     status: Global___RolloutStatus.ValueType
@@ -248,6 +249,8 @@ class Attempt(_message.Message):
     has_reported_reward: _builtins.bool
     reported_reward: _builtins.float
     """reward the harness reported itself, if any"""
+    next_seq: _builtins.int
+    """1 + the highest call seq stored for this attempt (0 when none)"""
     def __init__(
         self,
         *,
@@ -262,10 +265,11 @@ class Attempt(_message.Message):
         workdir: _builtins.str = ...,
         has_reported_reward: _builtins.bool = ...,
         reported_reward: _builtins.float = ...,
+        next_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "error", b"error", "exit_code", b"exit_code", "finished_at", b"finished_at", "has_reported_reward", b"has_reported_reward", "num_calls", b"num_calls", "reported_reward", b"reported_reward", "started_at", b"started_at", "status", b"status", "timed_out", b"timed_out", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "error", b"error", "exit_code", b"exit_code", "finished_at", b"finished_at", "has_reported_reward", b"has_reported_reward", "next_seq", b"next_seq", "num_calls", b"num_calls", "reported_reward", b"reported_reward", "started_at", b"started_at", "status", b"status", "timed_out", b"timed_out", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

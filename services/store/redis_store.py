@@ -293,13 +293,15 @@ class RolloutStore:
         async with self.r.pipeline(transaction=False) as pipe:
             for ro in rollouts:
                 for att in ro.attempts:
-                    pipe.hlen(self._calls_key(ro.rollout_id, att.attempt))
+                    pipe.hkeys(self._calls_key(ro.rollout_id, att.attempt))
                 if include_calls and ro.attempt:
                     pipe.hgetall(self._calls_key(ro.rollout_id, ro.attempt))
             results = iter(await pipe.execute())
         for ro in rollouts:
             for att in ro.attempts:
-                att.num_calls = next(results)
+                seqs = [int(s) for s in next(results)]
+                att.num_calls = len(seqs)
+                att.next_seq = max(seqs) + 1 if seqs else 0
             if include_calls and ro.attempt:
                 calls = next(results)
                 for seq in sorted(calls, key=int):

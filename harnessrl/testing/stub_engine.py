@@ -1,0 +1,145 @@
+"""A stub OpenAI-compatible upstream that answers like vLLM, without a model.
+
+It stands in for vLLM where the engine's cost would drown what is measured (the gateway's own
+overhead in `bench/gateway_overhead.py`) and in gateway tests that need no real model. Every
+chat completion is the same fixed text; it carries vLLM's extra fields exactly as vLLM does:
+`prompt_token_ids` (top level, chat) / per choice (completions), per-choice `token_ids` when
+`return_token_ids` is true, and per-token logprobs when asked. When the request has `tools`
+and the last message is from the user, it answers with a tool call instead.
+
+`python -m harnessrl.testing.stub_engine --port 0 --ready-file F`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import time
+from typing import Any
+
+import orjson
+import uvicorn
+
+TEXT_TOKENS = [(9906, "Hello"), (11, ","), (1917, " world"), (0, "!")]
+TOOL_TOKENS = [(27, "<tool_call>"), (5018, '{"name": "add", "arguments": {"a": 1, "b": 2}}'),
+               (28, "</tool_call>")]
+PROMPT_IDS = list(range(100, 132))
+
+
+def _logprobs_chat(tokens: list[tuple[int, str]]) -> dict[str, Any]:
+    return {"content": [{"token": t, "logprob": -0.25 * (i + 1), "bytes": list(t.encode()),
+                         "top_logprobs": []} for i, (_, t) in enumerate(tokens)]}
+
+
+def chat_response(request: dict[str, Any]) -> dict[str, Any]:
+    msgs = request.get("messages") or [{}]
+    tool = bool(request.get("tools")) and msgs[-1].get("role") == "user"
+    tokens = TOOL_TOKENS if tool else TEXT_TOKENS
+    if tool:
+        message: dict[str, Any] = {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "chatcmpl-tool-1", "type": "function",
+            "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}
+    else:
+        message = {"role": "assistant", "content": "".join(t for _, t in tokens),
+                   "tool_calls": []}
+    choice: dict[str, Any] = {"index": 0, "message": message,
+                              "logprobs": _logprobs_chat(tokens) if request.get("logprobs") else None,
+                              "finish_reason": "tool_calls" if tool else "stop",
+                              "stop_reason": None}
+    resp: dict[str, Any] = {"id": "chatcmpl-stub", "object": "chat.completion",
+                            "created": int(time.time()), "model": request.get("model"),
+                            "choices": [choice],
+                            "usage": {"prompt_tokens": len(PROMPT_IDS),
+                                      "completion_tokens": len(tokens),
+                                      "total_tokens": len(PROMPT_IDS) + len(tokens)},
+                            "prompt_logprobs": None}
+    if request.get("return_token_ids"):
+        resp["prompt_token_ids"] = PROMPT_IDS
+        choice["token_ids"] = [i for i, _ in tokens]
+    return resp
+
+
+def completion_response(request: dict[str, Any]) -> dict[str, Any]:
+    tokens = TEXT_TOKENS
+    lp = request.get("logprobs")
+    choice: dict[str, Any] = {
+        "index": 0, "text": "".join(t for _, t in tokens), "finish_reason": "stop",
+        "logprobs": None if lp is None else {
+            "tokens": [t for _, t in tokens],
+            "token_logprobs": [-0.25 * (i + 1) for i in range(len(tokens))],
+            "top_logprobs": None, "text_offset": []}}
+    if request.get("return_token_ids"):
+        choice["prompt_token_ids"] = PROMPT_IDS
+        choice["token_ids"] = [i for i, _ in tokens]
+    return {"id": "cmpl-stub", "object": "text_completion", "created": int(time.time()),
+            "model": request.get("model"), "choices": [choice]}
+
+
+class StubEngine:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.requests = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        path = scope["path"]
+        status, payload = 200, b""
+        if path == "/v1/chat/completions":
+            self.requests += 1
+            payload = orjson.dumps(chat_response(orjson.loads(body)))
+        elif path == "/v1/completions":
+            self.requests += 1
+            payload = orjson.dumps(completion_response(orjson.loads(body)))
+        elif path == "/v1/models":
+            payload = orjson.dumps({"object": "list", "data": [{"id": self.model,
+                                                                "object": "model"}]})
+        elif path == "/health":
+            payload = b""
+        else:
+            status, payload = 404, b'{"error": "not found"}'
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+async def _serve(port: int, model: str, ready_file: str) -> None:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    server = uvicorn.Server(uvicorn.Config(StubEngine(model), http="httptools", lifespan="off",
+                                           access_log=False, log_level="warning",
+                                           backlog=2048))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    if ready_file:
+        with open(ready_file + ".tmp", "w") as f:
+            json.dump({"http_port": sock.getsockname()[1]}, f)
+        import os
+        os.replace(ready_file + ".tmp", ready_file)
+    await task
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--model", default="stub-model")
+    ap.add_argument("--ready-file", default="")
+    args = ap.parse_args()
+    import uvloop
+    uvloop.install()
+    asyncio.run(_serve(args.port, args.model, args.ready_file))
+
+
+if __name__ == "__main__":
+    main()

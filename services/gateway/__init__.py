@@ -1,0 +1,1 @@
+"""The gateway: the OpenAI-compatible endpoint harnesses talk to; records every call."""

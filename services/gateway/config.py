@@ -1,0 +1,47 @@
+"""Configuration of the gateway."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import BaseModel, Field
+from pydantic_settings import SettingsConfigDict
+
+from harnessrl.config import ServiceConfig
+
+
+class EngineSpec(BaseModel):
+    """An engine known at start-up (more can be registered through GatewayAdmin)."""
+
+    name: str = Field(description="unique engine name, recorded on every call it serves")
+    base_url: str = Field(description="engine's OpenAI server root, e.g. http://127.0.0.1:8000")
+    model: str = Field("", description="model name the engine serves (requests are rewritten)")
+    policy_version: int = Field(0, description="weights version the engine starts with")
+
+
+class GatewayConfig(ServiceConfig):
+    """harnessrl gateway: OpenAI-compatible data plane (HTTP) + GatewayAdmin (gRPC)."""
+
+    model_config = SettingsConfigDict(env_prefix="HARNESSRL_GATEWAY_", extra="forbid")
+    secret_fields: ClassVar[tuple[str, ...]] = ("secret",)
+
+    http_host: str = Field("127.0.0.1", description="address of the HTTP data plane")
+    http_port: int = Field(8080, description="port of the HTTP data plane (0: any free port)")
+    grpc_bind: str = Field("127.0.0.1:50052", description="host:port of GatewayAdmin (port 0: any)")
+    store_address: str = Field("127.0.0.1:50051", description="host:port of the store")
+    secret: str = Field("", description="credential secret shared with the controller "
+                                        "(HARNESSRL_SECRET); empty: read secret_file")
+    secret_file: str = Field(".harnessrl/secret", description="file holding the secret "
+                                                             "(created on first use)")
+    engines: list[EngineSpec] = Field(default_factory=list, description="engines at start-up")
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, description="largest request body accepted; larger gets HTTP 413")
+    request_timeout_s: float = Field(600.0, description="limit of one engine round trip")
+    hold_timeout_s: float = Field(
+        120.0, description="how long a call is held while the store or every engine is "
+        "unavailable or paused; past it the harness gets HTTP 503 and nothing is recorded")
+    record_batch_max: int = Field(256, description="calls per AppendCalls batch at most")
+    record_writers: int = Field(2, description="AppendCalls batches in flight at once")
+    engine_probe_interval_s: float = Field(2.0, description="health probe of unhealthy engines")
+    ready_file: str = Field("", description="write {pid, http_port, grpc_port} once serving")
+    log_level: str = Field("INFO", description="logging level")

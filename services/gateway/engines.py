@@ -1,0 +1,188 @@
+"""The engines the gateway routes to: registry, sticky routing, pause/drain, health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from harnessrl.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from harnessrl.v1 import gateway_pb2 as gpb
+
+log = logging.getLogger("harnessrl.gateway.engines")
+
+
+@dataclass
+class EngineState:
+    name: str
+    base_url: str
+    model: str
+    policy_version: int = 0
+    marked: bool = False  # a failed weight push, or an operator: no traffic until READY
+    reason: str = ""
+    reachable: bool = True  # connection failures clear it; the health probe sets it again
+    inflight: int = 0
+    served: int = 0
+    resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.resumed.set()
+        self.idle.set()
+
+    @property
+    def usable(self) -> bool:
+        return not self.marked and self.reachable
+
+    @property
+    def paused(self) -> bool:
+        return not self.resumed.is_set()
+
+    def to_proto(self) -> gpb.Engine:
+        return gpb.Engine(
+            name=self.name, base_url=self.base_url, model=self.model,
+            policy_version=self.policy_version,
+            state=gpb.ENGINE_STATE_MARKED if self.marked else gpb.ENGINE_STATE_READY,
+            reason=self.reason if self.marked else ("unreachable" if not self.reachable else ""),
+            paused=self.paused, inflight=self.inflight, served_calls=self.served)
+
+
+class EngineRegistry:
+    def __init__(self) -> None:
+        self.engines: dict[str, EngineState] = {}
+        self._sticky: dict[str, str] = {}  # rollout id -> engine name
+        self._changed = asyncio.Event()  # set whenever routing-relevant state changes
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # administration -----------------------------------------------------------------------
+    def register(self, name: str, base_url: str, model: str, policy_version: int) -> EngineState:
+        if not name or not base_url:
+            raise InvalidArgument("engine name and base_url are required")
+        base_url = base_url.rstrip("/")
+        if base_url.endswith("/v1"):
+            base_url = base_url[:-3]
+        existing = self.engines.get(name)
+        if existing is not None:
+            if existing.base_url != base_url:
+                raise AlreadyExists(f"engine {name!r} is registered at {existing.base_url}")
+            existing.model = model or existing.model
+            existing.policy_version = policy_version
+            return existing
+        eng = EngineState(name, base_url, model, policy_version)
+        self.engines[name] = eng
+        log.info("engine registered", extra={"engine": name, "version": policy_version})
+        self._notify()
+        return eng
+
+    def get(self, name: str) -> EngineState:
+        eng = self.engines.get(name)
+        if eng is None:
+            raise NotFound(f"engine {name!r} is not registered")
+        return eng
+
+    def remove(self, name: str) -> None:
+        self.get(name)
+        del self.engines[name]
+        self._sticky = {r: e for r, e in self._sticky.items() if e != name}
+        self._notify()
+
+    def update(self, name: str, policy_version: int | None, state: int, reason: str
+               ) -> EngineState:
+        eng = self.get(name)
+        if policy_version is not None:
+            eng.policy_version = policy_version
+        if state == gpb.ENGINE_STATE_MARKED:
+            eng.marked, eng.reason = True, reason or "marked"
+            log.warning("engine marked: %s", eng.reason, extra={"engine": name})
+        elif state == gpb.ENGINE_STATE_READY:
+            eng.marked, eng.reason = False, ""
+        self._notify()
+        return eng
+
+    def select(self, names: list[str]) -> list[EngineState]:
+        return [self.get(n) for n in names] if names else list(self.engines.values())
+
+    def pause(self, names: list[str]) -> list[EngineState]:
+        engines = self.select(names)
+        for eng in engines:
+            eng.resumed.clear()
+        return engines
+
+    async def drain(self, engines: list[EngineState], timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.idle.wait() for e in engines)), timeout_s)
+        except TimeoutError as exc:
+            busy = {e.name: e.inflight for e in engines if e.inflight}
+            raise Unavailable(f"engines still busy after {timeout_s}s: {busy}") from exc
+
+    def resume(self, names: list[str]) -> list[EngineState]:
+        engines = self.select(names)
+        for eng in engines:
+            eng.resumed.set()
+        self._notify()
+        return engines
+
+    def models(self) -> list[str]:
+        return sorted({e.model for e in self.engines.values() if e.model})
+
+    # routing ------------------------------------------------------------------------------
+    async def acquire(self, rollout_id: str, model: str, deadline: float) -> EngineState:
+        """The engine for this rollout's next call, counted in flight: the sticky one while it
+        is usable, else the usable engine serving `model` with the fewest calls in flight.
+        Waits while the chosen engine is paused or none is usable, until `deadline`."""
+        while True:
+            eng = self._choose(rollout_id, model)
+            if eng is not None and not eng.paused:
+                eng.inflight += 1
+                eng.idle.clear()
+                return eng
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                what = f"engine {eng.name} paused" if eng else f"no usable engine for {model!r}"
+                raise Unavailable(f"held past the hold timeout: {what}")
+            waits = [asyncio.ensure_future(self._changed.wait())]
+            if eng is not None:
+                waits.append(asyncio.ensure_future(eng.resumed.wait()))
+            _, pending = await asyncio.wait(waits, timeout=min(remaining, 1.0),
+                                            return_when=asyncio.FIRST_COMPLETED)
+            for w in pending:
+                w.cancel()
+
+    def _choose(self, rollout_id: str, model: str) -> EngineState | None:
+        name = self._sticky.get(rollout_id)
+        eng = self.engines.get(name) if name else None
+        if eng is not None and eng.usable and (not model or eng.model == model):
+            return eng
+        candidates = [e for e in self.engines.values()
+                      if e.usable and (not model or e.model == model)]
+        if not candidates:
+            return None
+        eng = min(candidates, key=lambda e: (e.paused, e.inflight, e.served))
+        self._sticky[rollout_id] = eng.name
+        return eng
+
+    def release(self, eng: EngineState, served: bool) -> None:
+        eng.inflight -= 1
+        if served:
+            eng.served += 1
+        if eng.inflight == 0:
+            eng.idle.set()
+
+    def forget(self, rollout_id: str) -> None:
+        self._sticky.pop(rollout_id, None)
+
+    def mark_unreachable(self, eng: EngineState, why: str) -> None:
+        if eng.reachable:
+            log.warning("engine unreachable: %s", why, extra={"engine": eng.name})
+        eng.reachable = False
+        self._notify()
+
+    def mark_reachable(self, eng: EngineState) -> None:
+        if not eng.reachable:
+            log.info("engine reachable again", extra={"engine": eng.name})
+            eng.reachable = True
+            self._notify()

@@ -1,0 +1,85 @@
+"""Wires the gateway: HTTP data plane (uvicorn) and GatewayAdmin (gRPC) in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import aiohttp
+import uvicorn
+
+from harnessrl import rpc
+from harnessrl.clients import StoreClient
+from harnessrl.credentials import CredentialSigner, load_secret
+from harnessrl.v1 import gateway_pb2, gateway_pb2_grpc
+from services.gateway.admin import GatewayAdminServicer
+from services.gateway.app import GatewayApp
+from services.gateway.config import GatewayConfig
+from services.gateway.engines import EngineRegistry
+from services.gateway.recorder import CallRecorder
+from services.gateway.sessions import Sessions
+
+log = logging.getLogger("harnessrl.gateway")
+
+
+async def _probe_engines(registry: EngineRegistry, http: aiohttp.ClientSession,
+                         interval: float) -> None:
+    """Marks unreachable engines reachable again once their /health answers."""
+    while True:
+        await asyncio.sleep(interval)
+        for eng in list(registry.engines.values()):
+            if eng.reachable:
+                continue
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with http.get(f"{eng.base_url}/health",
+                                    timeout=aiohttp.ClientTimeout(total=interval)) as resp:
+                    if resp.status == 200:
+                        registry.mark_reachable(eng)
+
+
+async def serve(cfg: GatewayConfig) -> None:
+    signer = CredentialSigner(load_secret(cfg.secret, cfg.secret_file))
+    store = StoreClient.connect_async(cfg.store_address, timeout=10.0)
+    registry = EngineRegistry()
+    for e in cfg.engines:
+        registry.register(e.name, e.base_url, e.model, e.policy_version)
+    http = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300),
+        skip_auto_headers=("User-Agent",), auto_decompress=False)
+    recorder = CallRecorder(store, cfg.hold_timeout_s, cfg.record_batch_max,
+                            cfg.record_writers)
+    app = GatewayApp(cfg, registry, Sessions(signer, store), recorder, store, http)
+
+    grpc_server, grpc_port, _ = await rpc.start_server(cfg.grpc_bind, [
+        (gateway_pb2_grpc.add_GatewayAdminServicer_to_server, GatewayAdminServicer(registry),
+         gateway_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name),
+    ])
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.http_host, cfg.http_port))
+    http_port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(
+        app, http="httptools", lifespan="off", access_log=False, log_level="warning",
+        timeout_keep_alive=75, backlog=2048))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    http_task = asyncio.create_task(server.serve(sockets=[sock]))
+    probe = asyncio.create_task(_probe_engines(registry, http, cfg.engine_probe_interval_s))
+    while not server.started:
+        if http_task.done():
+            http_task.result()
+        await asyncio.sleep(0.01)
+    log.info("gateway serving HTTP on %s:%d, GatewayAdmin on port %d, store %s",
+             cfg.http_host, http_port, grpc_port, cfg.store_address)
+    rpc.write_ready_file(cfg.ready_file, http_port=http_port, grpc_port=grpc_port)
+
+    async def shutdown() -> None:
+        server.should_exit = True
+        await http_task
+        probe.cancel()
+        await recorder.close()
+        await http.close()
+        await store.close()
+
+    await rpc.wait_for_termination(grpc_server, on_stop=shutdown)

@@ -1,0 +1,110 @@
+"""Who may call: rollout credentials checked against the store's view of the rollout.
+
+A credential (signed, expiring, bound to one rollout and attempt) is verified locally. The
+first time the gateway sees an attempt it asks the store whether that attempt is running and
+which call sequence number comes next; later calls use that cached session. The store remains
+the final judge: it refuses calls for an attempt that has finished, and the gateway then
+closes the session, so the key stops working at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from harnessrl.clients import StoreClient
+from harnessrl.credentials import CredentialSigner, RolloutCredential
+from harnessrl.errors import Unauthenticated, Unavailable
+from harnessrl.v1 import common_pb2 as c
+
+
+class Session:
+    __slots__ = ("cred", "next_seq", "closed")
+
+    def __init__(self, cred: RolloutCredential, next_seq: int) -> None:
+        self.cred = cred
+        self.next_seq = next_seq
+        self.closed = ""
+
+    def take_seq(self) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        return seq
+
+
+class Sessions:
+    def __init__(self, signer: CredentialSigner, store: StoreClient, max_sessions: int = 100_000
+                 ) -> None:
+        self.signer = signer
+        self.store = store
+        self.max_sessions = max_sessions
+        self._sessions: dict[tuple[str, int], Session] = {}
+        self._loading: dict[tuple[str, int], asyncio.Future[Session]] = {}
+
+    async def authenticate(self, authorization: str | None, api_key: str | None = None
+                           ) -> Session:
+        token = api_key or ""
+        if authorization:
+            scheme, _, value = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not value:
+                raise Unauthenticated("Authorization header must be 'Bearer <rollout key>'")
+            token = value.strip()
+        if not token:
+            raise Unauthenticated("missing API key: set OPENAI_API_KEY to the rollout key")
+        cred = self.signer.verify(token)
+        key = (cred.rollout_id, cred.attempt)
+        session = self._sessions.get(key)
+        if session is None:
+            session = await self._load(key, cred)
+        if session.closed:
+            raise Unauthenticated(session.closed)
+        if time.time() >= cred.expires_at:
+            raise Unauthenticated("API key expired")
+        return session
+
+    async def _load(self, key: tuple[str, int], cred: RolloutCredential) -> Session:
+        pending = self._loading.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[Session] = asyncio.get_running_loop().create_future()
+        self._loading[key] = fut
+        try:
+            try:
+                ro = await self.store.get_rollout(cred.rollout_id)
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.NOT_FOUND:
+                    raise Unauthenticated(f"unknown rollout {cred.rollout_id}") from err
+                raise Unavailable(f"store unavailable: {err.details()}") from err
+            session = Session(cred, 0)
+            att = ro.attempts[-1] if ro.attempts else None
+            if ro.attempt != cred.attempt or att is None:
+                session.closed = (f"attempt {cred.attempt} of rollout {cred.rollout_id} is not "
+                                  "the running attempt")
+            elif att.status != c.ROLLOUT_STATUS_RUNNING:
+                session.closed = f"rollout {cred.rollout_id} attempt {cred.attempt} has finished"
+            else:
+                session.next_seq = att.next_seq
+            if len(self._sessions) >= self.max_sessions:
+                self._evict()
+            self._sessions[key] = session
+            fut.set_result(session)
+            return session
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters re-raise it
+            raise
+        finally:
+            self._loading.pop(key, None)
+
+    def close(self, session: Session, why: str) -> None:
+        session.closed = why
+
+    def _evict(self) -> None:
+        """Drops closed sessions, then the oldest half (they reload from the store)."""
+        for k in [k for k, s in self._sessions.items() if s.closed]:
+            del self._sessions[k]
+        if len(self._sessions) >= self.max_sessions:
+            for k in list(self._sessions)[: len(self._sessions) // 2]:
+                del self._sessions[k]

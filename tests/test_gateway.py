@@ -1,0 +1,296 @@
+"""The gateway as a harness sees it (the official openai SDK) and as the store records it.
+
+Real store, real Redis, real gateway process; the engine is the stub upstream (vLLM-shaped
+responses without a model). The same paths against the real vLLM are in test_data_path.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import TEST_SECRET, GatewayService, StoreService, StubEngineService
+from harnessrl.clients import GatewayAdminClient, StoreClient
+from harnessrl.credentials import CredentialSigner
+from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import gateway_pb2 as gpb
+from harnessrl.v1 import store_pb2 as spb
+
+SIGNER = CredentialSigner(TEST_SECRET.encode())
+
+
+class World:
+    def __init__(self, tmp: Path, store: StoreService, engines: list[StubEngineService],
+                 *gateway_flags: str) -> None:
+        self.store_svc = store
+        self.store = StoreClient.connect(store.address, timeout=10)
+        self.engines = engines
+        self.gateway = GatewayService(
+            tmp / "gw", store.address,
+            [{"name": f"e{i}", "base_url": e.base_url, "model": "tiny"}
+             for i, e in enumerate(engines)], *gateway_flags)
+        self.admin = GatewayAdminClient.connect(self.gateway.admin_address)
+        self._n = 0
+
+    def rollout(self, attempt: int = 1) -> str:
+        self._n += 1
+        rid = f"run/task{self._n}/0"
+        self.store.create_rollouts([c.Rollout(rollout_id=rid, run_id="run", task_id="t",
+                                              group_id=f"run/task{self._n}", group_size=1,
+                                              max_attempts=3, stream="-")])
+        for a in range(1, attempt + 1):
+            self.store.start_attempt(rid, a)
+            if a < attempt:
+                self.finish(rid, a, retry=True)
+        return rid
+
+    def finish(self, rid: str, attempt: int = 1, retry: bool = False) -> None:
+        status = c.ROLLOUT_STATUS_FAILED if retry else c.ROLLOUT_STATUS_SUCCEEDED
+        self.store.finish_attempt(spb.FinishAttemptRequest(
+            rollout_id=rid, attempt=attempt, status=status, reward=1.0, will_retry=retry))
+
+    def client(self, key: str, **kw: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gateway.base_url, api_key=key, max_retries=0, **kw)
+
+    def calls(self, rid: str) -> list[c.Call]:
+        return list(self.store.get_rollout(rid, include_calls=True).calls)
+
+    def close(self) -> None:
+        self.gateway.stop()
+        self.store.close()
+        self.admin.close()
+
+
+@pytest.fixture
+def world(tmp_path: Path, store_service: StoreService, stub_engine: StubEngineService
+          ) -> Iterator[World]:
+    w = World(tmp_path, store_service, [stub_engine], "--max-body-bytes", "200000")
+    yield w
+    w.close()
+
+
+def chat(client: openai.OpenAI, **kw: object):  # type: ignore[no-untyped-def]
+    return client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+def test_chat_is_forwarded_recorded_and_returned_in_api_shape(world: World) -> None:
+    rid = world.rollout()
+    key = SIGNER.mint(rid, 1, 60)
+    resp = chat(world.client(key), temperature=0.5)
+    assert resp.choices[0].message.content == "Hello, world!"
+    assert resp.choices[0].logprobs is None  # the harness did not ask: none added
+    raw = resp.model_extra or {}
+    assert "prompt_token_ids" not in raw
+    [call] = world.calls(rid)
+    assert list(call.completion_token_ids) == [9906, 11, 1917, 0]
+    assert list(call.prompt_token_ids) == list(range(100, 132))
+    assert list(call.logprobs) == [-0.25, -0.5, -0.75, -1.0]
+    assert (call.seq, call.attempt, call.engine, call.api) == (0, 1, "e0", "chat.completions")
+    assert call.completion_text == "Hello, world!" and call.finish_reason == "stop"
+    assert json.loads(call.request_json)["temperature"] == 0.5
+    assert call.latency_s > 0 and call.started_at > 0
+
+
+def test_harness_that_asks_for_logprobs_gets_them(world: World) -> None:
+    rid = world.rollout()
+    resp = chat(world.client(SIGNER.mint(rid, 1, 60)), logprobs=True)
+    assert [t.logprob for t in resp.choices[0].logprobs.content] == [-0.25, -0.5, -0.75, -1.0]
+
+
+def test_tools_and_tool_calls_pass_through(world: World) -> None:
+    rid = world.rollout()
+    client = world.client(SIGNER.mint(rid, 1, 60))
+    tools = [{"type": "function", "function": {
+        "name": "add", "description": "add two numbers", "parameters": {
+            "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+            "required": ["a", "b"]}}}]
+    first = chat(client, tools=tools)
+    tc = first.choices[0].message.tool_calls[0]
+    assert tc.function.name == "add" and json.loads(tc.function.arguments) == {"a": 1, "b": 2}
+    second = client.chat.completions.create(model="tiny", tools=tools, messages=[
+        {"role": "user", "content": "hi"}, first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": tc.id, "content": "3"}])
+    assert second.choices[0].message.content == "Hello, world!"
+    calls = world.calls(rid)
+    assert [x.seq for x in calls] == [0, 1]
+    assert json.loads(calls[0].request_json)["tools"] == tools
+    assert json.loads(calls[0].response_message_json)["tool_calls"][0]["function"]["name"] == "add"
+    assert calls[0].finish_reason == "tool_calls"
+
+
+def test_completions_and_models(world: World) -> None:
+    rid = world.rollout()
+    client = world.client(SIGNER.mint(rid, 1, 60))
+    resp = client.completions.create(model="tiny", prompt="Say hello", max_tokens=4)
+    assert resp.choices[0].text == "Hello, world!" and resp.choices[0].logprobs is None
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    [call] = world.calls(rid)
+    assert call.api == "completions" and list(call.logprobs) == [-0.25, -0.5, -0.75, -1.0]
+
+
+def _status(world: World, path: str, headers: dict[str, str], body: bytes) -> tuple[int, dict]:  # type: ignore[type-arg]
+    r = httpx.post(world.gateway.base_url + path, headers=headers, content=body, timeout=30)
+    return r.status_code, r.json()
+
+
+def test_bad_input_gets_clear_errors_and_records_nothing(world: World) -> None:
+    rid = world.rollout()
+    other = world.rollout()
+    key = SIGNER.mint(rid, 1, 60)
+    good = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}).encode()
+    auth = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    cases = {
+        "malformed json": (auth, b'{"model": "tiny", "messages": [', 400, "invalid_json"),
+        "not an object": (auth, b"[1, 2]", 400, "invalid_json"),
+        "unknown model": (auth, good.replace(b'"tiny"', b'"gpt-9"'), 404, "model_not_found"),
+        "missing key": ({"content-type": "application/json"}, good, 401, "invalid_api_key"),
+        "forged key": ({"authorization": "Bearer " + CredentialSigner(b"x" * 32).mint(rid, 1, 60)},
+                       good, 401, "invalid_api_key"),
+        "tampered key": ({"authorization": "Bearer " + key[:-3] + "AAA"}, good, 401,
+                         "invalid_api_key"),
+        "expired key": ({"authorization": "Bearer " + SIGNER.mint(rid, 1, -1)}, good, 401,
+                        "invalid_api_key"),
+        "garbage key": ({"authorization": "Bearer sk-123"}, good, 401, "invalid_api_key"),
+        "stale attempt key": ({"authorization": "Bearer " + SIGNER.mint(rid, 2, 60)}, good, 401,
+                              "invalid_api_key"),
+        "over size limit": (auth, b'{"model": "tiny", "messages": [], "x": "' + b"a" * 300_000
+                            + b'"}', 413, "body_too_large"),
+        "stream": (auth, good[:-1] + b', "stream": true}', 400, "unsupported_stream"),
+    }
+    for name, (headers, body, status, code) in cases.items():
+        got_status, got = _status(world, "/chat/completions", headers, body)
+        assert (got_status, got["error"]["code"]) == (status, code), name
+        assert got["error"]["message"], name
+    assert world.calls(rid) == [] and world.calls(other) == []
+    # Still serving, and the key records into its own rollout only.
+    chat(world.client(key))
+    assert len(world.calls(rid)) == 1 and world.calls(other) == []
+
+
+def test_key_of_finished_rollout_is_refused(world: World) -> None:
+    rid = world.rollout()
+    key = SIGNER.mint(rid, 1, 60)
+    chat(world.client(key))
+    world.finish(rid)
+    with pytest.raises(openai.AuthenticationError):
+        chat(world.client(key))
+    # A gateway that never saw the rollout refuses it too (asks the store).
+    rid2 = world.rollout()
+    world.finish(rid2)
+    with pytest.raises(openai.AuthenticationError):
+        chat(world.client(SIGNER.mint(rid2, 1, 60)))
+    assert len(world.calls(rid)) == 1 and world.calls(rid2) == []
+
+
+def test_retried_attempt_gets_its_own_calls(world: World) -> None:
+    rid = world.rollout(attempt=2)
+    with pytest.raises(openai.AuthenticationError):
+        chat(world.client(SIGNER.mint(rid, 1, 60)))
+    chat(world.client(SIGNER.mint(rid, 2, 60)))
+    [call] = world.calls(rid)
+    assert call.attempt == 2
+
+
+def test_policy_version_is_recorded_and_pause_holds_calls(world: World) -> None:
+    rid = world.rollout()
+    client = world.client(SIGNER.mint(rid, 1, 60))
+    world.admin.update_engine("e0", policy_version=5)
+    chat(client)
+    world.admin.pause(["e0"], drain=True)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (chat(client), done.set()))
+    t.start()
+    assert not done.wait(1.0), "a call went through a paused engine"
+    world.admin.update_engine("e0", policy_version=6)
+    world.admin.resume(["e0"])
+    assert done.wait(10)
+    t.join()
+    assert [x.policy_version for x in world.calls(rid)] == [5, 6]
+    engines = world.admin.list_engines().engines
+    assert engines[0].served_calls == 2 and not engines[0].paused
+
+
+def test_reported_reward_reaches_the_store(world: World) -> None:
+    rid = world.rollout()
+    key = SIGNER.mint(rid, 1, 60)
+    r = httpx.post(world.gateway.base_url + "/harnessrl/reward", json={"reward": 0.25},
+                   headers={"authorization": f"Bearer {key}"})
+    assert r.status_code == 200
+    att = world.store.get_rollout(rid).attempts[0]
+    assert att.has_reported_reward and att.reported_reward == 0.25
+    r = httpx.post(world.gateway.base_url + "/harnessrl/reward", json={"reward": "high"},
+                   headers={"authorization": f"Bearer {key}"})
+    assert r.status_code == 400
+
+
+def test_rollouts_stick_to_an_engine_and_avoid_marked_ones(tmp_path: Path,
+                                                           store_service: StoreService) -> None:
+    engines = [StubEngineService(tmp_path / f"s{i}") for i in range(2)]
+    w = World(tmp_path, store_service, engines)
+    try:
+        rids = [w.rollout() for _ in range(4)]
+        for _ in range(3):
+            for rid in rids:
+                chat(w.client(SIGNER.mint(rid, 1, 60)))
+        used = {rid: {x.engine for x in w.calls(rid)} for rid in rids}
+        assert all(len(e) == 1 for e in used.values()), used
+        assert set().union(*used.values()) == {"e0", "e1"}
+        w.admin.update_engine("e0", state=gpb.ENGINE_STATE_MARKED, reason="push failed")
+        for rid in rids:
+            chat(w.client(SIGNER.mint(rid, 1, 60)))
+            assert w.calls(rid)[-1].engine == "e1"
+        # An engine that dies is routed around without the harness noticing.
+        w.admin.update_engine("e0", state=gpb.ENGINE_STATE_READY)
+        engines[1].proc.kill()
+        for rid in rids:
+            chat(w.client(SIGNER.mint(rid, 1, 60)))
+            assert w.calls(rid)[-1].engine == "e0"
+    finally:
+        w.close()
+        for e in engines:
+            e.proc.stop()
+
+
+def test_calls_are_held_while_the_store_is_down(world: World) -> None:
+    rid = world.rollout()
+    client = world.client(SIGNER.mint(rid, 1, 60), timeout=60)
+    chat(client)
+    world.store_svc.kill()
+    result: list[object] = []
+    t = threading.Thread(target=lambda: result.append(chat(client)))
+    t.start()
+    time.sleep(2.0)
+    assert not result, "the harness got a response that is not recorded anywhere"
+    world.store_svc.start()
+    t.join(30)
+    assert result and result[0].choices[0].message.content == "Hello, world!"  # type: ignore[attr-defined]
+    store = StoreClient.connect(world.store_svc.address)
+    assert [x.seq for x in store.get_rollout(rid, include_calls=True).calls] == [0, 1]
+    store.close()
+
+
+def test_hold_past_the_bound_fails_loudly(tmp_path: Path, store_service: StoreService,
+                                          stub_engine: StubEngineService) -> None:
+    w = World(tmp_path, store_service, [stub_engine], "--hold-timeout-s", "1.5")
+    try:
+        rid = w.rollout()
+        client = w.client(SIGNER.mint(rid, 1, 60))
+        chat(client)
+        store_service.kill()
+        with pytest.raises(openai.InternalServerError) as e:
+            chat(client)
+        assert e.value.status_code == 503 and "not recorded" in str(e.value)
+        store_service.start()
+        store = StoreClient.connect(store_service.address)
+        assert len(store.get_rollout(rid, include_calls=True).calls) == 1
+        store.close()
+    finally:
+        w.close()
