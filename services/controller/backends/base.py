@@ -96,6 +96,11 @@ class JobBackend(abc.ABC):
         """Forgets a finished job and frees what the backend holds for it (a Kubernetes Job
         object, say); its stdout/stderr files stay. Cancels it first when still running."""
 
+    def check_argv(self, argv: list[str], env: dict[str, str]) -> str | None:
+        """Why `argv` (with `env`) cannot run on this backend, or None; lets a run with a typo
+        in its command be refused up front. Backends that cannot tell return None."""
+        return None
+
     async def close(self) -> None:
         """Kills every running job (controller shutdown)."""
         for info in await self.list_jobs():

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -92,6 +93,18 @@ class LocalBackend(JobBackend):
         self.base_env = base_environment() if base_env is None else dict(base_env)
         self.reap_timeout_s = reap_timeout_s
         self._jobs: dict[str, _Job] = {}
+
+    def check_argv(self, argv: list[str], env: dict[str, str]) -> str | None:
+        exe = argv[0] if argv else ""
+        if not exe:
+            return "empty command"
+        if "/" in exe and not os.path.isabs(exe):
+            return (f"{exe!r} is a relative path, but jobs run in their own working directory: "
+                    "give an absolute path")
+        path = env.get("PATH", self.base_env.get("PATH", os.defpath))
+        if shutil.which(exe, path=path) is None:
+            return f"{exe!r} is not an executable file" + ("" if "/" in exe else " on PATH")
+        return None
 
     async def launch(self, spec: JobSpec) -> None:
         if not _JOB_ID.match(spec.job_id):

@@ -1,0 +1,149 @@
+"""Grading: turning a finished harness run into a reward.
+
+The reward source is the run's `RewardSource`:
+
+- `GRADER_JSON` (and `UNSPECIFIED`): the grader command runs after the harness exited 0, in
+  the same working directory, with the harness's environment (minus its model credential, so
+  the grader's own model calls, if any, can never be recorded as the policy's) plus
+  `HARNESSRL_HARNESS_EXIT_CODE`, `HARNESSRL_HARNESS_STDOUT` and `HARNESSRL_HARNESS_STDERR`
+  (paths of the harness's captured output). It must exit 0 and its last non-empty stdout line
+  must be a JSON object with a finite numeric `"reward"`.
+- `GRADER_EXIT_CODE`: the same grader run; exit 0 gives 1.0, exit 1 gives 0.0, any other exit
+  is a failure.
+- `HARNESS`: no grader; the reward the harness reported through the gateway (stored on its
+  attempt) is the reward; none reported is a failure.
+
+A grader that fails (times out, crashes, prints something that is not a reward) fails the
+rollout with the reason, quoting the offending output: the harness is *not* run again for it,
+because a broken grader is a bug of the task set, not bad luck of the harness.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from harnessrl.v1 import common_pb2 as c
+from services.controller.backends import JobResult, JobSpec
+
+GRADER_STDOUT = "grader.stdout.log"
+GRADER_STDERR = "grader.stderr.log"
+QUOTE_LIMIT = 300
+_TAIL_BYTES = 64 * 1024
+# The grader gets the harness's environment without these (see the module docstring).
+CREDENTIAL_ENV = ("OPENAI_API_KEY", "OPENAI_BASE_URL")
+
+
+@dataclass(frozen=True)
+class Grade:
+    reward: float | None  # None: grading failed, `error` says why
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reward is not None
+
+
+def quote(text: str, limit: int = QUOTE_LIMIT) -> str:
+    """`text` as a Python literal, cut to `limit` characters (marked) so reasons stay short."""
+    if len(text) > limit:
+        return repr(text[:limit]) + f"... ({len(text)} chars)"
+    return repr(text)
+
+
+def read_tail(path: Path, limit: int = _TAIL_BYTES) -> str:
+    """The last `limit` bytes of a file, decoded leniently ("" when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - limit))
+            return f.read().decode("utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def parse_reward_line(stdout: str) -> Grade:
+    """The reward of a GRADER_JSON grader's stdout: its last non-empty line must be a JSON
+    object with a finite number under "reward"."""
+    lines = [ln.strip() for ln in stdout.splitlines() if ln.strip()]
+    if not lines:
+        return Grade(None, "grader printed nothing on stdout; its last line must be a JSON "
+                           'object like {"reward": 1.0}')
+    last = lines[-1]
+    try:
+        obj = json.loads(last)
+    except ValueError as exc:
+        return Grade(None, f"grader's last stdout line is not JSON ({exc}): {quote(last)}")
+    if not isinstance(obj, dict):
+        return Grade(None, f"grader's last stdout line is not a JSON object: {quote(last)}")
+    if "reward" not in obj:
+        return Grade(None, f'grader\'s JSON has no "reward": {quote(last)}')
+    reward = obj["reward"]
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or \
+            not math.isfinite(reward):
+        return Grade(None, f'grader\'s "reward" is not a finite number: {quote(last)}')
+    return Grade(float(reward))
+
+
+def reward_from_exit_code(exit_code: int) -> Grade:
+    if exit_code == 0:
+        return Grade(1.0)
+    if exit_code == 1:
+        return Grade(0.0)
+    return Grade(None, f"grader exited with code {exit_code} (GRADER_EXIT_CODE takes 0 -> 1.0, "
+                       f"1 -> 0.0; anything else is a failure)")
+
+
+def reward_from_report(rollout: c.Rollout, attempt: int) -> Grade:
+    """REWARD_SOURCE_HARNESS: the reward the harness reported for `attempt`."""
+    for att in rollout.attempts:
+        if att.attempt == attempt:
+            if att.has_reported_reward:
+                return Grade(att.reported_reward)
+            return Grade(None, "the harness reported no reward (REWARD_SOURCE_HARNESS expects "
+                               "a POST to /v1/harnessrl/reward through the gateway)")
+    return Grade(None, f"attempt {attempt} of rollout {rollout.rollout_id} not in the store")
+
+
+def grader_env(harness_env: dict[str, str], harness: JobResult) -> dict[str, str]:
+    env = {k: v for k, v in harness_env.items() if k not in CREDENTIAL_ENV}
+    env["HARNESSRL_HARNESS_EXIT_CODE"] = str(harness.exit_code)
+    env["HARNESSRL_HARNESS_STDOUT"] = str(harness.stdout_path)
+    env["HARNESSRL_HARNESS_STDERR"] = str(harness.stderr_path)
+    return env
+
+
+async def run_grader(run_job: Callable[[JobSpec], Awaitable[JobResult]], *, job_id: str,
+                     argv: list[str], harness_env: dict[str, str], workdir: Path,
+                     timeout_s: float, harness: JobResult, reward_source: int,
+                     labels: dict[str, str] | None = None) -> Grade:
+    """Runs the grader as a job (`run_job` launches a spec on a backend and waits for it) and
+    reads the reward from it."""
+    spec = JobSpec(job_id=job_id, argv=list(argv), env=grader_env(harness_env, harness),
+                   workdir=workdir, timeout_s=timeout_s, labels=dict(labels or {}),
+                   stdout_name=GRADER_STDOUT, stderr_name=GRADER_STDERR)
+    return grade_result(await run_job(spec), reward_source, timeout_s)
+
+
+def grade_result(result: JobResult, reward_source: int, timeout_s: float) -> Grade:
+    if result.cancelled:
+        return Grade(None, "grader cancelled")
+    if result.timed_out:
+        return Grade(None, f"grader timed out after {timeout_s:g}s (killed)")
+    if result.error:
+        return Grade(None, f"grader could not run: {result.error}")
+    if reward_source == c.REWARD_SOURCE_GRADER_EXIT_CODE:
+        grade = reward_from_exit_code(result.exit_code)
+    elif result.exit_code != 0:
+        grade = Grade(None, f"grader exited with code {result.exit_code}")
+    else:
+        grade = parse_reward_line(read_tail(result.stdout_path))
+    if not grade.ok:
+        stderr = read_tail(result.stderr_path, 2048).strip()
+        if stderr:
+            grade = Grade(None, f"{grade.error}; grader stderr: {quote(stderr[-QUOTE_LIMIT:])}")
+    return grade

@@ -1,0 +1,423 @@
+"""Executes one run: its rollouts, each over up to `max_attempts` attempts, at most
+`concurrency` at once.
+
+One attempt, top to bottom (`RunExecution._attempt`):
+  mint a credential for (rollout, attempt) -> StartAttempt in the store -> launch the harness
+  job with the task and the credential in its environment -> wait (timeout kills its process
+  group) -> crashed or timed out: FinishAttempt FAILED (will_retry while attempts remain; the
+  next attempt gets a new credential) -> else grade -> FinishAttempt SUCCEEDED with the
+  reward, or FAILED with the grader's failure (not retried: see `grading`).
+
+The store is the record: every transition is written there first, and the run's `Run` record
+(status, counts, mean reward) is kept current with PutRun. Store calls survive a store restart
+(`store_calls.ResilientStore`); a store gone for longer than the bound fails the run loudly
+and kills its jobs. A rollout that hits an unexpected error is failed on its own, with the
+error as its reason; other rollouts go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from pathlib import Path
+
+from harnessrl.credentials import CredentialSigner
+from harnessrl.errors import HarnessRLError
+from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as spb
+from services.controller import grading
+from services.controller.backends import JobBackend, JobResult, JobSpec
+from services.controller.config import ControllerConfig
+from services.controller.runspec import task_env
+from services.controller.store_calls import ResilientStore, StoreUnavailable
+
+log = logging.getLogger("harnessrl.controller")
+
+TERMINAL = (c.ROLLOUT_STATUS_SUCCEEDED, c.ROLLOUT_STATUS_FAILED, c.ROLLOUT_STATUS_CANCELLED)
+RUN_TERMINAL = (c.RUN_STATUS_SUCCEEDED, c.RUN_STATUS_FAILED, c.RUN_STATUS_CANCELLED)
+STDERR_QUOTE_CHARS = 500
+
+
+@dataclass
+class RunContext:
+    """What every run of a controller shares."""
+    cfg: ControllerConfig
+    store: ResilientStore
+    backends: dict[str, JobBackend]
+    signer: CredentialSigner
+    job_slots: asyncio.Semaphore  # harness runs at once over all runs (cfg.max_jobs)
+
+
+def group_id_of(run_id: str, task_id: str) -> str:
+    return f"{run_id}/{task_id}"
+
+
+def rollout_id_of(run_id: str, task_id: str, index: int) -> str:
+    return f"{run_id}/{task_id}/{index}"
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _safe_name(text: str) -> str:
+    """A file/job-name-safe form of `text`, unique per text."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", text)[:80]
+    return safe if safe == text and safe not in (".", "..") else f"{safe}-{_short_hash(text)}"
+
+
+class RunExecution:
+    def __init__(self, run: c.Run, tasks: list[c.Task], ctx: RunContext) -> None:
+        self.run = run
+        self.spec = run.spec
+        self.tasks = {t.task_id: t for t in tasks}
+        self.ctx = ctx
+        self.backend = ctx.backends[self.spec.backend]
+        self.rollouts: dict[str, c.Rollout] = {ro.rollout_id: ro for ro in self._planned()}
+        self.cancelled = False
+        self.done = asyncio.Event()
+        self._cancel_ev = asyncio.Event()
+        self._run_slots = asyncio.Semaphore(self.spec.concurrency)
+        self._jobs: dict[str, str] = {}  # rollout_id -> id of its running job
+        self._subscribers: set[asyncio.Queue[cpb.RunEvent]] = set()
+        self._run_lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._extra = {"run": run.run_id}
+
+    # -- the run's rollouts and its record ---------------------------------------------------
+    def _planned(self) -> list[c.Rollout]:
+        s = self.spec
+        return [
+            c.Rollout(rollout_id=rollout_id_of(self.run.run_id, t.task_id, i),
+                      run_id=self.run.run_id, task_id=t.task_id,
+                      group_id=group_id_of(self.run.run_id, t.task_id), index_in_group=i,
+                      group_size=s.group_size, max_attempts=s.max_attempts,
+                      task_json=t.data_json, stream=s.stream,
+                      status=c.ROLLOUT_STATUS_PENDING)
+            for t in self.tasks.values() for i in range(s.group_size)
+        ]
+
+    def snapshot(self) -> c.Run:
+        run = c.Run()
+        run.CopyFrom(self.run)
+        by_status = [ro.status for ro in self.rollouts.values()]
+        run.num_rollouts = len(by_status)
+        run.num_succeeded = by_status.count(c.ROLLOUT_STATUS_SUCCEEDED)
+        run.num_failed = by_status.count(c.ROLLOUT_STATUS_FAILED)
+        run.num_cancelled = by_status.count(c.ROLLOUT_STATUS_CANCELLED)
+        run.num_running = by_status.count(c.ROLLOUT_STATUS_RUNNING)
+        rewards = [ro.reward for ro in self.rollouts.values()
+                   if ro.status == c.ROLLOUT_STATUS_SUCCEEDED]
+        run.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
+        return run
+
+    async def _save_run(self, retry_s: float | None = None) -> None:
+        async with self._run_lock:  # one writer at a time, each writing the newest state
+            await self.ctx.store.put_run(self.snapshot(), retry_s=retry_s)
+
+    async def prepare(self, retry_s: float) -> None:
+        """Stores the run record and its rollouts (idempotent: existing ones are kept)."""
+        await self.ctx.store.put_run(self.snapshot(), retry_s=retry_s)
+        planned = list(self.rollouts.values())
+        for i in range(0, len(planned), 500):
+            await self.ctx.store.create_rollouts(planned[i:i + 500], retry_s=retry_s)
+
+    # -- events ------------------------------------------------------------------------------
+    def subscribe(self) -> asyncio.Queue[cpb.RunEvent]:
+        q: asyncio.Queue[cpb.RunEvent] = asyncio.Queue()
+        self._subscribers.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[cpb.RunEvent]) -> None:
+        self._subscribers.discard(q)
+
+    def _publish(self, event: cpb.RunEvent) -> None:
+        for q in self._subscribers:
+            q.put_nowait(event)
+
+    async def _changed(self, ro: c.Rollout) -> None:
+        """Records a rollout's new state (as the store returned it) and tells the watchers."""
+        self.rollouts[ro.rollout_id] = ro
+        self._publish(cpb.RunEvent(kind=cpb.RunEvent.KIND_ROLLOUT, rollout=ro))
+        if ro.status in TERMINAL:
+            run = self.snapshot()
+            done = run.num_succeeded + run.num_failed + run.num_cancelled
+            log.info("rollout %s %s%s; run %d/%d done (%d succeeded, %d failed, %d cancelled), "
+                     "mean reward %.3f", ro.rollout_id, c.RolloutStatus.Name(ro.status),
+                     f" reward={ro.reward:g}" if ro.has_reward else f": {ro.error}",
+                     done, run.num_rollouts, run.num_succeeded, run.num_failed,
+                     run.num_cancelled, run.mean_reward,
+                     extra={**self._extra, "rollout": ro.rollout_id, "attempt": ro.attempt})
+        await self._save_run()
+
+    # -- running -----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._execute(), name=f"run {self.run.run_id}")
+
+    async def _execute(self) -> None:
+        log.info("run started: %d tasks x %d, concurrency %d, backend %s",
+                 len(self.tasks), self.spec.group_size, self.spec.concurrency,
+                 self.spec.backend, extra=self._extra)
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            # The store's view wins: a resumed run continues where the store says it is.
+            for ro in await self.ctx.store.list_rollouts(self.run.run_id):
+                if ro.rollout_id in self.rollouts:
+                    self.rollouts[ro.rollout_id] = ro
+            await self._save_run()
+            tasks = [asyncio.create_task(self._rollout(rid)) for rid, ro in
+                     self.rollouts.items() if ro.status not in TERMINAL]
+            if tasks:
+                await _first_error(tasks)
+            self.run.status = c.RUN_STATUS_CANCELLED if self.cancelled \
+                else c.RUN_STATUS_SUCCEEDED
+        except asyncio.CancelledError:
+            log.warning("run interrupted (controller stopping); its rollouts stay as they are "
+                        "in the store, CreateRun with this run_id resumes it", extra=self._extra)
+            raise
+        except Exception as exc:  # noqa: BLE001 - the run fails with the reason
+            log.error("run FAILED: %s", exc, extra=self._extra,
+                      exc_info=not isinstance(exc, StoreUnavailable))
+            self.run.status = c.RUN_STATUS_FAILED
+            self.run.error = str(exc)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.run.finished_at = time.time()
+        try:
+            await self._save_run(retry_s=self.ctx.cfg.store_retry_s)
+        except StoreUnavailable as exc:
+            log.error("final run record not stored: %s", exc, extra=self._extra)
+        run = self.snapshot()
+        log.info("run %s: %d succeeded, %d failed, %d cancelled of %d, mean reward %.3f",
+                 c.RunStatus.Name(run.status), run.num_succeeded, run.num_failed,
+                 run.num_cancelled, run.num_rollouts, run.mean_reward, extra=self._extra)
+        self.done.set()
+        self._publish(cpb.RunEvent(kind=cpb.RunEvent.KIND_RUN_DONE, run=run))
+
+    async def abort(self) -> None:
+        """Stops executing (controller shutdown): jobs are killed, the store left as it is."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def cancel(self) -> None:
+        """Cancels the run: running jobs are killed, rollouts not finished become CANCELLED."""
+        if self.done.is_set() or self.cancelled:
+            return
+        log.info("cancelling run", extra=self._extra)
+        self.cancelled = True
+        self._cancel_ev.set()
+        await asyncio.gather(*(self.backend.cancel(j) for j in list(self._jobs.values())))
+
+    async def _acquire(self, sem: asyncio.Semaphore) -> bool:
+        """Takes a slot of `sem`, or returns False when the run is cancelled first."""
+        if self.cancelled:
+            return False
+        acquire = asyncio.ensure_future(sem.acquire())
+        cancel = asyncio.ensure_future(self._cancel_ev.wait())
+        try:
+            await asyncio.wait({acquire, cancel}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancel.cancel()
+            if not acquire.done():
+                acquire.cancel()
+        if acquire.done() and not acquire.cancelled():
+            if not self.cancelled:
+                return True
+            sem.release()
+        return False
+
+    async def _rollout(self, rid: str) -> None:
+        try:
+            ro = self.rollouts[rid]
+            if ro.status == c.ROLLOUT_STATUS_RUNNING and ro.attempts and \
+                    ro.attempts[-1].status == c.ROLLOUT_STATUS_RUNNING:
+                # Resumed run: the controller that ran this attempt is gone, and its result.
+                await self._finish(rid, ro.attempt, c.ROLLOUT_STATUS_FAILED,
+                                   error="the controller running this attempt stopped before "
+                                         "it finished; its result is lost")
+                if self.rollouts[rid].status in TERMINAL:
+                    return
+            if not await self._acquire(self._run_slots):
+                await self._cancel_in_store(rid)
+                return
+            try:
+                if not await self._acquire(self.ctx.job_slots):
+                    await self._cancel_in_store(rid)
+                    return
+                try:
+                    while self.rollouts[rid].status not in TERMINAL:
+                        if self.cancelled:
+                            await self._cancel_in_store(rid)
+                            return
+                        await self._attempt(rid, self.rollouts[rid].attempt + 1)
+                finally:
+                    self.ctx.job_slots.release()
+            finally:
+                self._run_slots.release()
+        except (StoreUnavailable, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - this rollout fails alone, with the reason
+            log.exception("rollout %s: controller error", rid,
+                          extra={**self._extra, "rollout": rid})
+            ro = self.rollouts[rid]
+            if ro.status not in TERMINAL:
+                try:
+                    await self._finish(rid, ro.attempt, c.ROLLOUT_STATUS_FAILED,
+                                       error=f"controller error: {type(exc).__name__}: {exc}",
+                                       may_retry=False)
+                except HarnessRLError as exc2:
+                    if isinstance(exc2, StoreUnavailable):
+                        raise
+                    log.error("rollout %s: could not record its failure: %s", rid, exc2,
+                              extra={**self._extra, "rollout": rid})
+
+    async def _finish(self, rid: str, attempt: int, status: int, *, reward: float = 0.0,
+                      error: str = "", exit_code: int = 0, timed_out: bool = False,
+                      may_retry: bool = True) -> None:
+        will_retry = (status == c.ROLLOUT_STATUS_FAILED and may_retry and not self.cancelled
+                      and attempt < self.spec.max_attempts)
+        ro = await self.ctx.store.finish_attempt(spb.FinishAttemptRequest(
+            rollout_id=rid, attempt=attempt, status=status, reward=reward, error=error,
+            exit_code=exit_code, timed_out=timed_out, will_retry=will_retry))
+        if status == c.ROLLOUT_STATUS_FAILED:
+            log.warning("attempt %d failed%s: %s", attempt,
+                        " (will retry)" if will_retry else "", error,
+                        extra={**self._extra, "rollout": rid, "attempt": attempt})
+        await self._changed(ro)
+
+    async def _cancel_in_store(self, rid: str) -> None:
+        ro = self.rollouts[rid]
+        if ro.status in TERMINAL:
+            return
+        attempt = ro.attempt
+        if ro.attempts and ro.attempts[-1].status != c.ROLLOUT_STATUS_RUNNING:
+            # Between a failed attempt and its retry: the store ends a rollout through its
+            # current attempt, so the retry is started and cancelled at once.
+            attempt += 1
+            await self._changed(await self.ctx.store.start_attempt(rid, attempt, ""))
+        await self._finish(rid, attempt, c.ROLLOUT_STATUS_CANCELLED, error="run cancelled")
+
+    def _workdir(self, ro: c.Rollout, attempt: int) -> Path:
+        root = Path(self.ctx.cfg.workdir_root).resolve()
+        return (root / self.run.run_id / f"{_safe_name(ro.task_id)}-{ro.index_in_group}"
+                / f"attempt-{attempt}")
+
+    def _job_id(self, rid: str, role: str, attempt: int) -> str:
+        return f"{self.run.run_id}.{_short_hash(rid)}.{role}{attempt}"
+
+    def _harness_env(self, ro: c.Rollout, attempt: int, token: str,
+                     workdir: Path) -> dict[str, str]:
+        """spec.env, then the task's fields, then what the controller sets (which wins)."""
+        task = self.tasks[ro.task_id]
+        env = dict(self.spec.env)
+        env.update(task_env(task))
+        env.update({
+            "OPENAI_BASE_URL": self.ctx.cfg.gateway_url,
+            "OPENAI_API_KEY": token,
+            "HARNESSRL_MODEL": self.spec.model,
+            "HARNESSRL_RUN_ID": self.run.run_id,
+            "HARNESSRL_ROLLOUT_ID": ro.rollout_id,
+            "HARNESSRL_GROUP_ID": ro.group_id,
+            "HARNESSRL_INDEX_IN_GROUP": str(ro.index_in_group),
+            "HARNESSRL_ATTEMPT": str(attempt),
+            "HARNESSRL_TASK_FILE": str(workdir / "task.json"),
+            "HARNESSRL_WORKDIR": str(workdir),
+        })
+        return env
+
+    async def _run_job(self, rid: str, spec: JobSpec) -> JobResult:
+        """Runs a job of this rollout; killed if the run is cancelled (or this task is)."""
+        self._jobs[rid] = spec.job_id
+        try:
+            await self.backend.launch(spec)
+            if self.cancelled:  # cancelled while launching: cancel() did not see this job
+                await self.backend.cancel(spec.job_id)
+            return await self.backend.wait(spec.job_id)
+        finally:
+            self._jobs.pop(rid, None)
+            await asyncio.shield(self.backend.cleanup(spec.job_id))
+
+    async def _attempt(self, rid: str, attempt: int) -> None:
+        ro, spec, ctx = self.rollouts[rid], self.spec, self.ctx
+        extra = {**self._extra, "rollout": rid, "attempt": attempt}
+        workdir = self._workdir(ro, attempt)
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "task.json").write_text(self.tasks[ro.task_id].data_json)
+        token = ctx.signer.mint(rid, attempt,
+                                ttl_s=spec.timeout_s + ctx.cfg.credential_ttl_margin_s)
+        env = self._harness_env(ro, attempt, token, workdir)
+        await self._changed(await ctx.store.start_attempt(rid, attempt, str(workdir)))
+        log.info("attempt %d started in %s", attempt, workdir, extra=extra)
+        labels = {"run": self.run.run_id, "rollout": _short_hash(rid), "attempt": str(attempt)}
+        result = await self._run_job(rid, JobSpec(
+            job_id=self._job_id(rid, "h", attempt), argv=list(spec.harness_command), env=env,
+            workdir=workdir, timeout_s=spec.timeout_s, labels={**labels, "role": "harness"}))
+        if result.cancelled or self.cancelled:
+            await self._finish(rid, attempt, c.ROLLOUT_STATUS_CANCELLED, error="run cancelled",
+                               exit_code=result.exit_code)
+            return
+        if not result.succeeded:
+            if result.timed_out:
+                error = (f"harness timed out after {spec.timeout_s:g}s; its process group was "
+                         "killed")
+            else:
+                error = f"harness exited with code {result.exit_code}"
+                if result.error:
+                    error += f" ({result.error})"
+                stderr = grading.read_tail(result.stderr_path, 4096).strip()
+                if stderr:
+                    error += f"; stderr: {grading.quote(stderr[-STDERR_QUOTE_CHARS:])}"
+            await self._finish(rid, attempt, c.ROLLOUT_STATUS_FAILED, error=error,
+                               exit_code=result.exit_code, timed_out=result.timed_out)
+            return
+        if spec.reward_source == c.REWARD_SOURCE_HARNESS:
+            grade = grading.reward_from_report(await ctx.store.get_rollout(rid), attempt)
+        else:
+            grade = await grading.run_grader(
+                lambda job: self._run_job(rid, job), job_id=self._job_id(rid, "g", attempt),
+                argv=list(spec.grader_command), harness_env=env, workdir=workdir,
+                timeout_s=spec.grader_timeout_s, harness=result,
+                reward_source=spec.reward_source, labels={**labels, "role": "grader"})
+        if self.cancelled:
+            await self._finish(rid, attempt, c.ROLLOUT_STATUS_CANCELLED, error="run cancelled")
+        elif grade.ok:
+            assert grade.reward is not None
+            await self._finish(rid, attempt, c.ROLLOUT_STATUS_SUCCEEDED, reward=grade.reward)
+        else:
+            await self._finish(rid, attempt, c.ROLLOUT_STATUS_FAILED,
+                               error=f"grading failed: {grade.error}", may_retry=False)
+
+    # -- watching ----------------------------------------------------------------------------
+    async def watch(self) -> AsyncIterator[cpb.RunEvent]:
+        """Every rollout's current state, then live events, ending with KIND_RUN_DONE."""
+        q = self.subscribe()
+        try:
+            for ro in list(self.rollouts.values()):
+                yield cpb.RunEvent(kind=cpb.RunEvent.KIND_ROLLOUT, rollout=ro)
+            if self.done.is_set():
+                yield cpb.RunEvent(kind=cpb.RunEvent.KIND_RUN_DONE, run=self.snapshot())
+                return
+            while True:
+                event = await q.get()
+                yield event
+                if event.kind == cpb.RunEvent.KIND_RUN_DONE:
+                    return
+        finally:
+            self.unsubscribe(q)
+
+
+async def _first_error(tasks: list[asyncio.Task[None]]) -> None:
+    """Waits for all tasks; raises the first error as soon as one fails."""
+    pending: set[asyncio.Task[None]] | set[Awaitable[None]] = set(tasks)
+    while pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]

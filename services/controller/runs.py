@@ -1,0 +1,150 @@
+"""The runs a controller knows: creating (or resuming), reading, cancelling and watching them.
+
+Runs executing in this process are held in memory (their live state); every other run is read
+from the store. CreateRun with a `run_id` is idempotent: the same spec again returns the run
+as it is; a run the store holds as RUNNING that no controller executes (its controller
+stopped) is resumed — attempts left running are recorded as failed (retried while attempts
+remain), pending rollouts run. A different spec under an existing run_id is ALREADY_EXISTS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from harnessrl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as spb
+from services.controller import runspec
+from services.controller.runner import RUN_TERMINAL, TERMINAL, RunContext, RunExecution
+
+log = logging.getLogger("harnessrl.controller")
+
+
+def _same_spec(a: c.RunSpec, b: c.RunSpec) -> bool:
+    return a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+
+
+class RunManager:
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.executions: dict[str, RunExecution] = {}
+        self._create_lock = asyncio.Lock()
+
+    @property
+    def _request_retry_s(self) -> float:
+        return self.ctx.cfg.store_request_retry_s
+
+    async def create(self, spec: c.RunSpec, run_id: str = "") -> c.Run:
+        spec = runspec.normalize(spec, tuple(self.ctx.backends))
+        backend = self.ctx.backends[spec.backend]
+        env = dict(spec.env)
+        for what, argv in (("harness_command", spec.harness_command),
+                           ("grader_command", spec.grader_command)):
+            problem = backend.check_argv(list(argv), env) if argv else None
+            if problem:
+                raise InvalidArgument(f"{what}: {problem}")
+        tasks = await asyncio.to_thread(runspec.resolve_tasks, spec)
+        async with self._create_lock:
+            run: c.Run | None = None
+            if run_id:
+                runspec.check_run_id(run_id)
+                ex = self.executions.get(run_id)
+                if ex is not None:
+                    if not _same_spec(ex.spec, spec):
+                        raise AlreadyExists(f"run {run_id} exists with a different spec")
+                    return ex.snapshot()
+                try:
+                    stored = await self.ctx.store.get_run(run_id, retry_s=self._request_retry_s)
+                except NotFound:
+                    stored = None
+                if stored is not None:
+                    if not _same_spec(stored.spec, spec):
+                        raise AlreadyExists(f"run {run_id} exists with a different spec")
+                    if stored.status in RUN_TERMINAL:
+                        return stored
+                    log.warning("resuming run %s, left running by a controller that stopped",
+                                run_id, extra={"run": run_id})
+                    run = stored
+            else:
+                run_id = f"run-{uuid.uuid4().hex[:12]}"
+            if run is None:
+                run = c.Run(run_id=run_id, spec=spec, status=c.RUN_STATUS_RUNNING,
+                            created_at=time.time())
+            ex = RunExecution(run, tasks, self.ctx)
+            await ex.prepare(retry_s=self._request_retry_s)
+            self.executions[run_id] = ex
+            ex.start()
+            return ex.snapshot()
+
+    async def get(self, run_id: str) -> c.Run:
+        if not run_id:
+            raise InvalidArgument("run_id is required")
+        ex = self.executions.get(run_id)
+        if ex is not None:
+            return ex.snapshot()
+        return await self.ctx.store.get_run(run_id, retry_s=self._request_retry_s)
+
+    async def list_rollouts(self, run_id: str, include_calls: bool) -> list[c.Rollout]:
+        await self.get(run_id)  # NOT_FOUND for an unknown run
+        return await self.ctx.store.list_rollouts(run_id, include_calls=include_calls,
+                                                  retry_s=self._request_retry_s)
+
+    async def cancel(self, run_id: str, wait_s: float | None = None) -> c.Run:
+        """Cancels a run; returns once it ended (or after `wait_s`, its state then)."""
+        ex = self.executions.get(run_id)
+        if ex is None:
+            return await self._cancel_stored(run_id)
+        await ex.cancel()
+        wait_s = self.ctx.cfg.kill_grace_s + 10.0 if wait_s is None else wait_s
+        try:
+            await asyncio.wait_for(ex.done.wait(), wait_s)
+        except asyncio.TimeoutError:
+            log.warning("run %s: still finishing %gs after cancel", run_id, wait_s)
+        return ex.snapshot()
+
+    async def _cancel_stored(self, run_id: str) -> c.Run:
+        """Cancels a run no controller executes: its unfinished rollouts become CANCELLED."""
+        store, retry = self.ctx.store, self._request_retry_s
+        run = await self.get(run_id)
+        if run.status in RUN_TERMINAL:
+            return run
+        for ro in await store.list_rollouts(run_id, retry_s=retry):
+            if ro.status in TERMINAL:
+                continue
+            attempt = ro.attempt
+            if ro.attempts and ro.attempts[-1].status != c.ROLLOUT_STATUS_RUNNING:
+                attempt += 1
+                await store.start_attempt(ro.rollout_id, attempt, "")
+            await store.finish_attempt(spb.FinishAttemptRequest(
+                rollout_id=ro.rollout_id, attempt=attempt, status=c.ROLLOUT_STATUS_CANCELLED,
+                error="run cancelled"))
+        run.status = c.RUN_STATUS_CANCELLED
+        run.finished_at = time.time()
+        rollouts = await store.list_rollouts(run_id, retry_s=retry)
+        run.num_succeeded = sum(r.status == c.ROLLOUT_STATUS_SUCCEEDED for r in rollouts)
+        run.num_failed = sum(r.status == c.ROLLOUT_STATUS_FAILED for r in rollouts)
+        run.num_cancelled = sum(r.status == c.ROLLOUT_STATUS_CANCELLED for r in rollouts)
+        run.num_running = 0
+        return await store.put_run(run, retry_s=retry)
+
+    async def watch(self, run_id: str) -> AsyncIterator[cpb.RunEvent]:
+        ex = self.executions.get(run_id)
+        if ex is not None:
+            async for event in ex.watch():
+                yield event
+            return
+        run = await self.get(run_id)
+        if run.status not in RUN_TERMINAL:
+            raise FailedPrecondition(
+                f"run {run_id} is RUNNING in the store but not executing in this controller "
+                "(its controller stopped?); CreateRun with this run_id and spec resumes it")
+        for ro in await self.ctx.store.list_rollouts(run_id, retry_s=self._request_retry_s):
+            yield cpb.RunEvent(kind=cpb.RunEvent.KIND_ROLLOUT, rollout=ro)
+        yield cpb.RunEvent(kind=cpb.RunEvent.KIND_RUN_DONE, run=run)
+
+    async def shutdown(self) -> None:
+        """Stops every executing run (its jobs killed; the store keeps them RUNNING)."""
+        await asyncio.gather(*(ex.abort() for ex in self.executions.values()))

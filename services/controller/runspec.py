@@ -1,0 +1,148 @@
+"""A run's spec: defaults, validation, and its tasks (inline or from a JSONL file).
+
+Task ids: a task's own `task_id` (inline), else its data's "id" or "task_id" field, else its
+position — the 1-based line number in a JSONL file, the 0-based index of an inline list.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+from harnessrl.errors import InvalidArgument
+from harnessrl.v1 import common_pb2 as c
+
+DEFAULT_GROUP_SIZE = 1
+DEFAULT_CONCURRENCY = 4
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_GRADER_TIMEOUT_S = 60.0
+DEFAULT_MAX_ATTEMPTS = 1
+DEFAULT_STREAM = "train"
+DEFAULT_BACKEND = "local"
+MAX_TASK_ID_CHARS = 256
+_RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+
+
+def check_run_id(run_id: str) -> str:
+    if not _RUN_ID.match(run_id):
+        raise InvalidArgument(f"invalid run_id {run_id!r}: use 1-100 of [A-Za-z0-9._-]")
+    return run_id
+
+
+def normalize(spec: c.RunSpec, backends: tuple[str, ...]) -> c.RunSpec:
+    """A copy of `spec` with defaults filled in; `InvalidArgument` says what is wrong."""
+    s = c.RunSpec()
+    s.CopyFrom(spec)
+    if s.group_size < 0 or s.concurrency < 0 or s.max_attempts < 0:
+        raise InvalidArgument("group_size, concurrency and max_attempts must be >= 1 "
+                              "(0 takes the default)")
+    for name in ("timeout_s", "grader_timeout_s"):
+        v = getattr(s, name)
+        if v < 0 or not math.isfinite(v):
+            raise InvalidArgument(f"{name} must be a positive number of seconds (0: default)")
+    s.group_size = s.group_size or DEFAULT_GROUP_SIZE
+    s.concurrency = s.concurrency or DEFAULT_CONCURRENCY
+    s.timeout_s = s.timeout_s or DEFAULT_TIMEOUT_S
+    s.grader_timeout_s = s.grader_timeout_s or DEFAULT_GRADER_TIMEOUT_S
+    s.max_attempts = s.max_attempts or DEFAULT_MAX_ATTEMPTS
+    s.stream = s.stream or DEFAULT_STREAM
+    s.backend = s.backend or DEFAULT_BACKEND
+    if s.reward_source == c.REWARD_SOURCE_UNSPECIFIED:
+        s.reward_source = c.REWARD_SOURCE_GRADER_JSON
+    if s.reward_source not in c.RewardSource.values():
+        raise InvalidArgument(f"unknown reward_source {s.reward_source}")
+    if s.backend not in backends:
+        raise InvalidArgument(f"unknown backend {s.backend!r}; this controller has "
+                              f"{', '.join(backends)}")
+    if not s.harness_command or not s.harness_command[0]:
+        raise InvalidArgument("harness_command is empty")
+    if s.reward_source == c.REWARD_SOURCE_HARNESS:
+        if s.grader_command:
+            raise InvalidArgument("grader_command is not used with REWARD_SOURCE_HARNESS "
+                                  "(the harness reports its reward); leave it empty")
+    elif not s.grader_command or not s.grader_command[0]:
+        raise InvalidArgument(f"grader_command is empty but reward_source is "
+                              f"{c.RewardSource.Name(s.reward_source)}")
+    for k, v in s.env.items():
+        if not k or "=" in k or "\0" in k or "\0" in v:
+            raise InvalidArgument(f"invalid environment variable {k!r}")
+    if s.tasks and s.tasks_file:
+        raise InvalidArgument("give tasks inline or as tasks_file, not both")
+    if not s.tasks and not s.tasks_file:
+        raise InvalidArgument("no tasks: give tasks inline or a tasks_file")
+    return s
+
+
+def _task_object(text: str, where: str) -> dict[str, object]:
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{where}: a task must be a JSON object, got "
+                              f"{type(data).__name__}")
+    return data
+
+
+def _task_id(data: dict[str, object], fallback: str, where: str) -> str:
+    raw = data.get("id", data.get("task_id"))
+    if raw is None:
+        return fallback
+    if isinstance(raw, bool) or not isinstance(raw, (str, int)):
+        raise InvalidArgument(f"{where}: task id must be a string or an integer, got {raw!r}")
+    return str(raw)
+
+
+def resolve_tasks(spec: c.RunSpec) -> list[c.Task]:
+    """The run's tasks with ids and canonical JSON; `InvalidArgument` for a bad file or task."""
+    tasks: list[c.Task] = []
+    if spec.tasks_file:
+        path = Path(spec.tasks_file)
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"cannot read tasks_file {spec.tasks_file}: {exc}") from None
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            where = f"{spec.tasks_file} line {lineno}"
+            data = _task_object(line, where)
+            tasks.append(c.Task(task_id=_task_id(data, str(lineno), where),
+                                data_json=json.dumps(data)))
+    else:
+        for i, t in enumerate(spec.tasks):
+            where = f"task {i}" + (f" ({t.task_id})" if t.task_id else "")
+            data = _task_object(t.data_json or "{}", where)
+            tid = t.task_id or _task_id(data, str(i), where)
+            tasks.append(c.Task(task_id=tid, data_json=json.dumps(data)))
+    if not tasks:
+        raise InvalidArgument("the run has no tasks" +
+                              (f" ({spec.tasks_file} is empty)" if spec.tasks_file else ""))
+    seen: set[str] = set()
+    for t in tasks:
+        if not t.task_id or len(t.task_id) > MAX_TASK_ID_CHARS or \
+                any(ord(ch) < 32 for ch in t.task_id):
+            raise InvalidArgument(f"invalid task id {t.task_id!r}: 1-{MAX_TASK_ID_CHARS} "
+                                  "printable characters")
+        if t.task_id in seen:
+            raise InvalidArgument(f"duplicate task id {t.task_id!r}")
+        seen.add(t.task_id)
+    return tasks
+
+
+def task_env(task: c.Task) -> dict[str, str]:
+    """HARNESSRL_TASK_ID, HARNESSRL_TASK_JSON and HARNESSRL_TASK_<FIELD> for each top-level
+    field (name upper-cased, other than [A-Z0-9_] turned into _; strings as they are, other
+    values as JSON)."""
+    data = json.loads(task.data_json)
+    env = {"HARNESSRL_TASK_ID": task.task_id, "HARNESSRL_TASK_JSON": task.data_json}
+    for key, value in data.items():
+        name = "HARNESSRL_TASK_" + re.sub(r"[^A-Z0-9_]", "_", str(key).upper())
+        if name in ("HARNESSRL_TASK_ID", "HARNESSRL_TASK_JSON", "HARNESSRL_TASK_FILE"):
+            continue  # those keep their meaning; the field is in HARNESSRL_TASK_JSON
+        env[name] = value if isinstance(value, str) else json.dumps(value)
+        if "\0" in env[name]:
+            env[name] = json.dumps(value)  # NUL cannot travel in an environment variable
+    return env

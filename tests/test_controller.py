@@ -1,0 +1,443 @@
+"""The controller against a real store (real Redis, real gRPC servers on port 0), with harnesses
+and graders as small Python scripts. No gateway is needed: these harnesses make no model calls
+(the harness-reported reward path calls the store's ReportReward directly, as the gateway
+would)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from harnessrl import procs
+from harnessrl.clients import ControllerClient, StoreClient
+from harnessrl.credentials import CredentialSigner
+from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb
+
+PY = sys.executable
+SECRET = "test-secret-0123456789abcdef"
+GATEWAY_URL = "http://127.0.0.1:9/v1"  # never called by these harnesses
+
+HARNESS = """
+import json, os, subprocess, sys, time
+env = {k: v for k, v in os.environ.items() if k.startswith(("HARNESSRL_", "OPENAI_", "EXTRA_"))}
+json.dump(env, open("env.json", "w"))
+print("harness ran", os.environ["HARNESSRL_ROLLOUT_ID"])
+task = json.loads(os.environ["HARNESSRL_TASK_JSON"])
+behavior = task.get("behavior", "ok")
+attempt = int(os.environ["HARNESSRL_ATTEMPT"])
+if behavior == "crash" or (behavior == "crash_once" and attempt == 1):
+    print(f"boom on attempt {attempt}", file=sys.stderr)
+    sys.exit(3)
+if behavior == "hang":
+    p = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                          "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    open("grandchild.pid", "w").write(str(p.pid))
+    time.sleep(600)
+if behavior == "sleep":
+    open("harness.pid", "w").write(str(os.getpid()))
+    time.sleep(float(task["sleep"]))
+if behavior == "report":
+    sys.path.insert(0, os.environ["EXTRA_REPO"])
+    from harnessrl.clients import StoreClient
+    StoreClient.connect(os.environ["EXTRA_STORE"]).report_reward(
+        os.environ["HARNESSRL_ROLLOUT_ID"], attempt, float(task["reward"]))
+x = int(task.get("x", 0))
+right = int(os.environ["HARNESSRL_INDEX_IN_GROUP"]) % 2 == 0
+open("answer.txt", "w").write(str(2 * x if right else 2 * x + 1))
+"""
+
+GRADER = """
+import json, os, sys
+json.dump({k: v for k, v in os.environ.items() if k.startswith(("HARNESSRL_", "OPENAI_"))},
+          open("grader_env.json", "w"))
+task = json.loads(os.environ["HARNESSRL_TASK_JSON"])
+mode = task.get("grader", "json")
+if mode == "garbage":
+    print("grading...")
+    print("the reward is: high!!")
+    sys.exit(0)
+if mode == "exit":
+    sys.exit(int(task["exit"]))
+answer = int(open("answer.txt").read())
+print("checked", answer)
+print(json.dumps({"reward": 1.0 if answer == 2 * int(task["x"]) else 0.0, "answer": answer}))
+"""
+
+
+class Services:
+    def __init__(self, tmp: Path, redis_url: str, prefix: str) -> None:
+        self.tmp = tmp
+        self.redis_url = redis_url
+        self.prefix = prefix
+        self.store_port = procs.free_port()
+        self.store_proc: procs.ServiceProcess | None = None
+        self.start_store()
+        ready = tmp / "controller.ready"
+        self.controller = procs.ServiceProcess(
+            "controller", procs.python_module(
+                "services.controller", "--bind", "127.0.0.1:0",
+                "--store-address", f"127.0.0.1:{self.store_port}", "--gateway-url", GATEWAY_URL,
+                "--workdir-root", str(tmp / "rollouts"), "--kill-grace-s", "0.5",
+                "--store-retry-s", "60", "--ready-file", str(ready)),
+            tmp, env={"HARNESSRL_SECRET": SECRET}, ready_file=ready).start()
+        port = self.controller.wait_ready()["grpc_port"]
+        self.ctl = ControllerClient.connect(f"127.0.0.1:{port}")
+        self.store = StoreClient.connect(f"127.0.0.1:{self.store_port}")
+        self.harness = tmp / "harness.py"
+        self.harness.write_text(textwrap.dedent(HARNESS))
+        self.grader = tmp / "grader.py"
+        self.grader.write_text(textwrap.dedent(GRADER))
+
+    def start_store(self) -> None:
+        ready = self.tmp / "store.ready"
+        self.store_proc = procs.ServiceProcess(
+            "store", procs.python_module(
+                "services.store", "--bind", f"127.0.0.1:{self.store_port}",
+                "--redis-url", self.redis_url, "--key-prefix", self.prefix,
+                "--ready-file", str(ready)),
+            self.tmp, ready_file=ready).start()
+        self.store_proc.wait_ready()
+
+    def stop(self) -> None:
+        self.ctl.close()
+        self.store.close()
+        self.controller.stop()
+        if self.store_proc is not None:
+            self.store_proc.stop()
+
+    def spec(self, tasks: list[dict[str, Any]], **kw: Any) -> c.RunSpec:
+        s = c.RunSpec(
+            name="test", harness_command=[PY, str(self.harness)],
+            grader_command=[PY, str(self.grader)], concurrency=4, timeout_s=30,
+            env={"EXTRA_STORE": f"127.0.0.1:{self.store_port}",
+                 "EXTRA_REPO": str(Path(__file__).resolve().parent.parent)},
+            tasks=[c.Task(data_json=json.dumps(t)) for t in tasks])
+        for k, v in kw.items():
+            if k == "grader_command":
+                del s.grader_command[:]
+                s.grader_command.extend(v)
+            else:
+                setattr(s, k, v)
+        return s
+
+    def run_to_end(self, spec: c.RunSpec, timeout: float = 60) -> tuple[c.Run, list[Any]]:
+        run = self.ctl.create_run(spec)
+        events = list(self.ctl.watch_run(run.run_id, timeout=timeout))
+        assert events[-1].kind == cpb.RunEvent.KIND_RUN_DONE
+        return events[-1].run, events
+
+    def rollouts(self, run_id: str) -> dict[str, c.Rollout]:
+        """Rollouts as the store holds them, by task id and index: "task/i"."""
+        return {f"{ro.task_id}/{ro.index_in_group}": ro
+                for ro in self.store.list_rollouts(run_id).rollouts}
+
+
+@pytest.fixture(scope="module")
+def svc(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+    s = Services(tmp_path_factory.mktemp("controller"), redis_url, f"t{uuid.uuid4().hex[:10]}:")
+    yield s
+    s.stop()
+
+
+def env_of(ro: c.Rollout, attempt: int = 0, name: str = "env.json") -> dict[str, str]:
+    att = ro.attempts[(attempt or ro.attempt) - 1]
+    return json.loads((Path(att.workdir) / name).read_text())
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def test_run_of_tasks_times_n_completes_with_rewards(svc: Services) -> None:
+    tasks = [{"id": f"t{i}", "x": i, "label": f"task {i}", "meta": {"k": [1, 2]}}
+             for i in range(3)]
+    run, _ = svc.run_to_end(svc.spec(tasks, group_size=4, model="tiny", stream="ctl-test"))
+    assert run.status == c.RUN_STATUS_SUCCEEDED, run
+    assert (run.num_rollouts, run.num_succeeded, run.num_failed) == (12, 12, 0)
+    assert run.mean_reward == pytest.approx(0.5)
+    stored_run = svc.store.get_run(run.run_id)
+    assert stored_run.status == c.RUN_STATUS_SUCCEEDED and stored_run.num_succeeded == 12
+    assert stored_run.mean_reward == pytest.approx(0.5)
+    signer = CredentialSigner(SECRET.encode())
+    rollouts = svc.rollouts(run.run_id)
+    assert len(rollouts) == 12
+    for i in range(3):
+        for k in range(4):
+            ro = rollouts[f"t{i}/{k}"]
+            assert ro.status == c.ROLLOUT_STATUS_SUCCEEDED and ro.has_reward
+            assert ro.reward == (1.0 if k % 2 == 0 else 0.0)  # the grader checked the answer
+            assert ro.group_id == f"{run.run_id}/t{i}" and ro.group_size == 4
+            assert ro.attempt == 1 and len(ro.attempts) == 1
+            env = env_of(ro)
+            assert env["OPENAI_BASE_URL"] == GATEWAY_URL
+            cred = signer.verify(env["OPENAI_API_KEY"])
+            assert (cred.rollout_id, cred.attempt) == (ro.rollout_id, 1)
+            assert env["HARNESSRL_MODEL"] == "tiny"
+            assert env["HARNESSRL_RUN_ID"] == run.run_id
+            assert env["HARNESSRL_ROLLOUT_ID"] == ro.rollout_id
+            assert env["HARNESSRL_ATTEMPT"] == "1"
+            assert env["HARNESSRL_TASK_ID"] == f"t{i}"
+            assert json.loads(env["HARNESSRL_TASK_JSON"]) == tasks[i]
+            assert env["HARNESSRL_TASK_X"] == str(i)
+            assert env["HARNESSRL_TASK_LABEL"] == f"task {i}"
+            assert json.loads(env["HARNESSRL_TASK_META"]) == {"k": [1, 2]}
+            assert env["EXTRA_STORE"] == f"127.0.0.1:{svc.store_port}"  # spec.env
+            assert not any(k.startswith("HARNESSRL_SECRET") for k in env)
+            workdir = Path(ro.attempts[0].workdir)
+            assert workdir.name == "attempt-1" and workdir.is_relative_to(svc.tmp / "rollouts")
+            assert (workdir / "stdout.log").read_text() == f"harness ran {ro.rollout_id}\n"
+            genv = env_of(ro, name="grader_env.json")
+            assert genv["HARNESSRL_HARNESS_EXIT_CODE"] == "0"
+            assert genv["HARNESSRL_HARNESS_STDOUT"] == str(workdir / "stdout.log")
+            assert "OPENAI_API_KEY" not in genv and genv["HARNESSRL_TASK_ID"] == f"t{i}"
+    workdirs = {ro.attempts[0].workdir for ro in rollouts.values()}
+    assert len(workdirs) == 12
+    # every completed group went to the run's stream, each once
+    groups = svc.store.read_groups(stream="ctl-test", max_groups=10, include_calls=False).groups
+    assert sorted(g.group_id for g in groups) == [f"{run.run_id}/t{i}" for i in range(3)]
+    assert all(len(g.rollouts) == 4 for g in groups)
+
+
+def test_crash_is_retried_with_a_new_credential(svc: Services) -> None:
+    run, _ = svc.run_to_end(svc.spec(
+        [{"id": "flaky", "behavior": "crash_once", "x": 1},
+         {"id": "broken", "behavior": "crash", "x": 2}], max_attempts=3))
+    assert run.status == c.RUN_STATUS_SUCCEEDED  # the run ended; one rollout failed
+    assert (run.num_succeeded, run.num_failed) == (1, 1)
+    signer = CredentialSigner(SECRET.encode())
+    rollouts = svc.rollouts(run.run_id)
+    flaky = rollouts["flaky/0"]
+    assert flaky.status == c.ROLLOUT_STATUS_SUCCEEDED and flaky.reward == 1.0
+    assert [a.status for a in flaky.attempts] == [c.ROLLOUT_STATUS_FAILED,
+                                                  c.ROLLOUT_STATUS_SUCCEEDED]
+    first = flaky.attempts[0]
+    assert first.exit_code == 3 and "exited with code 3" in first.error
+    assert "boom on attempt 1" in first.error  # the harness's stderr, quoted
+    keys = [env_of(flaky, k)["OPENAI_API_KEY"] for k in (1, 2)]
+    assert keys[0] != keys[1]
+    assert [signer.verify(k).attempt for k in keys] == [1, 2]
+    assert flaky.attempts[0].workdir != flaky.attempts[1].workdir
+    broken = rollouts["broken/0"]
+    assert broken.status == c.ROLLOUT_STATUS_FAILED and not broken.has_reward
+    assert broken.attempt == 3 and len(broken.attempts) == 3
+    assert "exited with code 3" in broken.error and "boom on attempt 3" in broken.error
+    assert len({env_of(broken, k)["OPENAI_API_KEY"] for k in (1, 2, 3)}) == 3
+
+
+def test_hang_is_killed_at_timeout_and_other_rollouts_unaffected(svc: Services) -> None:
+    t0 = time.monotonic()
+    run, _ = svc.run_to_end(svc.spec(
+        [{"id": "hang", "behavior": "hang", "x": 1}, {"id": "fine", "x": 5}], timeout_s=1.5))
+    assert time.monotonic() - t0 < 20
+    rollouts = svc.rollouts(run.run_id)
+    hang = rollouts["hang/0"]
+    assert hang.status == c.ROLLOUT_STATUS_FAILED
+    assert hang.attempts[0].timed_out and "timed out after 1.5s" in hang.error
+    grandchild = int((Path(hang.attempts[0].workdir) / "grandchild.pid").read_text())
+    assert not process_alive(grandchild)
+    fine = rollouts["fine/0"]
+    assert fine.status == c.ROLLOUT_STATUS_SUCCEEDED and fine.reward == 1.0
+    assert fine.error == "" and not fine.attempts[0].timed_out
+
+
+def test_grader_garbage_fails_the_rollout_with_its_output(svc: Services) -> None:
+    run, _ = svc.run_to_end(svc.spec(
+        [{"id": "bad", "grader": "garbage", "x": 1}, {"id": "good", "x": 2}], max_attempts=2))
+    rollouts = svc.rollouts(run.run_id)
+    bad = rollouts["bad/0"]
+    assert bad.status == c.ROLLOUT_STATUS_FAILED
+    assert "grading failed" in bad.error and "the reward is: high!!" in bad.error
+    assert len(bad.attempts) == 1  # a broken grader does not rerun the harness
+    assert rollouts["good/0"].status == c.ROLLOUT_STATUS_SUCCEEDED
+    assert rollouts["good/0"].reward == 1.0
+
+
+def test_exit_code_grading(svc: Services) -> None:
+    run, _ = svc.run_to_end(svc.spec(
+        [{"id": f"e{code}", "grader": "exit", "exit": code} for code in (0, 1, 2)],
+        reward_source=c.REWARD_SOURCE_GRADER_EXIT_CODE))
+    rollouts = svc.rollouts(run.run_id)
+    assert rollouts["e0/0"].reward == 1.0 and rollouts["e0/0"].has_reward
+    assert rollouts["e1/0"].reward == 0.0 and rollouts["e1/0"].has_reward
+    assert rollouts["e1/0"].status == c.ROLLOUT_STATUS_SUCCEEDED
+    assert rollouts["e2/0"].status == c.ROLLOUT_STATUS_FAILED
+    assert "exited with code 2" in rollouts["e2/0"].error
+    assert run.mean_reward == pytest.approx(0.5)
+
+
+def test_harness_reported_reward(svc: Services) -> None:
+    run, _ = svc.run_to_end(svc.spec(
+        [{"id": "r", "behavior": "report", "reward": 0.25, "x": 0},
+         {"id": "silent", "x": 0}],
+        reward_source=c.REWARD_SOURCE_HARNESS, grader_command=[]))
+    rollouts = svc.rollouts(run.run_id)
+    r = rollouts["r/0"]
+    assert r.status == c.ROLLOUT_STATUS_SUCCEEDED and r.reward == 0.25
+    assert r.attempts[0].has_reported_reward and r.attempts[0].reported_reward == 0.25
+    silent = rollouts["silent/0"]
+    assert silent.status == c.ROLLOUT_STATUS_FAILED and "reported no reward" in silent.error
+
+
+def test_invalid_specs_are_refused_and_store_nothing(svc: Services, tmp_path: Path) -> None:
+    before = len(svc.store.list_runs(limit=10000).runs)
+    good = svc.spec([{"x": 1}])
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"id": "a"}\n{not json\n')
+    not_object = tmp_path / "list.jsonl"
+    not_object.write_text("[1, 2]\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+
+    def variant(**kw: Any) -> c.RunSpec:
+        s = c.RunSpec()
+        s.CopyFrom(good)
+        for k, v in kw.items():
+            if isinstance(v, list):
+                field = getattr(s, k)
+                del field[:]
+                field.extend(v)
+            else:
+                setattr(s, k, v)
+        return s
+
+    cases = {
+        "harness_command is empty": variant(harness_command=[]),
+        "group_size": variant(group_size=-1),
+        "cannot read tasks_file": variant(tasks=[], tasks_file=str(tmp_path / "missing.jsonl")),
+        "line 2: not valid JSON": variant(tasks=[], tasks_file=str(bad_json)),
+        "must be a JSON object": variant(tasks=[], tasks_file=str(not_object)),
+        "has no tasks": variant(tasks=[], tasks_file=str(empty)),
+        "no tasks": variant(tasks=[]),
+        "not both": variant(tasks_file=str(bad_json)),
+        "relative path": variant(harness_command=["bin/harness"]),
+        "not an executable": variant(harness_command=[str(tmp_path / "nope")]),
+        "duplicate task id": variant(tasks=[c.Task(data_json='{"id": 1}'),
+                                            c.Task(data_json='{"task_id": "1"}')]),
+        "grader_command is empty": variant(grader_command=[]),
+        "not used with REWARD_SOURCE_HARNESS": variant(reward_source=c.REWARD_SOURCE_HARNESS),
+        "unknown backend": variant(backend="k8s"),
+        "timeout_s": variant(timeout_s=-1),
+    }
+    for expected, spec in cases.items():
+        with pytest.raises(grpc.RpcError) as err:
+            svc.ctl.create_run(spec)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (expected, err.value)
+        assert expected in err.value.details(), (expected, err.value.details())
+    with pytest.raises(grpc.RpcError) as err:
+        svc.ctl.create_run(good, run_id="bad/id")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(svc.store.list_runs(limit=10000).runs) == before
+    with pytest.raises(grpc.RpcError) as err:
+        svc.ctl.get_run("no-such-run")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_tasks_file_ids_and_idempotent_create(svc: Services, tmp_path: Path) -> None:
+    f = tmp_path / "tasks.jsonl"
+    f.write_text('{"id": "alpha", "x": 1}\n\n{"task_id": 7, "x": 2}\n{"x": 3}\n')
+    spec = svc.spec([])
+    spec.tasks_file = str(f)
+    run_id = f"idem-{uuid.uuid4().hex[:8]}"
+    run = svc.ctl.create_run(spec, run_id=run_id)
+    assert run.run_id == run_id and run.num_rollouts == 3
+    assert svc.ctl.create_run(spec, run_id=run_id).run_id == run_id
+    other = c.RunSpec()
+    other.CopyFrom(spec)
+    other.group_size = 2
+    with pytest.raises(grpc.RpcError) as err:
+        svc.ctl.create_run(other, run_id=run_id)
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    events = list(svc.ctl.watch_run(run_id, timeout=60))
+    assert events[-1].run.status == c.RUN_STATUS_SUCCEEDED
+    assert sorted(svc.rollouts(run_id)) == ["4/0", "7/0", "alpha/0"]  # "4": its line number
+    listed = svc.ctl.list_rollouts(run_id).rollouts
+    assert len(listed) == 3 and all(r.status == c.ROLLOUT_STATUS_SUCCEEDED for r in listed)
+    # the same CreateRun after the run ended returns it, runs nothing again
+    again = svc.ctl.create_run(spec, run_id=run_id)
+    assert again.status == c.RUN_STATUS_SUCCEEDED
+    assert all(len(r.attempts) == 1 for r in svc.ctl.list_rollouts(run_id).rollouts)
+
+
+def test_watch_streams_events_and_ends(svc: Services) -> None:
+    run = svc.ctl.create_run(svc.spec([{"id": "a", "x": 1}, {"id": "b", "x": 2}],
+                                      group_size=2, concurrency=2))
+    events = list(svc.ctl.watch_run(run.run_id, timeout=60))
+    assert events[-1].kind == cpb.RunEvent.KIND_RUN_DONE
+    assert events[-1].run.status == c.RUN_STATUS_SUCCEEDED
+    assert all(e.kind == cpb.RunEvent.KIND_ROLLOUT for e in events[:-1])
+    seen: dict[str, list[int]] = {}
+    for e in events[:-1]:
+        seen.setdefault(e.rollout.rollout_id, []).append(e.rollout.status)
+    assert len(seen) == 4
+    for statuses in seen.values():
+        assert statuses[-1] == c.ROLLOUT_STATUS_SUCCEEDED
+        assert c.ROLLOUT_STATUS_RUNNING in statuses  # live events, not only the end state
+    # watching a finished run replays its final states and ends
+    replay = list(svc.ctl.watch_run(run.run_id, timeout=10))
+    assert replay[-1].kind == cpb.RunEvent.KIND_RUN_DONE
+    assert {e.rollout.rollout_id for e in replay[:-1]} == set(seen)
+    assert all(e.rollout.status == c.ROLLOUT_STATUS_SUCCEEDED for e in replay[:-1])
+
+
+def test_cancel_stops_running_harnesses(svc: Services) -> None:
+    run = svc.ctl.create_run(svc.spec([{"id": "s", "behavior": "sleep", "sleep": 120, "x": 1}],
+                                      group_size=4, concurrency=2))
+    deadline = time.monotonic() + 20
+    while True:
+        running = [ro for ro in svc.store.list_rollouts(run.run_id).rollouts
+                   if ro.status == c.ROLLOUT_STATUS_RUNNING and ro.attempts and
+                   (Path(ro.attempts[0].workdir) / "harness.pid").exists()]
+        if len(running) == 2:
+            break
+        assert time.monotonic() < deadline, "harnesses did not start"
+        time.sleep(0.05)
+    pids = [int((Path(ro.attempts[0].workdir) / "harness.pid").read_text()) for ro in running]
+    assert all(process_alive(p) for p in pids)
+    t0 = time.monotonic()
+    cancelled = svc.ctl.cancel_run(run.run_id)
+    assert time.monotonic() - t0 < 10
+    assert cancelled.status == c.RUN_STATUS_CANCELLED and cancelled.num_cancelled == 4
+    assert not any(process_alive(p) for p in pids)
+    rollouts = svc.store.list_rollouts(run.run_id).rollouts
+    assert [ro.status for ro in rollouts] == [c.ROLLOUT_STATUS_CANCELLED] * 4
+    assert sum(1 for ro in rollouts if ro.attempt == 0) == 2  # never started
+    assert svc.store.get_run(run.run_id).status == c.RUN_STATUS_CANCELLED
+    assert svc.ctl.cancel_run(run.run_id).status == c.RUN_STATUS_CANCELLED  # idempotent
+
+
+def test_run_survives_store_restart(redis_url: str, key_prefix: str, tmp_path: Path) -> None:
+    s = Services(tmp_path, redis_url, key_prefix)
+    try:
+        run = s.ctl.create_run(s.spec([{"id": f"t{i}", "behavior": "sleep", "sleep": 1.0,
+                                        "x": i} for i in range(4)], group_size=2,
+                                      concurrency=4))
+        time.sleep(0.7)  # the first four harnesses are running
+        assert s.store_proc is not None
+        s.store_proc.kill()  # kill -9
+        time.sleep(1.5)  # they finish while the store is down
+        s.start_store()
+        events = list(s.ctl.watch_run(run.run_id, timeout=90))
+        done = events[-1].run
+        assert done.status == c.RUN_STATUS_SUCCEEDED, done
+        assert (done.num_succeeded, done.num_failed) == (8, 0)
+        rollouts = s.store.list_rollouts(run.run_id).rollouts
+        assert len(rollouts) == 8
+        assert all(ro.status == c.ROLLOUT_STATUS_SUCCEEDED and len(ro.attempts) == 1
+                   for ro in rollouts)
+        assert s.store.get_run(run.run_id).num_succeeded == 8
+    finally:
+        s.stop()
+
