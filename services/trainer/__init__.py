@@ -1,0 +1,1 @@
+"""The trainer service: samples from recorded groups, GRPO-family losses, optimizer steps."""
