@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
 from harnessrl.config import ServiceConfig
@@ -29,8 +29,10 @@ class GatewayConfig(ServiceConfig):
     http_port: int = Field(8080, description="port of the HTTP data plane (0: any free port)")
     grpc_bind: str = Field("127.0.0.1:50052", description="host:port of GatewayAdmin (port 0: any)")
     store_address: str = Field("127.0.0.1:50051", description="host:port of the store")
-    secret: str = Field("", description="credential secret shared with the controller "
-                                        "(HARNESSRL_SECRET); empty: read secret_file")
+    secret: str = Field(
+        "", validation_alias=AliasChoices("secret", "HARNESSRL_GATEWAY_SECRET", "HARNESSRL_SECRET"),
+        description="credential secret shared with the controller (env HARNESSRL_SECRET); "
+                    "empty: read secret_file")
     secret_file: str = Field(".harnessrl/secret", description="file holding the secret "
                                                              "(created on first use)")
     engines: list[EngineSpec] = Field(default_factory=list, description="engines at start-up")

@@ -1,0 +1,163 @@
+"""What the gateway costs: latency and throughput through it (recording on) vs direct.
+
+Side by side in one run, with wrk (Debian's `wrk`, C, one thread) as the load generator:
+
+1. against a stub OpenAI-compatible upstream in its own process (fixed chat completion with
+   vLLM's `prompt_token_ids`, `token_ids` and logprobs fields), at 32 connections and at 1;
+2. against the real vLLM serving the project's tiny model (16-token completions), at 32
+   connections (skip with --no-vllm).
+
+Every call through the gateway is authenticated with a rollout credential, forwarded, and
+recorded in the store (Redis) before the response returns. Ends with one JSON line:
+`added_p50_ms` (gateway p50 - direct p50, real vLLM, 32 connections; with --no-vllm the stub's),
+`throughput_ratio` (gateway calls/s / direct calls/s, stub upstream, 32 connections), and the
+raw figures.
+
+    python bench/gateway_overhead.py [--duration 10] [--no-vllm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._services import start_gateway, start_store, start_stub_engine  # noqa: E402
+from harnessrl import procs  # noqa: E402
+from harnessrl.clients import StoreClient  # noqa: E402
+from harnessrl.credentials import CredentialSigner  # noqa: E402
+from harnessrl.v1 import common_pb2 as c  # noqa: E402
+
+SECRET = "bench-secret-0123456789abcdef0123"
+
+WRK_LUA = """
+wrk.method = "POST"
+wrk.body = %(body)s
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = %(auth)s
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('WRK {"p50_us": %%d, "p99_us": %%d, "requests": %%d, "duration_us": %%d, "errors": %%d, "non2xx": %%d}\\n',
+    latency:percentile(50), latency:percentile(99), summary.requests, summary.duration,
+    e.connect + e.read + e.write + e.timeout, e.status))
+end
+"""
+
+
+def lua_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def wrk(url: str, body: dict, key: str, connections: int, duration: int, workdir: Path  # type: ignore[type-arg]
+        ) -> dict[str, float]:
+    script = workdir / f"wrk-{time.monotonic_ns()}.lua"
+    script.write_text(WRK_LUA % {"body": lua_str(json.dumps(body)),
+                                 "auth": lua_str(f"Bearer {key}")})
+    out = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "30s", "-s",
+         str(script), url], capture_output=True, text=True, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("WRK "))
+    r = json.loads(line[4:])
+    if r["errors"] or r["non2xx"]:
+        raise RuntimeError(f"wrk saw errors against {url}: {r}\n{out}")
+    return {"p50_ms": r["p50_us"] / 1000, "p99_ms": r["p99_us"] / 1000,
+            "calls_per_s": r["requests"] / (r["duration_us"] / 1e6), "calls": r["requests"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--duration", type=int, default=10, help="seconds per measurement")
+    ap.add_argument("--connections", type=int, default=32)
+    ap.add_argument("--no-vllm", action="store_true", help="skip the real-vLLM comparison")
+    args = ap.parse_args()
+    if shutil.which("wrk") is None:
+        sys.exit("wrk not found: apt-get install wrk (scripts/setup.sh does)")
+
+    work = Path(tempfile.mkdtemp(prefix="hrl-bench-gw-"))
+    started: list[procs.ServiceProcess] = []
+    try:
+        redis_url, redis_proc = procs.start_redis(work / "redis")
+        started.append(redis_proc)
+        store_proc, store_addr = start_store(work, redis_url)
+        started.append(store_proc)
+        stub_proc, stub_url = start_stub_engine(work, "stub-model")
+        started.append(stub_proc)
+        engines: list[dict[str, object]] = [{"name": "stub", "base_url": stub_url,
+                                             "model": "stub-model"}]
+        vllm = None
+        if not args.no_vllm:
+            from harnessrl.engine import start_engine
+            from harnessrl.model.build import build_tiny_model, default_model_dir
+            model_dir = build_tiny_model(default_model_dir())
+            print("starting vLLM on", model_dir, flush=True)
+            vllm = start_engine(model_dir, workdir=work / "engine", served_model_name="tiny")
+            started.append(vllm)
+            vllm.wait_healthy(300)
+            engines.append({"name": "vllm", "base_url": vllm.base_url, "model": "tiny"})
+        gw_proc, gw = start_gateway(work, store_addr, SECRET, engines)
+        started.append(gw_proc)
+        gw_url = f"http://127.0.0.1:{gw['http_port']}/v1/chat/completions"
+
+        store = StoreClient.connect(store_addr)
+        store.create_rollouts([c.Rollout(rollout_id="bench/0", run_id="bench", task_id="t",
+                                         group_id="bench/t", group_size=1, stream="-")])
+        store.start_attempt("bench/0", 1)
+        key = CredentialSigner(SECRET.encode()).mint("bench/0", 1, 3600)
+
+        stub_body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+        results: dict[str, dict[str, float]] = {}
+        d, n = args.duration, args.connections
+        wrk(gw_url, stub_body, key, n, 2, work)  # warm-up
+        results["stub_direct"] = wrk(f"{stub_url}/v1/chat/completions", stub_body, key, n, d, work)
+        results["stub_gateway"] = wrk(gw_url, stub_body, key, n, d, work)
+        results["stub_direct_c1"] = wrk(f"{stub_url}/v1/chat/completions", stub_body, key, 1,
+                                        max(3, d // 2), work)
+        results["stub_gateway_c1"] = wrk(gw_url, stub_body, key, 1, max(3, d // 2), work)
+        if vllm is not None:
+            body = {"model": "tiny", "max_tokens": 16, "temperature": 1.0,
+                    "messages": [{"role": "user", "content": "What is 12 + 30?"}]}
+            wrk(f"{vllm.base_url}/v1/chat/completions", body, key, n, 3, work)  # warm-up
+            results["vllm_direct"] = wrk(f"{vllm.base_url}/v1/chat/completions", body, key, n,
+                                         d, work)
+            results["vllm_gateway"] = wrk(gw_url, body, key, n, d, work)
+        recorded = len(store.get_rollout("bench/0").attempts) and \
+            store.get_rollout("bench/0").attempts[0].num_calls
+        store.close()
+
+        print(f"\n{'measurement':<18}{'p50 ms':>10}{'p99 ms':>10}{'calls/s':>11}")
+        for name, r in results.items():
+            print(f"{name:<18}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['calls_per_s']:>11.0f}")
+        ref = "vllm" if vllm is not None else "stub"
+        summary = {
+            "added_p50_ms": round(results[f"{ref}_gateway"]["p50_ms"]
+                                  - results[f"{ref}_direct"]["p50_ms"], 3),
+            "added_p50_ms_basis": f"{ref} upstream, {n} connections",
+            "added_p99_ms": round(results[f"{ref}_gateway"]["p99_ms"]
+                                  - results[f"{ref}_direct"]["p99_ms"], 3),
+            "throughput_ratio": round(results["stub_gateway"]["calls_per_s"]
+                                      / results["stub_direct"]["calls_per_s"], 3),
+            "added_p50_ms_stub_c1": round(results["stub_gateway_c1"]["p50_ms"]
+                                          - results["stub_direct_c1"]["p50_ms"], 3),
+            "recorded_calls": recorded,
+            "connections": n, "duration_s": d,
+            "results": {k: {m: round(v, 3) for m, v in r.items()} for k, r in results.items()},
+        }
+        if vllm is not None:
+            summary["vllm_throughput_ratio"] = round(
+                results["vllm_gateway"]["calls_per_s"] / results["vllm_direct"]["calls_per_s"], 3)
+        print(json.dumps(summary))
+    finally:
+        for p in reversed(started):
+            p.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
