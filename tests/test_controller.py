@@ -40,10 +40,12 @@ if behavior == "crash" or (behavior == "crash_once" and attempt == 1):
 if behavior == "hang":
     p = subprocess.Popen([sys.executable, "-c", "import signal, time; "
                           "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
-    open("grandchild.pid", "w").write(str(p.pid))
+    open("grandchild.pid.tmp", "w").write(str(p.pid))
+    os.replace("grandchild.pid.tmp", "grandchild.pid")
     time.sleep(600)
 if behavior == "sleep":
-    open("harness.pid", "w").write(str(os.getpid()))
+    open("harness.pid.tmp", "w").write(str(os.getpid()))
+    os.replace("harness.pid.tmp", "harness.pid")
     time.sleep(float(task["sleep"]))
 if behavior == "report":
     sys.path.insert(0, os.environ["EXTRA_REPO"])
@@ -74,28 +76,32 @@ print(json.dumps({"reward": 1.0 if answer == 2 * int(task["x"]) else 0.0, "answe
 
 
 class Services:
-    def __init__(self, tmp: Path, redis_url: str, prefix: str) -> None:
+    def __init__(self, tmp: Path, redis_url: str, prefix: str, store_retry_s: float = 60) -> None:
         self.tmp = tmp
+        self.store_retry_s = store_retry_s
         self.redis_url = redis_url
         self.prefix = prefix
         self.store_port = procs.free_port()
         self.store_proc: procs.ServiceProcess | None = None
         self.start_store()
-        ready = tmp / "controller.ready"
-        self.controller = procs.ServiceProcess(
-            "controller", procs.python_module(
-                "services.controller", "--bind", "127.0.0.1:0",
-                "--store-address", f"127.0.0.1:{self.store_port}", "--gateway-url", GATEWAY_URL,
-                "--workdir-root", str(tmp / "rollouts"), "--kill-grace-s", "0.5",
-                "--store-retry-s", "60", "--ready-file", str(ready)),
-            tmp, env={"HARNESSRL_SECRET": SECRET}, ready_file=ready).start()
-        port = self.controller.wait_ready()["grpc_port"]
-        self.ctl = ControllerClient.connect(f"127.0.0.1:{port}")
+        self.start_controller()
         self.store = StoreClient.connect(f"127.0.0.1:{self.store_port}")
         self.harness = tmp / "harness.py"
         self.harness.write_text(textwrap.dedent(HARNESS))
         self.grader = tmp / "grader.py"
         self.grader.write_text(textwrap.dedent(GRADER))
+
+    def start_controller(self) -> None:
+        ready = self.tmp / "controller.ready"
+        self.controller = procs.ServiceProcess(
+            "controller", procs.python_module(
+                "services.controller", "--bind", "127.0.0.1:0",
+                "--store-address", f"127.0.0.1:{self.store_port}", "--gateway-url", GATEWAY_URL,
+                "--workdir-root", str(self.tmp / "rollouts"), "--kill-grace-s", "0.5",
+                "--store-retry-s", str(self.store_retry_s), "--ready-file", str(ready)),
+            self.tmp, env={"HARNESSRL_SECRET": SECRET}, ready_file=ready).start()
+        port = self.controller.wait_ready()["grpc_port"]
+        self.ctl = ControllerClient.connect(f"127.0.0.1:{port}")
 
     def start_store(self) -> None:
         ready = self.tmp / "store.ready"
@@ -441,3 +447,80 @@ def test_run_survives_store_restart(redis_url: str, key_prefix: str, tmp_path: P
     finally:
         s.stop()
 
+
+
+def test_create_run_again_resumes_after_controller_crash(redis_url: str, key_prefix: str,
+                                                         tmp_path: Path) -> None:
+    s = Services(tmp_path, redis_url, key_prefix)
+    try:
+        run_id = "resumed"
+        spec = s.spec([{"id": "a", "behavior": "sleep", "sleep": 1.0, "x": 1}], group_size=3,
+                      concurrency=2, max_attempts=2)
+        s.ctl.create_run(spec, run_id=run_id)
+        deadline = time.monotonic() + 20
+        while sum(ro.status == c.ROLLOUT_STATUS_RUNNING
+                  for ro in s.store.list_rollouts(run_id).rollouts) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        s.controller.kill()  # kill -9: two attempts were running, one rollout pending
+        s.ctl.close()
+        s.start_controller()
+        with pytest.raises(grpc.RpcError) as err:  # not executing here until resumed
+            list(s.ctl.watch_run(run_id, timeout=10))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert s.ctl.create_run(spec, run_id=run_id).status == c.RUN_STATUS_RUNNING
+        done = list(s.ctl.watch_run(run_id, timeout=60))[-1].run
+        assert done.status == c.RUN_STATUS_SUCCEEDED and done.num_succeeded == 3
+        rollouts = s.rollouts(run_id)
+        interrupted = [ro for ro in rollouts.values() if len(ro.attempts) == 2]
+        assert len(interrupted) == 2
+        for ro in interrupted:
+            assert "controller running this attempt stopped" in ro.attempts[0].error
+            assert ro.attempts[1].status == c.ROLLOUT_STATUS_SUCCEEDED
+        assert sum(len(ro.attempts) == 1 for ro in rollouts.values()) == 1
+    finally:
+        s.stop()
+
+
+def test_stopping_the_controller_kills_its_harnesses(redis_url: str, key_prefix: str,
+                                                     tmp_path: Path) -> None:
+    s = Services(tmp_path, redis_url, key_prefix)
+    try:
+        run = s.ctl.create_run(s.spec([{"id": "s", "behavior": "sleep", "sleep": 120, "x": 1}]))
+        pidfile = None
+        deadline = time.monotonic() + 20
+        while pidfile is None or not pidfile.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+            ro = s.store.list_rollouts(run.run_id).rollouts[0]
+            if ro.attempts:
+                pidfile = Path(ro.attempts[0].workdir) / "harness.pid"
+        pid = int(pidfile.read_text())
+        assert process_alive(pid)
+        s.controller.stop()  # SIGTERM
+        assert s.controller.proc is not None and s.controller.proc.returncode == 0
+        assert not process_alive(pid)
+        # the store still says RUNNING: CreateRun with the run_id would resume it
+        assert s.store.get_rollout(ro.rollout_id).status == c.ROLLOUT_STATUS_RUNNING
+    finally:
+        s.stop()
+
+
+def test_store_gone_past_the_bound_fails_the_run_loudly(redis_url: str, key_prefix: str,
+                                                        tmp_path: Path) -> None:
+    s = Services(tmp_path, redis_url, key_prefix, store_retry_s=1.5)
+    try:
+        run = s.ctl.create_run(s.spec([{"id": "s", "behavior": "sleep", "sleep": 0.5, "x": 1}],
+                                      group_size=3, concurrency=3))
+        time.sleep(0.3)
+        assert s.store_proc is not None
+        s.store_proc.kill()
+        deadline = time.monotonic() + 30
+        while (got := s.ctl.get_run(run.run_id)).status == c.RUN_STATUS_RUNNING:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert got.status == c.RUN_STATUS_FAILED
+        assert "unavailable" in got.error and "bound 1.5s" in got.error
+        assert "run FAILED" in s.controller.log_tail(200)
+    finally:
+        s.stop()

@@ -111,7 +111,8 @@ async def test_timeout_kills_grandchild_ignoring_sigterm(backend: JobBackend,
     grandchild = script(tmp_path, "grandchild.py", f"""
         import os, signal, time
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        open({str(pidfile)!r}, "w").write(str(os.getpid()))
+        open({str(pidfile)!r} + ".tmp", "w").write(str(os.getpid()))
+        os.replace({str(pidfile)!r} + ".tmp", {str(pidfile)!r})
         time.sleep(600)
     """)
     harness = script(tmp_path, "harness.py", f"""
@@ -139,7 +140,8 @@ async def test_leftover_background_process_is_killed_at_exit(backend: JobBackend
     pidfile = tmp_path / "daemon.pid"
     daemon = script(tmp_path, "daemon.py", f"""
         import os, time
-        open({str(pidfile)!r}, "w").write(str(os.getpid()))
+        open({str(pidfile)!r} + ".tmp", "w").write(str(os.getpid()))
+        os.replace({str(pidfile)!r} + ".tmp", {str(pidfile)!r})
         time.sleep(600)
     """)
     harness = script(tmp_path, "harness.py", f"""
@@ -159,7 +161,8 @@ async def test_cancel_kills_running_job(backend: JobBackend, tmp_path: Path) -> 
     harness = script(tmp_path, "harness.py", f"""
         import os, subprocess, sys, time
         p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        open({str(pidfile)!r}, "w").write(str(p.pid))
+        open({str(pidfile)!r} + ".tmp", "w").write(str(p.pid))
+        os.replace({str(pidfile)!r} + ".tmp", {str(pidfile)!r})
         time.sleep(600)
     """)
     await backend.launch(spec(tmp_path, "long", [PY, str(harness)], labels={"run": "r1"}))

@@ -17,10 +17,10 @@ class ControllerConfig(ServiceConfig):
                                       populate_by_name=True)
     secret_fields: ClassVar[tuple[str, ...]] = ("secret",)
 
-    bind: str = Field("127.0.0.1:50052", description="host:port of the gRPC server (port 0: any)")
+    bind: str = Field("127.0.0.1:50053", description="host:port of the gRPC server (port 0: any)")
     store_address: str = Field("127.0.0.1:50051", description="host:port of the store service")
     gateway_url: str = Field(
-        "http://127.0.0.1:8000/v1",
+        "http://127.0.0.1:8080/v1",
         description="the gateway's OpenAI-compatible base URL (ends in /v1), given to every "
                     "harness as OPENAI_BASE_URL")
     secret: str | None = Field(

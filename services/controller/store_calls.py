@@ -65,7 +65,7 @@ class ResilientStore:
                     raise from_rpc_error(err) from err
                 waited = time.monotonic() - start
                 if waited >= bound:
-                    msg = (f"store at {self.address} unavailable for {waited:.0f}s (bound "
+                    msg = (f"store at {self.address} unavailable for {waited:.1f}s (bound "
                            f"{bound:g}s) during {what}: {err.code().name} {err.details()}")
                     log.error(msg)
                     raise StoreUnavailable(msg) from err
