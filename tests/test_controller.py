@@ -28,6 +28,7 @@ GATEWAY_URL = "http://127.0.0.1:9/v1"  # never called by these harnesses
 
 HARNESS = """
 import json, os, subprocess, sys, time
+t_start = time.time()
 env = {k: v for k, v in os.environ.items() if k.startswith(("HARNESSRL_", "OPENAI_", "EXTRA_"))}
 json.dump(env, open("env.json", "w"))
 print("harness ran", os.environ["HARNESSRL_ROLLOUT_ID"])
@@ -55,6 +56,8 @@ if behavior == "report":
 x = int(task.get("x", 0))
 right = int(os.environ["HARNESSRL_INDEX_IN_GROUP"]) % 2 == 0
 open("answer.txt", "w").write(str(2 * x if right else 2 * x + 1))
+time.sleep(float(task.get("linger", 0)))
+open("span.txt", "w").write(f"{t_start} {time.time()}")
 """
 
 GRADER = """
@@ -168,9 +171,10 @@ def process_alive(pid: int) -> bool:
 
 
 def test_run_of_tasks_times_n_completes_with_rewards(svc: Services) -> None:
-    tasks = [{"id": f"t{i}", "x": i, "label": f"task {i}", "meta": {"k": [1, 2]}}
+    tasks = [{"id": f"t{i}", "x": i, "label": f"task {i}", "meta": {"k": [1, 2]}, "linger": 0.2}
              for i in range(3)]
-    run, _ = svc.run_to_end(svc.spec(tasks, group_size=4, model="tiny", stream="ctl-test"))
+    run, _ = svc.run_to_end(svc.spec(tasks, group_size=4, model="tiny", stream="ctl-test",
+                                     concurrency=3))
     assert run.status == c.RUN_STATUS_SUCCEEDED, run
     assert (run.num_rollouts, run.num_succeeded, run.num_failed) == (12, 12, 0)
     assert run.mean_reward == pytest.approx(0.5)
@@ -211,6 +215,9 @@ def test_run_of_tasks_times_n_completes_with_rewards(svc: Services) -> None:
             assert "OPENAI_API_KEY" not in genv and genv["HARNESSRL_TASK_ID"] == f"t{i}"
     workdirs = {ro.attempts[0].workdir for ro in rollouts.values()}
     assert len(workdirs) == 12
+    # never more than `concurrency` harnesses at once
+    spans = [tuple(map(float, (Path(w) / "span.txt").read_text().split())) for w in workdirs]
+    assert max(sum(1 for s, e in spans if s <= t <= e) for t, _ in spans) <= 3
     # every completed group went to the run's stream, each once
     groups = svc.store.read_groups(stream="ctl-test", max_groups=10, include_calls=False).groups
     assert sorted(g.group_id for g in groups) == [f"{run.run_id}/t{i}" for i in range(3)]
@@ -500,8 +507,15 @@ def test_stopping_the_controller_kills_its_harnesses(redis_url: str, key_prefix:
         s.controller.stop()  # SIGTERM
         assert s.controller.proc is not None and s.controller.proc.returncode == 0
         assert not process_alive(pid)
-        # the store still says RUNNING: CreateRun with the run_id would resume it
+        # the store still says RUNNING: CreateRun with the run_id would resume it; a new
+        # controller can also cancel it there
         assert s.store.get_rollout(ro.rollout_id).status == c.ROLLOUT_STATUS_RUNNING
+        s.ctl.close()
+        s.start_controller()
+        cancelled = s.ctl.cancel_run(run.run_id)
+        assert cancelled.status == c.RUN_STATUS_CANCELLED and cancelled.num_cancelled == 1
+        assert s.store.get_rollout(ro.rollout_id).status == c.ROLLOUT_STATUS_CANCELLED
+        assert s.store.get_run(run.run_id).status == c.RUN_STATUS_CANCELLED
     finally:
         s.stop()
 

@@ -2,6 +2,9 @@
 
 Task ids: a task's own `task_id` (inline), else its data's "id" or "task_id" field, else its
 position — the 1-based line number in a JSONL file, the 0-based index of an inline list.
+A relative `tasks_file` is read relative to the controller's working directory: give absolute
+paths (the harness and grader commands run in each attempt's own directory, so their paths
+must be absolute too).
 """
 
 from __future__ import annotations
