@@ -25,7 +25,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import grpc
 import orjson
 
@@ -36,6 +35,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry, EngineState
 from services.gateway.recorder import CallRecorder, HoldTimeout, RecordRejected
 from services.gateway.sessions import Session, Sessions
+from services.gateway.upstream import ConnectFailed, UpstreamError
 
 log = logging.getLogger("harnessrl.gateway")
 
@@ -72,13 +72,12 @@ class GatewayApp:
     """A plain ASGI application (no framework on the hot path)."""
 
     def __init__(self, cfg: GatewayConfig, registry: EngineRegistry, sessions: Sessions,
-                 recorder: CallRecorder, store: StoreClient, http: aiohttp.ClientSession) -> None:
+                 recorder: CallRecorder, store: StoreClient) -> None:
         self.cfg = cfg
         self.registry = registry
         self.sessions = sessions
         self.recorder = recorder
         self.store = store
-        self.http = http
         self.routes: dict[tuple[str, str], Callable[[Scope, bytes], Awaitable[Any]]] = {
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/v1/completions"): self.completions,
@@ -224,7 +223,7 @@ class GatewayApp:
             try:
                 status, response = await self._forward(engine, api, forward)
                 served = status == 200
-            except aiohttp.ClientConnectorError as err:
+            except ConnectFailed as err:
                 self.registry.mark_unreachable(engine, str(err))
                 continue  # nothing was generated: try another engine (or wait for one)
             finally:
@@ -263,18 +262,16 @@ class GatewayApp:
 
     async def _forward(self, engine: EngineState, api: str, forward: dict[str, Any]
                        ) -> tuple[int, Any]:
-        url = f"{engine.base_url}/v1/{'chat/completions' if api == 'chat.completions' else 'completions'}"
-        timeout = aiohttp.ClientTimeout(total=self.cfg.request_timeout_s)
+        path = "/v1/chat/completions" if api == "chat.completions" else "/v1/completions"
         try:
-            async with self.http.post(url, data=orjson.dumps(forward), timeout=timeout,
-                                      headers={"content-type": "application/json"}) as resp:
-                raw = await resp.read()
-                if resp.status != 200:
-                    return resp.status, raw
-                return 200, orjson.loads(raw)
-        except aiohttp.ClientConnectorError:
+            status, raw = await engine.pool.post(path, orjson.dumps(forward),
+                                                 self.cfg.request_timeout_s)
+            if status != 200:
+                return status, raw
+            return 200, orjson.loads(raw)
+        except ConnectFailed:
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as err:
+        except (UpstreamError, asyncio.TimeoutError, orjson.JSONDecodeError) as err:
             raise HTTPError(502, f"engine {engine.name} failed: {type(err).__name__}: {err}",
                             "server_error", "engine_error") from err
 

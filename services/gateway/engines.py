@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from harnessrl.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from harnessrl.v1 import gateway_pb2 as gpb
+from services.gateway.upstream import UpstreamPool
 
 log = logging.getLogger("harnessrl.gateway.engines")
 
@@ -26,10 +27,12 @@ class EngineState:
     served: int = 0
     resumed: asyncio.Event = field(default_factory=asyncio.Event)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    pool: UpstreamPool = field(init=False)
 
     def __post_init__(self) -> None:
         self.resumed.set()
         self.idle.set()
+        self.pool = UpstreamPool(self.base_url)
 
     @property
     def usable(self) -> bool:
@@ -86,7 +89,7 @@ class EngineRegistry:
 
     def remove(self, name: str) -> None:
         self.get(name)
-        del self.engines[name]
+        self.engines.pop(name).pool.close()
         self._sticky = {r: e for r, e in self._sticky.items() if e != name}
         self._notify()
 

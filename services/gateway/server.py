@@ -45,12 +45,10 @@ async def serve(cfg: GatewayConfig) -> None:
     registry = EngineRegistry()
     for e in cfg.engines:
         registry.register(e.name, e.base_url, e.model, e.policy_version)
-    http = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300),
-        skip_auto_headers=("User-Agent",), auto_decompress=False)
+    http = aiohttp.ClientSession()  # health probes of unreachable engines only
     recorder = CallRecorder(store, cfg.hold_timeout_s, cfg.record_batch_max,
                             cfg.record_writers)
-    app = GatewayApp(cfg, registry, Sessions(signer, store), recorder, store, http)
+    app = GatewayApp(cfg, registry, Sessions(signer, store), recorder, store)
 
     grpc_server, grpc_port, _ = await rpc.start_server(cfg.grpc_bind, [
         (gateway_pb2_grpc.add_GatewayAdminServicer_to_server, GatewayAdminServicer(registry),
@@ -62,6 +60,7 @@ async def serve(cfg: GatewayConfig) -> None:
     http_port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(
         app, http="httptools", lifespan="off", access_log=False, log_level="warning",
+        proxy_headers=False, server_header=False, date_header=False,
         timeout_keep_alive=75, backlog=2048))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     http_task = asyncio.create_task(server.serve(sockets=[sock]))

@@ -1,0 +1,151 @@
+"""A lean HTTP/1.1 client for the gateway's engine round trips.
+
+The gateway's hot path is one POST per harness call to an engine on a trusted network. A
+general-purpose client (aiohttp, httpx) spends more CPU per request than the rest of the
+gateway; this one keeps a pool of keep-alive connections per engine, writes each request in
+one syscall and parses responses with httptools (the parser uvicorn uses). It speaks only
+what vLLM's server speaks back: HTTP/1.1 with Content-Length or chunked bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from urllib.parse import urlsplit
+
+import httptools
+
+
+class UpstreamError(Exception):
+    """The exchange failed after the request may have reached the engine."""
+
+
+class ConnectFailed(UpstreamError):
+    """No connection could be made: nothing reached the engine (safe to try another)."""
+
+
+class _Conn(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self.body: list[bytes] = []
+        self.closed = False
+        self.keep_alive = True
+        self.got_bytes = False
+        self.last_used = time.monotonic()
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as err:
+            self._fail(UpstreamError(f"bad HTTP response from engine: {err}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(UpstreamError(f"engine closed the connection ({exc or 'EOF'})"))
+
+    # httptools callbacks
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result((self.parser.get_status_code(), b"".join(self.body)))
+
+    def _fail(self, exc: Exception) -> None:
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(exc)
+
+    async def exchange(self, request: bytes, timeout: float) -> tuple[int, bytes]:
+        assert self.transport is not None
+        self.body = []
+        self.got_bytes = False
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(request)
+        try:
+            return await asyncio.wait_for(self.waiter, timeout)
+        finally:
+            self.waiter = None
+            self.last_used = time.monotonic()
+
+
+class UpstreamPool:
+    """Keep-alive connections to one engine (`base_url` like http://127.0.0.1:8000)."""
+
+    def __init__(self, base_url: str, idle_timeout_s: float = 30.0) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"engine URL must be http://host:port, got {base_url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or 80
+        self.prefix = parts.path.rstrip("/")
+        self.host_header = f"{self.host}:{self.port}".encode()
+        self.idle: list[_Conn] = []
+        self.idle_timeout_s = idle_timeout_s
+
+    async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await loop.create_connection(_Conn, self.host, self.port)
+        except OSError as err:
+            raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {err}") from err
+        return conn
+
+    def _request_bytes(self, path: str, body: bytes) -> bytes:
+        return b"".join((
+            b"POST ", (self.prefix + path).encode(), b" HTTP/1.1\r\nHost: ", self.host_header,
+            b"\r\nContent-Type: application/json\r\nContent-Length: ", str(len(body)).encode(),
+            b"\r\n\r\n", body))
+
+    async def post(self, path: str, body: bytes, timeout: float) -> tuple[int, bytes]:
+        """POSTs JSON; returns (status, body). Raises ConnectFailed when the engine could not
+        be reached at all, UpstreamError when the exchange broke."""
+        request = self._request_bytes(path, body)
+        now = time.monotonic()
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.closed or now - conn.last_used > self.idle_timeout_s:
+                if conn.transport is not None:
+                    conn.transport.close()
+                continue
+            try:
+                result = await conn.exchange(request, timeout)
+            except UpstreamError:
+                if not conn.got_bytes:
+                    continue  # a keep-alive connection the engine had closed: use another
+                raise
+            except BaseException:
+                if conn.transport is not None:
+                    conn.transport.close()
+                raise
+            self._release(conn)
+            return result
+        conn = await self._connect()
+        try:
+            result = await conn.exchange(request, timeout)
+        except BaseException:
+            if conn.transport is not None:
+                conn.transport.close()
+            raise
+        self._release(conn)
+        return result
+
+    def _release(self, conn: _Conn) -> None:
+        if conn.keep_alive and not conn.closed:
+            self.idle.append(conn)
+        elif conn.transport is not None:
+            conn.transport.close()
+
+    def close(self) -> None:
+        for conn in self.idle:
+            if conn.transport is not None:
+                conn.transport.close()
+        self.idle.clear()
