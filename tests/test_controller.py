@@ -524,8 +524,9 @@ def test_store_gone_past_the_bound_fails_the_run_loudly(redis_url: str, key_pref
                                                         tmp_path: Path) -> None:
     s = Services(tmp_path, redis_url, key_prefix, store_retry_s=1.5)
     try:
-        run = s.ctl.create_run(s.spec([{"id": "s", "behavior": "sleep", "sleep": 0.5, "x": 1}],
-                                      group_size=3, concurrency=3))
+        spec = s.spec([{"id": "s", "behavior": "sleep", "sleep": 0.5, "x": 1}], group_size=3,
+                      concurrency=3, max_attempts=2)
+        run = s.ctl.create_run(spec, run_id="outage")
         time.sleep(0.3)
         assert s.store_proc is not None
         s.store_proc.kill()
@@ -536,5 +537,11 @@ def test_store_gone_past_the_bound_fails_the_run_loudly(redis_url: str, key_pref
         assert got.status == c.RUN_STATUS_FAILED
         assert "unavailable" in got.error and "bound 1.5s" in got.error
         assert "run FAILED" in s.controller.log_tail(200)
+        # once the store is back, CreateRun with the same run_id resumes the failed run
+        s.start_store()
+        assert s.ctl.create_run(spec, run_id="outage").status == c.RUN_STATUS_RUNNING
+        done = list(s.ctl.watch_run("outage", timeout=60))[-1].run
+        assert done.status == c.RUN_STATUS_SUCCEEDED and done.num_succeeded == 3, done
+        assert s.store.get_run("outage").status == c.RUN_STATUS_SUCCEEDED
     finally:
         s.stop()

@@ -3,8 +3,9 @@
 Runs executing in this process are held in memory (their live state); every other run is read
 from the store. CreateRun with a `run_id` is idempotent: the same spec again returns the run
 as it is; a run the store holds as RUNNING that no controller executes (its controller
-stopped) is resumed — attempts left running are recorded as failed (retried while attempts
-remain), pending rollouts run. A different spec under an existing run_id is ALREADY_EXISTS.
+stopped) or FAILED (say, its store was gone too long) is resumed — attempts left running are
+recorded as failed (retried while attempts remain), unfinished rollouts run. A different spec
+under an existing run_id is ALREADY_EXISTS.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ class RunManager:
                 if ex is not None:
                     if not _same_spec(ex.spec, spec):
                         raise AlreadyExists(f"run {run_id} exists with a different spec")
-                    return ex.snapshot()
+                    if ex.run.status != c.RUN_STATUS_FAILED:
+                        return ex.snapshot()
+                    await ex.done.wait()  # its last attempt to store the failure
+                    del self.executions[run_id]  # failed (store outage): resume it below
                 try:
                     stored = await self.ctx.store.get_run(run_id, retry_s=self._request_retry_s)
                 except NotFound:
@@ -63,11 +67,16 @@ class RunManager:
                 if stored is not None:
                     if not _same_spec(stored.spec, spec):
                         raise AlreadyExists(f"run {run_id} exists with a different spec")
-                    if stored.status in RUN_TERMINAL:
+                    if stored.status in (c.RUN_STATUS_SUCCEEDED, c.RUN_STATUS_CANCELLED):
                         return stored
-                    log.warning("resuming run %s, left running by a controller that stopped",
-                                run_id, extra={"run": run_id})
+                    log.warning("resuming run %s (%s)", run_id,
+                                "it had failed" if stored.status == c.RUN_STATUS_FAILED
+                                else "left running by a controller that stopped",
+                                extra={"run": run_id})
                     run = stored
+                    run.status = c.RUN_STATUS_RUNNING
+                    run.error = ""
+                    run.finished_at = 0.0
             else:
                 run_id = f"run-{uuid.uuid4().hex[:12]}"
             if run is None:
