@@ -144,6 +144,19 @@ def test_retry_attempts_keep_history_and_calls_of_final_attempt(client: StoreCli
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_cancel_between_a_failed_attempt_and_its_retry(client: StoreClient) -> None:
+    ros = make_group("r4c", "t", 1, max_attempts=3)
+    client.create_rollouts(ros)
+    rid = ros[0].rollout_id
+    client.start_attempt(rid, 1)
+    finish(client, rid, 1, status=F, will_retry=True, error="crashed")
+    ro = finish(client, rid, 1, status=c.ROLLOUT_STATUS_CANCELLED, error="run cancelled")
+    assert ro.status == c.ROLLOUT_STATUS_CANCELLED and len(ro.attempts) == 1
+    with pytest.raises(grpc.RpcError) as e:
+        client.start_attempt(rid, 2)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
 def _complete_group(client: StoreClient, run: str, task: str, n: int, stream: str = "train"
                     ) -> list[c.Rollout]:
     ros = make_group(run, task, n, stream=stream)

@@ -231,6 +231,11 @@ class RolloutStore:
                     f"rollout {req.rollout_id}: attempt {req.attempt} was never started")
             att = ro.attempts[-1] if ro.attempts else None
             if att is not None and att.status != c.ROLLOUT_STATUS_RUNNING:
+                if req.status == c.ROLLOUT_STATUS_CANCELLED and ro.status not in TERMINAL:
+                    # cancelled between a failed attempt and its retry: ends the rollout
+                    ro.status, ro.finished_at = c.ROLLOUT_STATUS_CANCELLED, time.time()
+                    ro.error = req.error or ro.error
+                    return ro, "T"
                 return None  # repeated finish of this attempt: idempotent
             if att is not None:
                 att.status = c.ROLLOUT_STATUS_FAILED if req.status == c.ROLLOUT_STATUS_CANCELLED \
