@@ -41,6 +41,7 @@ class Sessions:
         self.store = store
         self.max_sessions = max_sessions
         self._sessions: dict[tuple[str, int], Session] = {}
+        self._verified: dict[str, RolloutCredential] = {}
         self._loading: dict[tuple[str, int], asyncio.Future[Session]] = {}
 
     async def authenticate(self, authorization: str | None, api_key: str | None = None
@@ -53,7 +54,12 @@ class Sessions:
             token = value.strip()
         if not token:
             raise Unauthenticated("missing API key: set OPENAI_API_KEY to the rollout key")
-        cred = self.signer.verify(token)
+        cred = self._verified.get(token)
+        if cred is None:  # HMAC + JSON once per key, not once per call
+            cred = self.signer.verify(token)
+            if len(self._verified) >= self.max_sessions:
+                self._verified.clear()
+            self._verified[token] = cred
         key = (cred.rollout_id, cred.attempt)
         session = self._sessions.get(key)
         if session is None:

