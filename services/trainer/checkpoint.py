@@ -1,0 +1,195 @@
+"""Checkpoints: everything a trainer needs to continue exactly where it stopped.
+
+Layout, under `<output_dir>/checkpoints/`:
+
+    step-000012/              one checkpoint (the state after step 12)
+      config.json, generation_config.json, model.safetensors
+                              the model in Hugging Face format: transformers' `from_pretrained`
+                              and vLLM's `--model` load the folder as is
+      tokenizer.json, tokenizer_config.json, chat_template.jinja, ...
+                              the tokenizer, saved alongside
+      trainer_state.pt        optimizer state, RNG states (python, numpy, torch[, cuda])
+      state.json              step, policy version, the stream entry ids consumed, when
+    latest                    text file naming the newest complete checkpoint ("step-000012")
+
+**Atomicity.** A checkpoint is written into a temporary folder (`.tmp-step-000012-<pid>`),
+every file and the folder are fsynced, the folder is renamed to its final name and the parent
+fsynced, and only then is `latest` replaced (written to a temporary file, fsynced, renamed). A
+crash at any point leaves `latest` naming a complete checkpoint (or no `latest` at all); stray
+temporary folders are removed by the next writer. The last `keep` checkpoints are kept.
+
+**Stream entries and acknowledgement** (the rule that makes a crash lose no group and train
+none twice). `state.json` lists `consumed_entries`: the ids of the stream entries (completed
+groups) trained on by the steps since the previous checkpoint. The trainer acknowledges entries
+in the store only *after* the checkpoint that includes their steps is committed. Hence:
+
+- crash before the checkpoint is committed: the entries are still pending in the consumer group;
+  the resumed trainer (from the previous checkpoint) gets them again and trains them then — the
+  lost training never reached a checkpoint, so they are trained once;
+- crash after the commit but before (or during) the acknowledgement: the resumed trainer, which
+  starts from this checkpoint, acknowledges `consumed_entries` at once without training them
+  (acknowledging an acknowledged entry is a no-op).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("harnessrl.trainer")
+
+LATEST = "latest"
+STATE_FILE = "state.json"
+TRAINER_STATE_FILE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class TrainState:
+    """The loop's position: what a checkpoint records besides weights and optimizer."""
+
+    step: int = 0
+    """Steps completed."""
+    policy_version: int = 0
+    """Version of the weights (the last one pushed into the engines)."""
+    consumed_entries: list[str] = field(default_factory=list)
+    """Stream entry ids trained on since the previous checkpoint, not yet acknowledged."""
+    run_prefix: str = ""
+    """Prefix of the controller run ids of this training run."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_states() -> dict[str, Any]:
+    py = random.getstate()
+    npy = np.random.get_state()
+    states: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [npy[0], npy[1].tolist(), int(npy[2]), int(npy[3]), float(npy[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    py = states["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    npy = states["numpy"]
+    np.random.set_state((npy[0], np.array(npy[1], dtype=np.uint32), npy[2], npy[3], npy[4]))
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_checkpoint(root: str | Path, model: Any, tokenizer: Any,
+                    optimizer: torch.optim.Optimizer, state: TrainState, keep: int = 3,
+                    extra: dict[str, Any] | None = None) -> Path:
+    """Writes the checkpoint of `state.step` atomically, points `latest` at it, prunes to the
+    last `keep`; returns its folder. `extra` (JSON) goes into state.json for the record."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = step_dir_name(state.step)
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save({"optimizer": optimizer.state_dict(), "rng": rng_states()},
+               tmp / TRAINER_STATE_FILE)
+    (tmp / STATE_FILE).write_text(json.dumps(
+        {**asdict(state), "saved_at": time.time(), **(extra or {})}, indent=1) + "\n")
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            _fsync_file(f)
+    _fsync_dir(tmp)
+    if final.exists():  # left by a crash before `latest` moved on, or re-saved: replace it
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_dir(root)
+    _write_latest(root, name)
+    prune(root, keep)
+    return final
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(root / LATEST)
+    _fsync_dir(root)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The folder `latest` names, or None when there is no checkpoint."""
+    pointer = Path(root) / LATEST
+    if not pointer.exists():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    if not (path / STATE_FILE).exists():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete "
+                                "checkpoint")
+    return path
+
+
+def prune(root: Path, keep: int) -> None:
+    """Keeps the newest `keep` checkpoints (and always the one `latest` names); removes
+    temporary folders left by crashed writers."""
+    current = latest_checkpoint(root)
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+    for _, path in steps[:-keep] if keep > 0 else steps:
+        if current is None or path.resolve() != current.resolve():
+            shutil.rmtree(path, ignore_errors=True)
+    for p in root.glob(".tmp-*"):
+        if not p.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def read_state(path: str | Path) -> TrainState:
+    data = json.loads((Path(path) / STATE_FILE).read_text())
+    return TrainState(step=int(data["step"]), policy_version=int(data["policy_version"]),
+                      consumed_entries=list(data["consumed_entries"]),
+                      run_prefix=str(data.get("run_prefix", "")))
+
+
+def load_trainer_state(path: str | Path, optimizer: torch.optim.Optimizer) -> TrainState:
+    """Loads the optimizer state and the RNG states of the checkpoint at `path` (the model is
+    loaded from the same folder with `from_pretrained`); returns its `TrainState`."""
+    blob = torch.load(Path(path) / TRAINER_STATE_FILE, weights_only=True, map_location="cpu")
+    optimizer.load_state_dict(blob["optimizer"])
+    set_rng_states(blob["rng"])
+    return read_state(path)

@@ -1,0 +1,198 @@
+"""Configuration of the trainer service (`python -m services.trainer --help`).
+
+Defaults train the bundled calculator example (`examples/calc`) on the project's tiny model;
+point `model_path`, `tasks_file` and the harness/grader commands elsewhere for another task.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from harnessrl.config import ServiceConfig
+from harnessrl.weight_transfer import PushConfig
+
+from .advantages import AdvantageConfig, Estimator
+from .loss import LossConfig, Normalization
+from .step import StepConfig
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "calc"
+MODES_LATER = ("async", "collocated")
+
+
+class TrainerConfig(ServiceConfig):
+    """harnessrl trainer: learns from recorded groups, pushes weights into the engines."""
+
+    model_config = SettingsConfigDict(env_prefix="HARNESSRL_TRAINER_", extra="forbid")
+
+    # -- what to train -----------------------------------------------------------------------
+    mode: Literal["sync", "async", "collocated"] = Field(
+        "sync", description="training mode; only 'sync' (generate a batch, train, push, "
+                            "repeat) exists so far — 'async' and 'collocated' are rejected")
+    model_path: str = Field(
+        "", description="local Hugging Face model folder to start from (config, safetensors, "
+                        "tokenizer); ignored when a checkpoint in output_dir is resumed. "
+                        "Empty: the project's tiny model (built if missing)")
+    output_dir: str = Field(
+        ".harnessrl/trainer", description="checkpoints (<output_dir>/checkpoints), metrics "
+                                          "(<output_dir>/metrics.jsonl) and the run identity")
+    run_name: str = Field(
+        "train", description="prefix of the controller run ids (<run_name>-<nonce>-step<N>); "
+                             "the nonce is drawn once per output_dir, so a restarted trainer "
+                             "re-attaches to its own runs and a fresh one never does",
+        pattern=r"^[A-Za-z0-9._-]{1,60}$")
+    steps: int = Field(20, ge=0, description="train until this many steps are done (a resumed "
+                                             "trainer continues to the same total)")
+    seed: int = Field(0, description="seed of torch's RNG and of each step's task choice")
+    device: str = Field("cpu", description="torch device of the trained model ('cpu', 'cuda')")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the trained weights (float32 on CPU: the engines run "
+                               "float32 too, so logprobs agree)")
+
+    # -- the controller's runs ---------------------------------------------------------------
+    tasks_file: str = Field(str(EXAMPLE / "tasks.jsonl"),
+                            description="JSONL task file, one JSON object per line ('id' names "
+                                        "the task)")
+    tasks_per_step: int = Field(8, ge=1, description="tasks (groups) per step, drawn without "
+                                                     "replacement, deterministically from "
+                                                     "seed and step")
+    group_size: int = Field(8, ge=2, description="rollouts per task (n of GRPO)")
+    harness_command: list[str] = Field(
+        default_factory=lambda: [sys.executable, str(EXAMPLE / "harness.py")],
+        description="argv of the harness (absolute paths; JSON list on the command line)")
+    grader_command: list[str] = Field(
+        default_factory=lambda: [sys.executable, str(EXAMPLE / "grader.py")],
+        description="argv of the grader, run after the harness; its last stdout line is "
+                    "{\"reward\": x}")
+    harness_env: dict[str, str] = Field(default_factory=dict,
+                                        description="extra environment of harness and grader")
+    served_model_name: str = Field("tiny", description="model name the harness is told to use "
+                                                       "(HARNESSRL_MODEL)")
+    concurrency: int = Field(8, ge=1, description="harness runs at once within a step's run")
+    rollout_timeout_s: float = Field(120.0, gt=0, description="per-attempt harness timeout")
+    grader_timeout_s: float = Field(60.0, gt=0, description="grader timeout")
+    max_attempts: int = Field(1, ge=1, description="attempts per rollout (infrastructure "
+                                                   "failures are retried)")
+    run_timeout_s: float = Field(3600.0, gt=0, description="how long one step's run may take "
+                                                           "before the trainer gives up")
+
+    # -- the learning algorithm --------------------------------------------------------------
+    advantage: Estimator = Field(Estimator.GRPO, description="advantage estimator: grpo, "
+                                                             "dr_grpo or rloo")
+    filter_zero_variance: bool = Field(True, description="skip groups whose rewards are all "
+                                                         "equal (no learning signal)")
+    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip eps_low")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip eps_high (clip-higher)")
+    is_cap: float = Field(2.0, ge=1, description="truncated importance-sampling cap C on "
+                                                  "pi/mu")
+    normalization: Normalization = Field(Normalization.TOKEN_MEAN,
+                                         description="loss normalisation: token_mean, "
+                                                     "seq_mean or rollout_mean")
+    max_sample_len: int | None = Field(None, ge=2, description="longest training sample in "
+                                                               "tokens (None: no limit)")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (constant)")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (total L2 norm)")
+    micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward pass "
+                                                       "(gradients accumulate over them)")
+    micro_batch_max_tokens: int | None = Field(None, ge=1, description="most padded tokens "
+                                                                       "per micro-batch")
+    version_check: Literal["fail", "warn"] = Field(
+        "fail", description="when a call of step s was served by another policy version "
+                            "than the one pushed after step s-1: 'fail' stops the trainer, "
+                            "'warn' logs and trains on it (the loss corrects off-policy)")
+
+    # -- services ----------------------------------------------------------------------------
+    store_address: str = Field("127.0.0.1:50051", description="host:port of the store")
+    controller_address: str = Field("127.0.0.1:50053", description="host:port of the "
+                                                                    "controller")
+    gateway_admin_address: str = Field("127.0.0.1:50052", description="host:port of the "
+                                                                      "gateway's admin gRPC")
+    stream: str = Field("train", description="store stream the step runs publish groups to "
+                                             "(owned by this trainer: entries of other runs "
+                                             "found there are acknowledged and skipped)")
+    consumer_group: str = Field("trainer", description="consumer group reading the stream")
+    consumer: str = Field("trainer-0", description="consumer name within the group")
+    read_timeout_s: float = Field(60.0, gt=0, description="after a run ends, how long to wait "
+                                                          "for all its groups in the stream")
+
+    # -- checkpoints -------------------------------------------------------------------------
+    checkpoint_every: int = Field(1, ge=1, description="checkpoint every N steps (and after "
+                                                       "the last); groups are acknowledged "
+                                                       "only once a checkpoint holds them")
+    keep_checkpoints: int = Field(3, ge=1, description="keep the last K checkpoints")
+    resume: bool = Field(True, description="resume from <output_dir>/checkpoints/latest when "
+                                           "there is one")
+
+    # -- weight push -------------------------------------------------------------------------
+    push_backend: str = Field("gloo", description="weight transport: 'gloo' (CPU, our vLLM "
+                              "plugin) or 'nccl' (GPU); must match the engines' "
+                              "--weight-transfer-config backend")
+    push_master_address: str = Field("127.0.0.1", description="address of this trainer that "
+                                     "the engines' workers connect to for the weight group")
+    push_bucket_mb: float = Field(128.0, gt=0, description="weights travel in buckets of at "
+                                                           "most this many MiB")
+    push_http_timeout_s: float = Field(60.0, gt=0, description="timeout of each control "
+                                                               "request of a push")
+    push_transfer_timeout_s: float = Field(600.0, gt=0, description="timeout of the weight "
+                                                                    "transfer itself")
+    push_attempts: int = Field(
+        3, ge=1, description="tries of one version's push; engines that failed stay MARKED "
+                             "(no traffic) in between, and the trainer stops with the error "
+                             "when every try failed")
+    push_retry_delay_s: float = Field(2.0, ge=0, description="pause between push tries")
+
+    # -- its gRPC service --------------------------------------------------------------------
+    bind: str = Field("127.0.0.1:50054", description="host:port of the Trainer gRPC service "
+                                                     "(port 0: any)")
+    ready_file: str = Field("", description="write {pid, grpc_port} here once serving")
+    log_level: str = Field("INFO", description="logging level")
+
+    @field_validator("mode")
+    @classmethod
+    def _only_sync(cls, mode: str) -> str:
+        if mode in MODES_LATER:
+            raise ValueError(f"mode {mode!r} is not implemented yet; use 'sync'")
+        return mode
+
+    @model_validator(mode="after")
+    def _checks(self) -> "TrainerConfig":
+        if not self.harness_command or not self.harness_command[0]:
+            raise ValueError("harness_command is empty")
+        if not self.grader_command or not self.grader_command[0]:
+            raise ValueError("grader_command is empty")
+        LossConfig(eps_low=self.clip_low, eps_high=self.clip_high, is_cap=self.is_cap)
+        return self
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def checkpoints_dir(self) -> Path:
+        return Path(self.output_dir) / "checkpoints"
+
+    @property
+    def metrics_file(self) -> Path:
+        return Path(self.output_dir) / "metrics.jsonl"
+
+    def push_config(self) -> PushConfig:
+        return PushConfig(backend=self.push_backend, master_address=self.push_master_address,
+                          bucket_mb=self.push_bucket_mb, http_timeout_s=self.push_http_timeout_s,
+                          transfer_timeout_s=self.push_transfer_timeout_s)
+
+    def advantage_config(self) -> AdvantageConfig:
+        return AdvantageConfig(estimator=self.advantage,
+                               filter_zero_variance=self.filter_zero_variance)
+
+    def step_config(self, pad_token_id: int) -> StepConfig:
+        return StepConfig(
+            loss=LossConfig(eps_low=self.clip_low, eps_high=self.clip_high, is_cap=self.is_cap,
+                            normalization=self.normalization),
+            micro_batch_size=self.micro_batch_size,
+            micro_batch_max_tokens=self.micro_batch_max_tokens,
+            max_grad_norm=self.max_grad_norm, pad_token_id=pad_token_id)

@@ -1,0 +1,177 @@
+"""Where a step's groups come from: the step's tasks, its controller run, its stream entries.
+
+- `step_tasks`: the tasks of step s, drawn without replacement from the task file by a
+  `random.Random` seeded with (seed, s) — the same on every restart.
+- `ControllerRuns.run`: `CreateRun` with the step's deterministic run id (idempotent: a
+  restarted trainer re-attaches to the run its previous life created, finished or not) and
+  `WatchRun` until the run is done. A watch cut short (controller restart) re-attaches.
+- `StreamReader.read`: the completed groups of one run from the store's stream, through the
+  trainer's consumer group (pending entries first, so entries delivered to a crashed trainer
+  and never acknowledged come back). Entries of other runs found there are sorted out:
+  entries of this trainer's own later steps, or trained since the last checkpoint, stay pending;
+  entries of its earlier, checkpointed steps (their ack was lost) and of runs that are not this
+  trainer's are acknowledged and skipped — the stream is the trainer's own (see the config).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from harnessrl.clients import ControllerClient, StoreClient
+from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import controller_pb2 as cpb
+
+log = logging.getLogger("harnessrl.trainer")
+
+
+def load_tasks(path: str | Path) -> list[dict[str, Any]]:
+    tasks = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            task = json.loads(line)
+            if not isinstance(task, dict):
+                raise ValueError(f"{path}:{n}: a task must be a JSON object")
+            task.setdefault("id", task.get("task_id", f"line-{n}"))
+            tasks.append(task)
+    if not tasks:
+        raise ValueError(f"{path}: no tasks")
+    return tasks
+
+
+def step_tasks(tasks: Sequence[dict[str, Any]], seed: int, step: int, k: int
+               ) -> list[dict[str, Any]]:
+    """The `k` tasks of `step` (all of them, shuffled, when there are fewer than `k`)."""
+    rng = random.Random(f"{seed}:{step}")
+    return rng.sample(list(tasks), min(k, len(tasks)))
+
+
+def run_id_for(prefix: str, step: int) -> str:
+    return f"{prefix}-step{step:06d}"
+
+
+def step_of_run(prefix: str, run_id: str) -> int | None:
+    """The step a run id of this trainer belongs to; None for another trainer's run."""
+    head = f"{prefix}-step"
+    if run_id.startswith(head) and run_id[len(head):].isdigit():
+        return int(run_id[len(head):])
+    return None
+
+
+class RunLauncher(Protocol):
+    """Produces a step's rollouts: runs `spec` under `run_id` until it is done."""
+
+    def run(self, run_id: str, spec: c.RunSpec) -> c.Run: ...
+
+
+class ControllerRuns:
+    """`RunLauncher` over the controller's gRPC API."""
+
+    def __init__(self, controller: ControllerClient, timeout_s: float) -> None:
+        self.controller = controller
+        self.timeout_s = timeout_s
+
+    def run(self, run_id: str, spec: c.RunSpec) -> c.Run:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                run = self.controller.create_run(spec, run_id=run_id)
+                if run.status != c.RUN_STATUS_RUNNING:
+                    return run
+                left = deadline - time.monotonic()
+                for event in self.controller.watch_run(run_id, timeout=max(left, 1.0)):
+                    if event.kind == cpb.RunEvent.KIND_RUN_DONE:
+                        return event.run
+                log.warning("watch of run %s ended before the run did; re-attaching", run_id,
+                            extra={"run": run_id})
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED or \
+                        time.monotonic() > deadline:
+                    raise TimeoutError(f"run {run_id} not done after {self.timeout_s:.0f}s"
+                                       ) from e
+                if e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                    grpc.StatusCode.FAILED_PRECONDITION):
+                    raise
+                log.warning("run %s: %s (%s); retrying", run_id, e.code().name, e.details(),
+                            extra={"run": run_id})
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {run_id} not done after {self.timeout_s:.0f}s")
+            time.sleep(1.0)
+
+
+class StreamReader:
+    """Reads one run's groups from the trainer's stream (see the module docstring)."""
+
+    def __init__(self, store: StoreClient, stream: str, consumer_group: str, consumer: str,
+                 run_prefix: str, timeout_s: float) -> None:
+        self.store = store
+        self.stream, self.consumer_group, self.consumer = stream, consumer_group, consumer
+        self.run_prefix = run_prefix
+        self.timeout_s = timeout_s
+
+    def ack(self, entry_ids: Sequence[str]) -> int:
+        if not entry_ids:
+            return 0
+        return self.store.ack_groups(list(entry_ids), stream=self.stream,
+                                     consumer_group=self.consumer_group).acknowledged
+
+    def read(self, run_id: str, step: int, task_order: Sequence[str], unacked: set[str]
+             ) -> list[c.Group]:
+        """The groups of `run_id` (one per task), in `task_order`, rollouts by index."""
+        expected = len(task_order)
+        got: dict[str, c.Group] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(got) < expected:
+            resp = self.store.read_groups(
+                stream=self.stream, consumer_group=self.consumer_group, consumer=self.consumer,
+                max_groups=len(unacked) + expected + 16, block_ms=500, include_calls=True)
+            stray: list[str] = []
+            for g in resp.groups:
+                if g.run_id == run_id:
+                    got[g.entry_id] = g
+                    continue
+                if g.entry_id in unacked:
+                    continue  # trained since the last checkpoint; acknowledged with it
+                other = step_of_run(self.run_prefix, g.run_id)
+                if other is not None and other > step:
+                    continue  # a later step's, from before a restart: it will be read then
+                log.warning("stream %s: acknowledging entry %s of run %s without training it "
+                            "(%s)", self.stream, g.entry_id, g.run_id,
+                            "not this trainer's run" if other is None
+                            else f"step {other}, already in a checkpoint")
+                stray.append(g.entry_id)
+            self.ack(stray)
+            if len(got) < expected:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"run {run_id}: {len(got)} of {expected} groups in "
+                                       f"stream {self.stream!r} after {self.timeout_s:.0f}s")
+                time.sleep(0.2)
+        if len(got) > expected:
+            raise RuntimeError(f"run {run_id}: {len(got)} groups for {expected} tasks")
+        order = {t: i for i, t in enumerate(task_order)}
+        groups = sorted(got.values(), key=lambda g: (order.get(g.task_id, expected), g.task_id))
+        for g in groups:  # canonical order: the same batch, whatever order groups completed in
+            rollouts = sorted(g.rollouts, key=lambda r: r.index_in_group)
+            del g.rollouts[:]
+            g.rollouts.extend(rollouts)
+        return groups
+
+
+def step_spec(cfg: Any, tasks: Sequence[dict[str, Any]]) -> c.RunSpec:
+    """The controller run of one step (cfg: `TrainerConfig`)."""
+    return c.RunSpec(
+        name=cfg.run_name,
+        tasks=[c.Task(task_id=str(t["id"]), data_json=json.dumps(t, sort_keys=True))
+               for t in tasks],
+        group_size=cfg.group_size, harness_command=cfg.harness_command,
+        grader_command=cfg.grader_command, reward_source=c.REWARD_SOURCE_GRADER_JSON,
+        concurrency=cfg.concurrency, timeout_s=cfg.rollout_timeout_s,
+        grader_timeout_s=cfg.grader_timeout_s, max_attempts=cfg.max_attempts,
+        env=cfg.harness_env, stream=cfg.stream, model=cfg.served_model_name, backend="local")

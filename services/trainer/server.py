@@ -1,0 +1,102 @@
+"""Wires the trainer: its gRPC service in a thread of its own (with its own asyncio loop), the
+training loop in the main thread, signals, the ready file."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from types import FrameType
+
+from harnessrl import rpc
+from harnessrl.v1 import trainer_pb2, trainer_pb2_grpc
+
+from .config import TrainerConfig
+from .control import TrainerControl
+from .loop import build_trainer, train_sync
+from .servicer import TrainerServicer
+
+log = logging.getLogger("harnessrl.trainer")
+
+SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
+
+
+class ServerThread:
+    """The Trainer gRPC service (plus health and reflection) served from a daemon thread."""
+
+    def __init__(self, bind: str, control: TrainerControl) -> None:
+        self.bind = bind
+        self.control = control
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="trainer-grpc", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self._thread.start()
+        if not self._started.wait(timeout):
+            raise TimeoutError(f"trainer gRPC server not up after {timeout}s")
+        if self._error is not None:
+            raise RuntimeError(f"trainer gRPC server failed to start: {self._error}")
+        return self
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._error = e
+            self._started.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        server, self.port, _ = await rpc.start_server(self.bind, [
+            (trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(self.control),
+             SERVICE_NAME)])
+        self._started.set()
+        await self._stop.wait()
+        await server.stop(2.0)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(10)
+
+
+def _install_signal_handlers(control: TrainerControl) -> None:
+    """First SIGTERM/SIGINT: stop after the step in progress (with a checkpoint); second: now."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if control.stop_requested:
+            raise KeyboardInterrupt
+        log.info("signal %d: stopping after the step in progress", signum)
+        control.request_stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def serve(cfg: TrainerConfig) -> int:
+    """Runs the trainer until its steps are done or it is stopped; the exit code."""
+    control = TrainerControl()
+    server = ServerThread(cfg.bind, control).start()
+    log.info("trainer gRPC service on port %d", server.port)
+    rpc.write_ready_file(cfg.ready_file, grpc_port=server.port)
+    _install_signal_handlers(control)
+    trainer = build_trainer(cfg, control)
+    try:
+        train_sync(trainer)
+        control.end()
+        log.info("done: step %d, policy version %d, checkpoint %s", trainer.state.step,
+                 trainer.state.policy_version, trainer.last_checkpoint)
+        return 0
+    except BaseException as e:
+        control.end(error=f"{type(e).__name__}: {e}")
+        log.exception("training stopped by an error")
+        return 1
+    finally:
+        trainer.close()
+        server.stop()

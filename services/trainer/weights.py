@@ -1,0 +1,84 @@
+"""Pushing the trainer's weights into every engine the gateway routes to.
+
+`EngineWeights.push(model, version)` lists the engines registered with the gateway (engines
+added or removed since the last push are picked up) and pushes through
+`harnessrl.weight_transfer.WeightPusher` with `GatewayHooks`: per engine the gateway holds new
+calls (Pause), the weights travel, the gateway records the engine's new policy version and
+marks it READY, and releases the held calls (Resume).
+
+Failure policy: an engine whose push fails is marked MARKED in the gateway with the reason (no
+traffic reaches it) and left paused in vLLM, so nothing is ever served by a half-updated engine.
+The whole push of that version is then tried again (up to `attempts` times, `retry_delay_s`
+apart; the pusher re-joins a failed engine's weight group first, and a success marks it READY
+again). If every try fails the error (`PushError`, naming each failed engine and the stage) is
+raised and the trainer stops: in sync mode every engine must serve the new version before the
+next step's rollouts start. The failed engines stay MARKED until a later push succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Protocol
+
+import torch
+
+from harnessrl.clients import GatewayAdminClient
+from harnessrl.weight_transfer import (
+    EngineRef,
+    GatewayHooks,
+    PushConfig,
+    PushError,
+    PushReport,
+    WeightPusher,
+)
+
+log = logging.getLogger("harnessrl.trainer")
+
+
+class WeightSink(Protocol):
+    """Where the trainer's weights go after each step."""
+
+    def push(self, model: torch.nn.Module, version: int) -> PushReport | None: ...
+
+    def close(self) -> None: ...
+
+
+class EngineWeights:
+    """`WeightSink` into the engines registered with the gateway (see the module docstring)."""
+
+    def __init__(self, admin: GatewayAdminClient, config: PushConfig, attempts: int = 3,
+                 retry_delay_s: float = 2.0) -> None:
+        self.admin = admin
+        self.attempts = attempts
+        self.retry_delay_s = retry_delay_s
+        self.pusher = WeightPusher([], config, GatewayHooks(admin))
+
+    def _sync_engines(self) -> None:
+        registered = {e.name: e.base_url for e in self.admin.list_engines().engines}
+        if not registered:
+            raise RuntimeError("no engines are registered with the gateway: nothing to push to")
+        for name in self.pusher.engines:
+            if name not in registered:
+                log.info("engine %r left the gateway; no longer pushed to", name,
+                         extra={"engine": name})
+                self.pusher.remove_engine(name)
+        for name, url in registered.items():
+            if name not in self.pusher.engines:
+                self.pusher.add_engine(EngineRef(name, url))
+
+    def push(self, model: torch.nn.Module, version: int) -> PushReport:
+        for attempt in range(1, self.attempts + 1):
+            self._sync_engines()
+            try:
+                return self.pusher.push(model, version)
+            except PushError as e:
+                log.error("push of version %d, try %d of %d: %s", version, attempt,
+                          self.attempts, e, extra={"version": version})
+                if attempt == self.attempts:
+                    raise
+            time.sleep(self.retry_delay_s)
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self.pusher.close()
