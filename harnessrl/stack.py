@@ -19,6 +19,13 @@ from harnessrl.credentials import load_secret
 log = logging.getLogger("harnessrl.stack")
 
 
+def default_weight_backend() -> str:
+    """nccl where CUDA is available (vLLM's own backend), else gloo (our vLLM plugin)."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 @dataclass
 class StackConfig:
     state_dir: Path = field(default_factory=lambda: Path(".harnessrl"))
@@ -35,7 +42,7 @@ class StackConfig:
     """vLLM engines to start on model_dir."""
     external_engines: tuple[str, ...] = ()
     """Base URLs of engines already running (registered with the gateway as well)."""
-    weight_transfer_backend: str | None = "gloo"
+    weight_transfer_backend: str | None = field(default_factory=default_weight_backend)
     """Enables vLLM's weight-transfer protocol with this backend (gloo on CPU, nccl on GPU)."""
     max_model_len: int = 1024
     """Engine context length."""
