@@ -112,3 +112,26 @@ def stub_engine(tmp_path: Path) -> Iterator[StubEngineService]:
     svc = StubEngineService(tmp_path / "stub")
     yield svc
     svc.proc.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The project's tiny model (tied embeddings, warmed up), built once and cached across
+    sessions under $HARNESSRL_CACHE_DIR (default ~/.cache/harnessrl)."""
+    from harnessrl.model import build_tiny_model, default_model_dir
+
+    return build_tiny_model(default_model_dir())
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """One vLLM server on the tiny model for the whole test session (its start takes 60-95 s
+    on 2 cores); hermes tool parsing on, dev-mode endpoints on, no weight-transfer backend."""
+    from harnessrl.engine import start_engine
+
+    engine = start_engine(tiny_model_dir, workdir=tmp_path_factory.mktemp("vllm"))
+    try:
+        engine.wait_healthy(timeout=300)
+        yield engine
+    finally:
+        engine.stop(timeout=30)
