@@ -1,0 +1,121 @@
+"""The trainer service end to end: `python -m services.trainer` as a process against the real
+store, gateway and controller and a real vLLM (gloo weight transfer), on the calculator
+example with the tiny model. Also: the trainer's gRPC service (status, checkpoint now, stop)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harnessrl import procs
+from harnessrl.clients import GatewayAdminClient, StoreClient, TrainerClient
+from harnessrl.rpc import health_check
+from harnessrl.stack import Stack, StackConfig
+from harnessrl.v1 import gateway_pb2 as gpb
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+          tiny_model_dir: Path) -> Iterator[Stack]:
+    """Store, one vLLM engine on the tiny model with the gloo weight-transfer backend, gateway
+    and controller, as processes; a key prefix of its own."""
+    cfg = StackConfig(state_dir=tmp_path_factory.mktemp("stack"), redis_url=redis_url,
+                      key_prefix="tloop:", model_dir=tiny_model_dir, served_model_name="tiny",
+                      weight_transfer_backend="gloo", max_model_len=1024)
+    with Stack(cfg) as s:
+        yield s
+
+
+def start_trainer(stack: Stack, workdir: Path, model_dir: Path, *flags: str
+                  ) -> procs.ServiceProcess:
+    ready = workdir / "trainer.ready"
+    argv = procs.python_module(
+        "services.trainer", "--bind", "127.0.0.1:0", "--ready-file", str(ready),
+        "--store-address", stack.store_address,
+        "--controller-address", stack.controller_address,
+        "--gateway-admin-address", stack.gateway_admin_address,
+        "--model-path", str(model_dir), "--output-dir", str(workdir / "out"),
+        "--served-model-name", "tiny", *flags)
+    return procs.ServiceProcess("trainer", argv, workdir, ready_file=ready).start()
+
+
+def test_two_steps_push_versions_that_later_calls_carry_and_grpc_stop(
+        stack: Stack, tmp_path: Path, tiny_model_dir: Path) -> None:
+    trainer = start_trainer(stack, tmp_path, tiny_model_dir, "--steps", "6",
+                            "--tasks-per-step", "3", "--group-size", "4", "--concurrency", "4",
+                            "--lr", "1e-4", "--run-name", "loop", "--stream", "loop",
+                            # every step trains (and pushes) even when all of a group's
+                            # rewards are equal: what this test checks does not depend on
+                            # how often the tiny model gets a task right
+                            "--no-filter-zero-variance")
+    port = trainer.wait_ready(60)["grpc_port"]
+    address = f"127.0.0.1:{port}"
+    assert health_check(address, "harnessrl.v1.Trainer")
+    client = TrainerClient.connect(address, timeout=600)
+    metrics_file = tmp_path / "out" / "metrics.jsonl"
+    try:
+        seen_states = set()
+        # CheckpointNow answers after the step in progress (step 1) is checkpointed
+        answer: dict[str, object] = {}
+        asker = threading.Thread(target=lambda: answer.update(r=client.checkpoint_now()))
+        asker.start()
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            status = client.get_status()
+            seen_states.add(status.state)
+            if status.step >= 1:
+                break
+            assert trainer.alive, trainer.log_tail(80)
+            time.sleep(0.5)
+        assert status.step >= 1, trainer.log_tail(80)
+        stopped = client.stop()  # stop after the step in progress
+        assert stopped.state != "stopped"
+        asker.join(600)
+        cp = answer["r"]
+        assert cp.step >= 1 and Path(cp.path).name == f"step-{cp.step:06d}"  # type: ignore[attr-defined]
+        trainer.proc.wait(600)
+    finally:
+        client.close()
+        if trainer.alive:
+            trainer.stop()
+    assert trainer.proc.returncode == 0, trainer.log_tail(80)
+    assert {"generating"} <= seen_states, seen_states
+
+    rows = [json.loads(x) for x in metrics_file.read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert 2 <= len(rows) < 6 and steps == list(range(1, len(rows) + 1)), steps
+    assert rows[-1]["checkpoint"] and Path(rows[-1]["checkpoint"]).exists()
+    for r in rows:
+        assert r["rollouts"] == 12 and 0.0 <= r["reward_mean"] <= 1.0
+        assert r["version_mismatches"] == 0
+        if r["trained"]:
+            assert r["tokens"] > 0 and r["loss"] is not None and r["kl"] >= 0.0
+    # the policy version rises with each trained step, and step s's calls carry the version
+    # pushed after step s-1 (the trainer checks this too: version_check=fail)
+    versions = [0] + [r["policy_version"] for r in rows]
+    assert all(r["trained"] for r in rows), rows
+    assert versions == list(range(len(rows) + 1)), versions
+    store = StoreClient.connect(stack.store_address)
+    try:
+        for r, before in zip(rows, versions):
+            assert r["behaviour_version"] == before
+            rollouts = store.list_rollouts(r["run_id"], include_calls=True).rollouts
+            calls = [call for ro in rollouts for call in ro.calls]
+            assert len(rollouts) == 12 and len(calls) >= 12
+            assert {call.policy_version for call in calls} == {before}, r["run_id"]
+    finally:
+        store.close()
+    admin = GatewayAdminClient.connect(stack.gateway_admin_address)
+    try:
+        (engine,) = admin.list_engines().engines
+        assert engine.policy_version == versions[-1]
+        assert engine.state == gpb.ENGINE_STATE_READY and not engine.paused
+    finally:
+        admin.close()
