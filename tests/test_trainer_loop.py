@@ -11,14 +11,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+from conftest import GatewayService
 from harnessrl import procs
 from harnessrl.clients import GatewayAdminClient, StoreClient, TrainerClient
 from harnessrl.rpc import health_check
 from harnessrl.stack import Stack, StackConfig
 from harnessrl.v1 import gateway_pb2 as gpb
-
-pytestmark = pytest.mark.vllm
+from harnessrl.weight_transfer import PushConfig, PushError
+from services.trainer.weights import EngineWeights
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +48,7 @@ def start_trainer(stack: Stack, workdir: Path, model_dir: Path, *flags: str
     return procs.ServiceProcess("trainer", argv, workdir, ready_file=ready).start()
 
 
+@pytest.mark.vllm
 def test_two_steps_push_versions_that_later_calls_carry_and_grpc_stop(
         stack: Stack, tmp_path: Path, tiny_model_dir: Path) -> None:
     trainer = start_trainer(stack, tmp_path, tiny_model_dir, "--steps", "6",
@@ -119,3 +122,27 @@ def test_two_steps_push_versions_that_later_calls_carry_and_grpc_stop(
         assert engine.state == gpb.ENGINE_STATE_READY and not engine.paused
     finally:
         admin.close()
+
+
+def test_failed_push_marks_the_engine_and_raises_after_the_tries(
+        tmp_path: Path, store_service) -> None:  # type: ignore[no-untyped-def]
+    """An engine that cannot take the weights (here: nothing listens at its URL) is MARKED in
+    the real gateway with the reason, so no traffic reaches it; after `attempts` tries the
+    error names it. No vLLM needed: the failure comes before any weight moves."""
+    ghost = f"http://127.0.0.1:{procs.free_port()}"
+    gateway = GatewayService(tmp_path / "gw", store_service.address,
+                             [{"name": "ghost", "base_url": ghost, "model": "tiny"}])
+    admin = GatewayAdminClient.connect(gateway.admin_address)
+    weights = EngineWeights(admin, PushConfig(http_timeout_s=2, transfer_timeout_s=5),
+                            attempts=2, retry_delay_s=0.1)
+    try:
+        with pytest.raises(PushError) as err:
+            weights.push(torch.nn.Linear(2, 2), version=1)
+        assert err.value.failed_engines == ["ghost"]
+        (engine,) = admin.list_engines().engines
+        assert engine.state == gpb.ENGINE_STATE_MARKED and "ghost" in engine.reason
+        assert engine.policy_version == 0  # never claims the version it did not get
+    finally:
+        weights.close()
+        admin.close()
+        gateway.stop()
