@@ -10,6 +10,7 @@ tokenizer with chat template) that transformers and vLLM load as is. It also hol
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -49,10 +50,10 @@ class Recipe:
     head_dim: int = 64
     """vLLM's CPU attention needs head_dim >= 32."""
     max_position_embeddings: int = 1024
-    warmup_steps: int = 400
+    warmup_steps: int = 800
     """Supervised warm-up steps on example-task dialogues (0: random weights)."""
-    warmup_batch_size: int = 16
-    warmup_lr: float = 3e-3
+    warmup_batch_size: int = 32
+    warmup_lr: float = 5e-3
     copy_fraction: float = 0.35
     """Share of warm-up dialogues whose final answer copies the tool result; the others state a
     random number instead. Sets how often the warmed-up policy is right (see examples/calc)."""
@@ -97,9 +98,17 @@ def build_tiny_model(out_dir: str | Path, tie_word_embeddings: bool = True, seed
     recipe = Recipe(tie_word_embeddings=tie_word_embeddings, seed=seed,
                     **recipe_overrides)  # type: ignore[arg-type]
     out = Path(out_dir)
-    found = _load_recipe(out)
-    if found is not None and found.get("digest") == recipe.digest():
-        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one builder at a time per folder; the others wait and then find the finished build
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = _load_recipe(out)
+        if found is not None and found.get("digest") == recipe.digest():
+            return out
+        return _build(recipe, out)
+
+
+def _build(recipe: Recipe, out: Path) -> Path:
     t0 = time.monotonic()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
