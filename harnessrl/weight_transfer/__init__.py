@@ -1,0 +1,33 @@
+"""Weight push from the trainer into running vLLM engines.
+
+- `push`: `WeightPusher` drives vLLM's weight-transfer HTTP protocol for a set of engines.
+- `transports`: the data plane, `WeightTransport` with `GlooTransport` (CPU) and
+  `NcclTransport` (GPU, vLLM's own helpers).
+- `gloo_engine` + `vllm_plugin`: the vLLM side of the gloo backend (loaded inside vLLM).
+- `buckets`: the bucket plan both sides derive from the per-round metadata.
+"""
+
+from harnessrl.weight_transfer.push import (
+    EngineFailure,
+    EngineRef,
+    GatewayHooks,
+    PushConfig,
+    PushError,
+    PushHooks,
+    PushReport,
+    WeightPusher,
+    weights_of,
+)
+from harnessrl.weight_transfer.transports import (
+    GlooTransport,
+    NcclTransport,
+    WeightTransport,
+    make_transport,
+    update_info,
+)
+
+__all__ = [
+    "EngineFailure", "EngineRef", "GatewayHooks", "GlooTransport", "NcclTransport",
+    "PushConfig", "PushError", "PushHooks", "PushReport", "WeightPusher", "WeightTransport",
+    "make_transport", "update_info", "weights_of",
+]

@@ -1,0 +1,149 @@
+"""Helpers for the weight-transfer tests and benchmark: random Qwen3 model folders of any
+size (no tokenizer: the engine runs with `--skip-tokenizer-init` and talks token ids), a vLLM
+server started with the gloo weight-transfer backend, and log-probabilities of fixed token
+sequences from the engine and from transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from harnessrl.procs import ServiceProcess, free_port
+
+
+def random_qwen3(path: Path, *, hidden: int = 128, layers: int = 2, intermediate: int = 512,
+                 heads: int = 2, kv_heads: int = 1, vocab: int = 1024, tie: bool = True,
+                 seed: int = 0) -> Path:
+    """Saves a randomly initialised float32 Qwen3 causal LM (head_dim 64) in `path`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=64, max_position_embeddings=1024, tie_word_embeddings=tie,
+        torch_dtype="float32", bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # larger than the default init, so the logits differ visibly
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    return path
+
+
+def load_hf(path: Path) -> torch.nn.Module:
+    from transformers import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
+    """Adds noise to every parameter in place (a stand-in for an optimiser step)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` on a model folder, with the dev-mode
+    weight-transfer routes and our gloo backend, run from `workdir` (a folder that holds no
+    `harnessrl` package that could shadow the installed plugin)."""
+
+    def __init__(self, model_dir: Path, workdir: Path, *, max_model_len: int = 256,
+                 kv_cache_gib: int = 1, extra_args: tuple[str, ...] = (),
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.model_dir = Path(model_dir)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model_dir), "--served-model-name", "m",
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                "--max-model-len", str(max_model_len), "--skip-tokenizer-init",
+                "--weight-transfer-config", json.dumps({"backend": "gloo"}), *extra_args]
+        env = {"VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "PYTHONUNBUFFERED": "1",
+               **(extra_env or {})}
+        self.proc = ServiceProcess(f"vllm-{self.port}", argv, Path(workdir), env=env)
+
+    def start(self, timeout: float = 300.0) -> "VllmServer":
+        self.proc.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.proc.alive:
+                raise RuntimeError(f"vLLM exited before serving:\n{self.proc.log_tail(60)}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"vLLM not healthy after {timeout}s:\n{self.proc.log_tail(60)}")
+
+    def stop(self) -> None:
+        self.proc.stop(timeout=20)
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """The engine's log-probability of each token of `token_ids` given the ones before it
+        (positions 1..n-1), from `/v1/completions` with `prompt_logprobs`."""
+        r = httpx.post(f"{self.base_url}/v1/completions", timeout=120, json={
+            "model": "m", "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+            "prompt_logprobs": 0})
+        r.raise_for_status()
+        entries = r.json()["choices"][0]["prompt_logprobs"]
+        out = []
+        for pos in range(1, len(token_ids)):
+            entry: dict[str, Any] = entries[pos]
+            out.append(entry[str(token_ids[pos])]["logprob"])
+        return torch.tensor(out, dtype=torch.float64)
+
+    def weight_version(self) -> str | None:
+        r = httpx.get(f"{self.base_url}/weight_info", timeout=10)
+        r.raise_for_status()
+        return r.json()["weight_version"]
+
+
+def jemalloc_env() -> dict[str, str]:
+    """Environment that runs a process on jemalloc with page purging off, so that freed
+    memory is reused without page faults. A weight update allocates several model-sized
+    buffers (receive buffers, vLLM's layerwise-reload staging, oneDNN's packed weights); with
+    glibc each allocation over 32 MB is a fresh mmap whose first touch costs about 4x a warm
+    copy here. vLLM's CPU docs recommend preloading a caching allocator for the same reason."""
+    import ctypes.util
+
+    for candidate in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+                      "/lib/x86_64-linux-gnu/libjemalloc.so.2",
+                      "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"):
+        if Path(candidate).exists():
+            lib = candidate
+            break
+    else:
+        found = ctypes.util.find_library("jemalloc")
+        if found is None:
+            raise FileNotFoundError("libjemalloc not found (Debian: apt-get install libjemalloc2)")
+        lib = found
+    return {"LD_PRELOAD": lib, "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+
+
+def hf_prompt_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """transformers' log-probability of each token given the ones before it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].to(torch.float64)
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    return logp.gather(1, torch.tensor(token_ids[1:]).unsqueeze(1)).squeeze(1)
+
