@@ -11,8 +11,13 @@ For each model size (random float32 Qwen3 configs, untied embeddings):
    transfer time (/start_weight_update sent -> /finish_weight_update answered: layerwise-reload
    set-up, broadcasts, `load_weights`, finalisation) and pause time (/pause sent -> /resume
    answered), medians;
-3. while pushing, a client streams a long completion; the largest gap between two streamed
-   tokens during a push is the pause as a client sees it (next to the median gap).
+3. while pushing, a client in its own process streams long completions; the largest gap
+   between two streamed tokens during a push is the pause as a client sees it (next to the
+   median gap without a push).
+
+The engine runs on jemalloc with page purging off (`--allocator jemalloc`, the default; see
+`devtools.jemalloc_env`): with glibc every model-sized buffer of the update is a fresh mmap.
+`--allocator system` measures without it.
 
 Ends with one JSON line: `push_gbps`, `raw_gbps`, `ratio` (push / raw) and `paused_ms` for the
 largest model, plus the per-size figures.
