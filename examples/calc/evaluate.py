@@ -89,6 +89,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", help="OpenAI-compatible API root (…/v1); default: start vLLM "
                    "on the tiny model")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="model folder to serve when no --base-url (default: the tiny model)")
     p.add_argument("--model", default=None, help="model name (default: the served tiny model)")
     p.add_argument("--tasks", type=Path, default=HERE / "tasks.jsonl")
     p.add_argument("--runs", type=int, default=128)
@@ -101,7 +103,7 @@ def main() -> None:
         from harnessrl.engine import start_engine
         from harnessrl.model.build import build_tiny_model, default_model_dir
 
-        model_dir = build_tiny_model(default_model_dir())
+        model_dir = a.model_dir or build_tiny_model(default_model_dir())
         engine = start_engine(model_dir, workdir=Path(tempfile.mkdtemp(prefix="calc-vllm-")))
         print(f"starting vLLM on {model_dir} (log {engine.log_path})", file=sys.stderr)
         engine.wait_healthy()

@@ -53,7 +53,7 @@ class Recipe:
     warmup_steps: int = 800
     """Supervised warm-up steps on example-task dialogues (0: random weights)."""
     warmup_batch_size: int = 32
-    warmup_lr: float = 5e-3
+    warmup_lr: float = 3e-3
     copy_fraction: float = 0.35
     """Share of warm-up dialogues whose final answer copies the tool result; the others state a
     random number instead. Sets how often the warmed-up policy is right (see examples/calc)."""
