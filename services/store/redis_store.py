@@ -12,8 +12,8 @@ Keys (all under the configured prefix P):
 - `P gdone:{group_id}` SET of terminal rollouts; `P gpub:{group_id}` published flag.
 - `P stream:{name}` the Redis Stream of completed groups, read through consumer groups.
 
-Appends are checked and written by one Lua script, so a call can never land in an attempt
-that has finished. Record updates use optimistic transactions (WATCH/MULTI). Publishing a
+Appends are checked and written by one Lua script per batch, so a call can never land in an
+attempt that has finished. (Scripts touch several keys: a single Redis, not Redis Cluster.) Record updates use optimistic transactions (WATCH/MULTI). Publishing a
 completed group is a Lua script guarded by a flag, so it happens exactly once even when the
 store dies between finishing the last rollout and publishing (the idempotent retry of
 FinishAttempt publishes then).
@@ -36,13 +36,28 @@ TERMINAL = (c.ROLLOUT_STATUS_SUCCEEDED, c.ROLLOUT_STATUS_FAILED, c.ROLLOUT_STATU
 NO_STREAM = ("", "-")
 
 _APPEND_LUA = """
--- KEYS[1] state key, KEYS[2] calls hash; ARGV[1] attempt, ARGV[2] seq, ARGV[3] call bytes
-if redis.call('HEXISTS', KEYS[2], ARGV[2]) == 1 then return 0 end
-local st = redis.call('GET', KEYS[1])
-if not st then return -1 end
-if st ~= ('R' .. ARGV[1]) then return -2 end
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-return 1
+-- For each call i: KEYS[2i-1] its attempt's state key, KEYS[2i] its calls hash;
+-- ARGV[3i-2] attempt, ARGV[3i-1] seq, ARGV[3i] call bytes.
+-- Result per call: 1 stored, 0 duplicate, -1 unknown rollout, -2 attempt not running.
+local out = {}
+for i = 1, #KEYS / 2 do
+  local st_key, calls_key = KEYS[2 * i - 1], KEYS[2 * i]
+  local attempt, seq = ARGV[3 * i - 2], ARGV[3 * i - 1]
+  if redis.call('HEXISTS', calls_key, seq) == 1 then
+    out[i] = 0
+  else
+    local st = redis.call('GET', st_key)
+    if not st then
+      out[i] = -1
+    elseif st ~= ('R' .. attempt) then
+      out[i] = -2
+    else
+      redis.call('HSET', calls_key, seq, ARGV[3 * i])
+      out[i] = 1
+    end
+  end
+end
+return out
 """
 
 _CREATE_LUA = """
@@ -325,14 +340,14 @@ class RolloutStore:
             else:
                 todo.append(i)
         if todo:
-            async with self.r.pipeline(transaction=False) as pipe:
-                for i in todo:
-                    call = calls[i]
-                    await self._append(
-                        keys=[self._k("st", call.rollout_id),
-                              self._calls_key(call.rollout_id, call.attempt)],
-                        args=[call.attempt, call.seq, call.SerializeToString()], client=pipe)
-                outcomes = await pipe.execute()
+            keys: list[str] = []
+            args: list[object] = []
+            for i in todo:
+                call = calls[i]
+                keys += [self._k("st", call.rollout_id),
+                         self._calls_key(call.rollout_id, call.attempt)]
+                args += [call.attempt, call.seq, call.SerializeToString()]
+            outcomes = await self._append(keys=keys, args=args)  # one round trip per batch
             for i, out in zip(todo, outcomes):
                 if out == 1:
                     results[i] = spb.APPEND_RESULT_STORED
