@@ -12,6 +12,7 @@ shared/VLLM_CPU.md).
 from __future__ import annotations
 
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
@@ -19,6 +20,30 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from harnessrl import procs
+
+log = logging.getLogger("harnessrl.engine")
+
+
+def jemalloc_env() -> dict[str, str]:
+    """Environment that runs a process on jemalloc with page purging off, so that freed
+    memory is reused without page faults. A weight update allocates several model-sized
+    buffers (receive buffers, vLLM's layerwise-reload staging, oneDNN's packed weights); with
+    glibc each allocation over 32 MB is a fresh mmap whose first touch costs about 4x a warm
+    copy (measured: push/raw-broadcast ratio 0.20 on glibc, 0.34 on jemalloc, 100M model).
+    vLLM's CPU docs recommend preloading a caching allocator for the same reason. Empty when
+    libjemalloc is not installed (Debian: libjemalloc2)."""
+    import ctypes.util
+
+    for candidate in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+                      "/lib/x86_64-linux-gnu/libjemalloc.so.2",
+                      "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"):
+        if Path(candidate).exists():
+            return {"LD_PRELOAD": candidate,
+                    "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+    found = ctypes.util.find_library("jemalloc")
+    if found is None:
+        return {}
+    return {"LD_PRELOAD": found, "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
 
 
 class EngineError(RuntimeError):
@@ -112,7 +137,12 @@ def start_engine(model_dir: str | Path, port: int | None = None,
     if any(p.name != "vllm.log" for p in run_dir.iterdir()):
         raise EngineError(f"{run_dir} is not empty; vLLM must run in a folder that cannot "
                           "shadow installed packages")
+    allocator = jemalloc_env()
+    if not allocator:
+        log.warning("libjemalloc not found: vLLM runs on glibc malloc, weight pushes are "
+                    "slower (apt-get install libjemalloc2)")
     full_env = {
+        **allocator,
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

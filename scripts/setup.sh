@@ -8,6 +8,7 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v wrk >/dev/null || need_apt+=(wrk)
+ls /usr/lib/*-linux-gnu/libjemalloc.so.2 >/dev/null 2>&1 || need_apt+=(libjemalloc2)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing ${need_apt[*]}"

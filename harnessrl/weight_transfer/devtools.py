@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from harnessrl.engine import jemalloc_env  # noqa: F401 - re-exported for the bench
 import torch
 
 from harnessrl.procs import ServiceProcess, free_port
@@ -116,28 +118,6 @@ class VllmServer:
         r = httpx.get(f"{self.base_url}/weight_info", timeout=10)
         r.raise_for_status()
         return r.json()["weight_version"]
-
-
-def jemalloc_env() -> dict[str, str]:
-    """Environment that runs a process on jemalloc with page purging off, so that freed
-    memory is reused without page faults. A weight update allocates several model-sized
-    buffers (receive buffers, vLLM's layerwise-reload staging, oneDNN's packed weights); with
-    glibc each allocation over 32 MB is a fresh mmap whose first touch costs about 4x a warm
-    copy here. vLLM's CPU docs recommend preloading a caching allocator for the same reason."""
-    import ctypes.util
-
-    for candidate in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
-                      "/lib/x86_64-linux-gnu/libjemalloc.so.2",
-                      "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"):
-        if Path(candidate).exists():
-            lib = candidate
-            break
-    else:
-        found = ctypes.util.find_library("jemalloc")
-        if found is None:
-            raise FileNotFoundError("libjemalloc not found (Debian: apt-get install libjemalloc2)")
-        lib = found
-    return {"LD_PRELOAD": lib, "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
 
 
 def hf_prompt_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
