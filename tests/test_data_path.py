@@ -72,7 +72,8 @@ def check_trajectories(stack: Stack, run: c.Run, tok: PreTrainedTokenizerFast) -
         workdir = Path(ro.attempts[-1].workdir)
         received = [json.loads(x) for x in (workdir / "transcript.jsonl").read_text()
                     .splitlines()]
-        assert len(ro.calls) == len(received) >= 2, ro.rollout_id
+        # A model that fails to call the tool ends its run after one call (reward 0).
+        assert len(ro.calls) == len(received) >= 1, ro.rollout_id
         for call, got in zip(ro.calls, received):
             assert len(call.logprobs) == len(call.completion_token_ids) > 0
             assert all(lp <= 0.0 for lp in call.logprobs)
@@ -92,13 +93,15 @@ def check_trajectories(stack: Stack, run: c.Run, tok: PreTrainedTokenizerFast) -
         # The first prompt is the harness's question, rendered by the chat template.
         task = json.loads(ro.task_json)
         assert task["question"] in tok.decode(ro.calls[0].prompt_token_ids)
+    # The harness is multi-turn: question -> tool call -> tool result -> answer.
+    multi = sum(len(ro.calls) >= 2 for ro in rollouts)
+    assert multi >= 0.75 * len(rollouts), f"only {multi} of {len(rollouts)} runs had 2+ calls"
     return checked
 
 
 def test_example_run_is_recorded_token_for_token(stack: Stack, tiny_model_dir: Path) -> None:
     ctl = ControllerClient.connect(stack.controller_address)
-    run = ctl.create_run(spec(tasks=4, n=4, model="tiny" if False else
-                              stack.cfg.served_model_name))
+    run = ctl.create_run(spec(tasks=4, n=4, model=stack.cfg.served_model_name))
     ctl.close()
     run = wait_run(stack, run.run_id)
     assert run.status == c.RUN_STATUS_SUCCEEDED and run.num_succeeded == 16, run
