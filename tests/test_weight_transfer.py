@@ -137,11 +137,13 @@ def _run(fn: Any, *args: Any) -> tuple[threading.Thread, dict[str, Any]]:
     return t, out
 
 
-@pytest.fixture(params=["gloo", "nccl"])
+NEEDS_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="NCCL transport needs CUDA on the trainer and the worker; this machine has no GPU")
+
+
+@pytest.fixture(params=["gloo", pytest.param("nccl", marks=NEEDS_CUDA)])
 def backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "nccl" and not torch.cuda.is_available():
-        pytest.skip("NCCL transport needs CUDA on the trainer and the worker; this machine "
-                    "has no GPU")
     return request.param
 
 

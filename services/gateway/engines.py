@@ -52,6 +52,8 @@ class EngineState:
 
 
 class EngineRegistry:
+    max_sticky = 100_000  # rollout -> engine assignments kept
+
     def __init__(self) -> None:
         self.engines: dict[str, EngineState] = {}
         self._sticky: dict[str, str] = {}  # rollout id -> engine name
@@ -165,6 +167,9 @@ class EngineRegistry:
         if not candidates:
             return None
         eng = min(candidates, key=lambda e: (e.paused, e.inflight, e.served))
+        if len(self._sticky) >= self.max_sticky:  # forget the oldest half (finished rollouts)
+            for rid in list(self._sticky)[: len(self._sticky) // 2]:
+                del self._sticky[rid]
         self._sticky[rollout_id] = eng.name
         return eng
 
@@ -174,9 +179,6 @@ class EngineRegistry:
             eng.served += 1
         if eng.inflight == 0:
             eng.idle.set()
-
-    def forget(self, rollout_id: str) -> None:
-        self._sticky.pop(rollout_id, None)
 
     def mark_unreachable(self, eng: EngineState, why: str) -> None:
         if eng.reachable:
