@@ -294,3 +294,69 @@ def test_hold_past_the_bound_fails_loudly(tmp_path: Path, store_service: StoreSe
         store.close()
     finally:
         w.close()
+
+
+def test_harness_that_gives_up_on_a_held_call_does_not_wedge_the_gateway(world: World) -> None:
+    rid = world.rollout()
+    key = SIGNER.mint(rid, 1, 60)
+    chat(world.client(key))
+    world.store_svc.kill()
+    impatient = world.client(key, timeout=0.5)
+    for _ in range(4):  # each request is held, then its client disconnects
+        with pytest.raises(openai.APITimeoutError):
+            chat(impatient)
+    world.store_svc.start()
+    resp = chat(world.client(key, timeout=30))
+    assert resp.choices[0].message.content == "Hello, world!"
+    calls = world.calls(rid)
+    assert calls[0].seq == 0 and len(calls) >= 2  # held calls may land; none is lost after
+    seqs = [x.seq for x in calls]
+    assert seqs == sorted(set(seqs))
+
+
+def test_clients_that_disconnect_mid_call_do_not_wedge_the_gateway(world: World) -> None:
+    import asyncio
+    import random
+    rid = world.rollout()
+    key = SIGNER.mint(rid, 1, 60)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}"
+               f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+               f"{body}").encode()
+
+    async def hit_and_run() -> None:
+        _, writer = await asyncio.open_connection("127.0.0.1", world.gateway.http_port)
+        writer.write(request)
+        await asyncio.sleep(random.uniform(0, 0.004))  # gone while the call is in flight
+        writer.transport.abort()
+
+    async def storm() -> None:
+        for _ in range(30):
+            await asyncio.gather(*(hit_and_run() for _ in range(32)))
+
+    asyncio.run(storm())
+    resp = chat(world.client(key, timeout=10))
+    assert resp.choices[0].message.content == "Hello, world!"
+    seqs = [x.seq for x in world.calls(rid)]
+    assert seqs == sorted(set(seqs)) and len(seqs) >= 1
+
+
+def test_http_edge_cases(world: World) -> None:
+    import socket
+    port = world.gateway.http_port
+    with socket.create_connection(("127.0.0.1", port)) as s:  # garbage is refused, not hung
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 400")
+    with socket.create_connection(("127.0.0.1", port)) as s:  # pipelined requests, in order
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+                  b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while data.count(b"HTTP/1.1") < 2:
+            data += s.recv(4096)
+        assert data.index(b"HTTP/1.1 200") < data.index(b"HTTP/1.1 404")
+    r = httpx.get(world.gateway.base_url.replace("/v1", "/v1/chat/completions"))
+    assert r.status_code == 405
+    chunked = httpx.post(world.gateway.base_url + "/chat/completions",
+                         content=iter([b'{"model": "tiny", ', b'"messages": []}']),
+                         headers={"authorization": "Bearer nope"})
+    assert chunked.status_code == 401  # a chunked body is read whole, then the key checked

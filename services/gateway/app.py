@@ -39,11 +39,7 @@ from services.gateway.upstream import ConnectFailed, UpstreamError
 
 log = logging.getLogger("harnessrl.gateway")
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
-_JSON_HEADERS = [(b"content-type", b"application/json")]
+Headers = list[tuple[bytes, bytes]]
 
 
 class HTTPError(Exception):
@@ -69,7 +65,8 @@ def _from_domain(exc: HarnessRLError) -> HTTPError:
 
 
 class GatewayApp:
-    """A plain ASGI application (no framework on the hot path)."""
+    """The data plane's request handler (served by `http_server`; no framework on the hot
+    path): `handle(method, path, headers, body)` -> (status, JSON body)."""
 
     def __init__(self, cfg: GatewayConfig, registry: EngineRegistry, sessions: Sessions,
                  recorder: CallRecorder, store: StoreClient) -> None:
@@ -78,7 +75,7 @@ class GatewayApp:
         self.sessions = sessions
         self.recorder = recorder
         self.store = store
-        self.routes: dict[tuple[str, str], Callable[[Scope, bytes], Awaitable[Any]]] = {
+        self.routes: dict[tuple[str, str], Callable[[Headers, bytes], Awaitable[Any]]] = {
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/v1/completions"): self.completions,
             ("GET", "/v1/models"): self.list_models,
@@ -86,61 +83,33 @@ class GatewayApp:
             ("GET", "/health"): self.health,
         }
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        status, payload = 200, b""
+    async def handle(self, method: str, path: str, headers: Headers, body: bytes | None
+                     ) -> tuple[int, bytes]:
+        """`body` is None when it was over `max_body_bytes`."""
         try:
-            handler = self.routes.get((scope["method"], scope["path"]))
+            handler = self.routes.get((method, path))
             if handler is None:
-                if any(path == scope["path"] for _, path in self.routes):
-                    raise HTTPError(405, f"method {scope['method']} not allowed",
-                                    "invalid_request_error")
-                raise HTTPError(404, f"no route {scope['path']}", "invalid_request_error",
-                                "not_found")
-            body = await self._read_body(scope, receive)
-            result = await handler(scope, body)
-            if isinstance(result, tuple):
-                status, payload = result
-            else:
-                payload = result
+                if any(p == path for _, p in self.routes):
+                    raise HTTPError(405, f"method {method} not allowed", "invalid_request_error")
+                raise HTTPError(404, f"no route {path}", "invalid_request_error", "not_found")
+            if body is None:
+                raise HTTPError(413, f"request body over the {self.cfg.max_body_bytes}-byte "
+                                "limit", "invalid_request_error", "body_too_large")
+            result = await handler(headers, body)
+            return result if isinstance(result, tuple) else (200, result)
         except HTTPError as err:
-            status, payload = err.status, err.body()
+            return err.status, err.body()
         except HarnessRLError as err:
             http_err = _from_domain(err)
-            status, payload = http_err.status, http_err.body()
+            return http_err.status, http_err.body()
         except Exception as err:  # noqa: BLE001 - reported to the harness, logged here
             log.exception("request failed")
-            status = 500
-            payload = HTTPError(500, f"gateway error: {type(err).__name__}: {err}",
-                                "server_error").body()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": _JSON_HEADERS + [(b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+            return 500, HTTPError(500, f"gateway error: {type(err).__name__}: {err}",
+                                  "server_error").body()
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.cfg.max_body_bytes
-        for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise HTTPError(413, f"request body over the {limit}-byte limit",
-                                "invalid_request_error", "body_too_large")
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                raise HTTPError(400, "client disconnected", "invalid_request_error")
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise HTTPError(413, f"request body over the {limit}-byte limit",
-                                "invalid_request_error", "body_too_large")
-            chunks.append(chunk)
-            if not msg.get("more_body"):
-                return b"".join(chunks)
-
-    async def _auth(self, scope: Scope) -> Session:
+    async def _auth(self, headers: Headers) -> Session:
         authorization = api_key = None
-        for name, value in scope["headers"]:
+        for name, value in headers:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
             elif name == b"x-api-key":
@@ -148,18 +117,18 @@ class GatewayApp:
         return await self.sessions.authenticate(authorization, api_key)
 
     # routes ---------------------------------------------------------------------------------
-    async def health(self, scope: Scope, body: bytes) -> bytes:
+    async def health(self, headers: Headers, body: bytes) -> bytes:
         return b'{"status":"ok"}'
 
-    async def list_models(self, scope: Scope, body: bytes) -> bytes:
-        await self._auth(scope)
+    async def list_models(self, headers: Headers, body: bytes) -> bytes:
+        await self._auth(headers)
         now = int(time.time())
         return orjson.dumps({"object": "list", "data": [
             {"id": m, "object": "model", "created": now, "owned_by": "harnessrl"}
             for m in self.registry.models()]})
 
-    async def report_reward(self, scope: Scope, body: bytes) -> bytes:
-        session = await self._auth(scope)
+    async def report_reward(self, headers: Headers, body: bytes) -> bytes:
+        session = await self._auth(headers)
         data = _parse_json(body)
         reward = data.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or \
@@ -175,15 +144,15 @@ class GatewayApp:
             raise Unavailable(f"store: {err.details()}") from err
         return b'{"ok":true}'
 
-    async def chat_completions(self, scope: Scope, body: bytes) -> tuple[int, bytes]:
-        return await self._complete(scope, body, "chat.completions")
+    async def chat_completions(self, headers: Headers, body: bytes) -> tuple[int, bytes]:
+        return await self._complete(headers, body, "chat.completions")
 
-    async def completions(self, scope: Scope, body: bytes) -> tuple[int, bytes]:
-        return await self._complete(scope, body, "completions")
+    async def completions(self, headers: Headers, body: bytes) -> tuple[int, bytes]:
+        return await self._complete(headers, body, "completions")
 
     # the recorded round trip ----------------------------------------------------------------
-    async def _complete(self, scope: Scope, body: bytes, api: str) -> tuple[int, bytes]:
-        session = await self._auth(scope)
+    async def _complete(self, headers: Headers, body: bytes, api: str) -> tuple[int, bytes]:
+        session = await self._auth(headers)
         request = _parse_json(body)
         model = request.get("model")
         if not isinstance(model, str) or not model:

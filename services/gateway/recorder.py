@@ -80,13 +80,24 @@ class CallRecorder:
         return batch
 
     async def _writer(self, index: int) -> None:
-        backoff = 0.05
         while True:
             batch = await self._take()
+            try:
+                await self._deliver(batch)
+            except Exception as exc:  # noqa: BLE001 - a writer must never die silently
+                log.exception("recording a batch failed")
+                for item in batch:
+                    if not item.future.done():
+                        item.future.set_exception(RecordRejected(f"recorder error: {exc}"))
+
+    async def _deliver(self, batch: list[_Item]) -> None:
+        """Delivers one batch, retrying it through store outages until the items' deadlines."""
+        backoff = 0.05
+        while True:
             now = time.monotonic()
             live = []
             for item in batch:
-                if item.future.done():
+                if item.future.done():  # its request was cancelled (the client went away)
                     continue
                 if now >= item.deadline:
                     item.future.set_exception(HoldTimeout(
@@ -95,30 +106,33 @@ class CallRecorder:
                 else:
                     live.append(item)
             if not live:
-                continue
+                return
             try:
                 resp = await self.store.append_calls([i.call for i in live], timeout=10.0)
             except grpc.aio.AioRpcError as err:
                 if err.code() not in _RETRYABLE:
                     for item in live:
-                        item.future.set_exception(RecordRejected(
-                            f"store refused the batch: {err.code().name}: {err.details()}"))
-                    continue
+                        if not item.future.done():
+                            item.future.set_exception(RecordRejected(
+                                f"store refused the batch: {err.code().name}: "
+                                f"{err.details()}"))
+                    return
                 if self.store_down_since is None:
                     self.store_down_since = time.monotonic()
                     log.warning("store unreachable (%s); holding calls", err.code().name)
-                self._queue.extendleft(reversed(live))
-                self._ready.set()
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
+                batch = live
                 continue
             if self.store_down_since is not None:
                 log.info("store reachable again after %.1fs; delivering held calls",
                          time.monotonic() - self.store_down_since)
                 self.store_down_since = None
-            backoff = 0.05
             for item, result, reason in zip(live, resp.results, resp.reasons):
+                if item.future.done():  # cancelled while the batch was in flight
+                    continue
                 if result in (spb.APPEND_RESULT_STORED, spb.APPEND_RESULT_DUPLICATE):
                     item.future.set_result(None)
                 else:
                     item.future.set_exception(RecordRejected(reason or "rejected by the store"))
+            return

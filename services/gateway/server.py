@@ -1,4 +1,4 @@
-"""Wires the gateway: HTTP data plane (uvicorn) and GatewayAdmin (gRPC) in one event loop."""
+"""Wires the gateway: HTTP data plane and GatewayAdmin (gRPC) in one event loop."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import logging
 import socket
 
 import aiohttp
-import uvicorn
 
 from harnessrl import rpc
 from harnessrl.clients import StoreClient
@@ -18,6 +17,7 @@ from services.gateway.admin import GatewayAdminServicer
 from services.gateway.app import GatewayApp
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry
+from services.gateway.http_server import serve_http
 from services.gateway.recorder import CallRecorder
 from services.gateway.sessions import Sessions
 
@@ -58,24 +58,14 @@ async def serve(cfg: GatewayConfig) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.http_host, cfg.http_port))
     http_port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(
-        app, http="httptools", lifespan="off", access_log=False, log_level="warning",
-        proxy_headers=False, server_header=False, date_header=False,
-        timeout_keep_alive=75, backlog=2048))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    http_task = asyncio.create_task(server.serve(sockets=[sock]))
+    http_server = await serve_http(app.handle, sock, cfg.max_body_bytes)
     probe = asyncio.create_task(_probe_engines(registry, http, cfg.engine_probe_interval_s))
-    while not server.started:
-        if http_task.done():
-            http_task.result()
-        await asyncio.sleep(0.01)
     log.info("gateway serving HTTP on %s:%d, GatewayAdmin on port %d, store %s",
              cfg.http_host, http_port, grpc_port, cfg.store_address)
     rpc.write_ready_file(cfg.ready_file, http_port=http_port, grpc_port=grpc_port)
 
     async def shutdown() -> None:
-        server.should_exit = True
-        await http_task
+        http_server.close()
         probe.cancel()
         await recorder.close()
         await http.close()

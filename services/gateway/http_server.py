@@ -1,0 +1,122 @@
+"""A lean HTTP/1.1 server for the gateway's data plane (httptools parser, asyncio protocol).
+
+The gateway answers small JSON requests, each a round trip to an engine and the store; per
+request, a general ASGI server (uvicorn) costs about as much CPU as the gateway's own work.
+This server does only what the data plane needs: keep-alive HTTP/1.1, Content-Length or
+chunked request bodies (bounded by `max_body_bytes`), pipelined requests answered in order, and
+one write per response. A client that disconnects cancels its request (nothing is recorded
+for a response nobody received). Handlers are `async (method, path, headers, body) -> (status,
+body)`, headers a list of (lower-case name, value) byte pairs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+
+import httptools
+
+log = logging.getLogger("harnessrl.gateway.http")
+
+Headers = list[tuple[bytes, bytes]]
+Handler = Callable[[str, str, Headers, bytes | None], Awaitable[tuple[int, bytes]]]
+
+_REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found",
+            405: b"Method Not Allowed", 409: b"Conflict", 413: b"Payload Too Large",
+            500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
+
+
+def _response(status: int, body: bytes, keep_alive: bool) -> bytes:
+    return b"".join((
+        b"HTTP/1.1 ", str(status).encode(), b" ", _REASONS.get(status, b"Status"),
+        b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+        b"" if keep_alive else b"\r\nconnection: close", b"\r\n\r\n", body))
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, handler: Handler, max_body_bytes: int) -> None:
+        self.handler = handler
+        self.max_body = max_body_bytes
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.queue: deque[tuple[str, str, Headers, bytes | None, bool]] = deque()
+        self.worker: asyncio.Task[None] | None = None
+        self._url = b""
+        self._headers: Headers = []
+        self._body: list[bytes] = []
+        self._size = 0
+
+    # asyncio.Protocol --------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reject(400, b'{"error": {"message": "protocol upgrade not supported"}}')
+        except httptools.HttpParserError as err:
+            msg = str(err).replace('"', "'")
+            self._reject(400, b'{"error": {"message": "malformed HTTP request: %s"}}'
+                         % msg.encode())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.worker is not None:
+            self.worker.cancel()
+        self.queue.clear()
+
+    # httptools callbacks ----------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url, self._headers, self._body, self._size = b"", [], [], 0
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.lower(), value))
+
+    def on_body(self, body: bytes) -> None:
+        self._size += len(body)
+        if self._size <= self.max_body:
+            self._body.append(body)
+        else:
+            self._body = []  # too large: keep parsing to the end, answer 413
+
+    def on_message_complete(self) -> None:
+        path = self._url.split(b"?", 1)[0].decode("latin-1")
+        body = b"".join(self._body) if self._size <= self.max_body else None
+        self.queue.append((self.parser.get_method().decode("latin-1"), path, self._headers,
+                           body, self.parser.should_keep_alive()))
+        if self.worker is None or self.worker.done():
+            self.worker = asyncio.get_running_loop().create_task(self._serve())
+
+    # --------------------------------------------------------------------------------------
+    async def _serve(self) -> None:
+        while self.queue and self.transport is not None and not self.transport.is_closing():
+            method, path, headers, body, keep_alive = self.queue.popleft()
+            try:
+                status, payload = await self.handler(method, path, headers, body)
+            except Exception:  # noqa: BLE001 - the handler maps its errors; this is a bug
+                log.exception("unhandled error in %s %s", method, path)
+                status, payload = 500, b'{"error": {"message": "internal gateway error"}}'
+            if self.transport.is_closing():
+                return
+            self.transport.write(_response(status, payload, keep_alive))
+            if not keep_alive:
+                self.transport.close()
+                return
+
+    def _reject(self, status: int, payload: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(_response(status, payload, False))
+            self.transport.close()
+
+
+async def serve_http(handler: Handler, sock: "object", max_body_bytes: int
+                     ) -> asyncio.AbstractServer:
+    """Serves `handler` on an already bound socket; returns the started server."""
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: _Connection(handler, max_body_bytes),
+                                    sock=sock, backlog=2048)  # type: ignore[arg-type]
