@@ -100,6 +100,17 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+def start_service(name: str, module: str, args: list[str], workdir: Path,
+                  env: dict[str, str] | None = None, timeout: float = 60.0
+                  ) -> tuple[ServiceProcess, dict[str, Any]]:
+    """Starts `python -m module *args --ready-file <workdir>/<name>.ready` and waits for its
+    ready file; returns the process and what the file announced (ports, pid)."""
+    ready = Path(workdir) / f"{name}.ready"
+    proc = ServiceProcess(name, python_module(module, *args, "--ready-file", str(ready)),
+                          workdir, env=env, ready_file=ready).start()
+    return proc, proc.wait_ready(timeout)
+
+
 def redis_alive(url: str) -> bool:
     try:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5).ping())

@@ -115,12 +115,8 @@ class Stack:
         self.controller_address = f"127.0.0.1:{info['grpc_port']}"
 
     def _service(self, name: str, module: str, *args: str) -> dict:  # type: ignore[type-arg]
-        ready = self.logs / f"{name}.ready"
-        proc = procs.ServiceProcess(name, procs.python_module(module, *args, "--ready-file",
-                                                              str(ready)),
-                                    self.logs, ready_file=ready).start()
-        self.procs[name] = proc
-        return proc.wait_ready(60)
+        self.procs[name], info = procs.start_service(name, module, list(args), self.logs)
+        return info
 
     def restart(self, name: str, kill: bool = True) -> None:
         """kill -9 (or stop) a service and start it again with the same flags and port."""

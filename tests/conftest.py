@@ -38,13 +38,11 @@ class StoreService:
         self.port = 0
 
     def start(self, port: int = 0) -> "StoreService":
-        ready = self.workdir / "store.ready"
-        argv = procs.python_module(
-            "services.store", "--bind", f"127.0.0.1:{port or self.port}",
-            "--redis-url", self.redis_url, "--key-prefix", self.key_prefix,
-            "--ready-file", str(ready))
-        self.proc = procs.ServiceProcess("store", argv, self.workdir, ready_file=ready).start()
-        self.port = self.proc.wait_ready(30)["grpc_port"]
+        self.proc, info = procs.start_service(
+            "store", "services.store",
+            ["--bind", f"127.0.0.1:{port or self.port}", "--redis-url", self.redis_url,
+             "--key-prefix", self.key_prefix], self.workdir, timeout=30)
+        self.port = info["grpc_port"]
         return self
 
     @property
@@ -74,13 +72,10 @@ class StubEngineService:
     """`harnessrl.testing.stub_engine` in its own process: answers like vLLM, no model."""
 
     def __init__(self, workdir: Path, model: str = "tiny") -> None:
-        ready = workdir / "stub.ready"
         self.model = model
-        self.proc = procs.ServiceProcess(
-            "stub", procs.python_module("harnessrl.testing.stub_engine", "--model", model,
-                                        "--ready-file", str(ready)), workdir,
-            ready_file=ready).start()
-        self.port = self.proc.wait_ready(30)["http_port"]
+        self.proc, info = procs.start_service("stub", "harnessrl.testing.stub_engine",
+                                              ["--model", model], workdir, timeout=30)
+        self.port = info["http_port"]
         self.base_url = f"http://127.0.0.1:{self.port}"
 
 
@@ -91,14 +86,11 @@ class GatewayService:
                  *extra: str) -> None:
         import json as _json
         self.workdir = workdir
-        ready = workdir / "gateway.ready"
-        argv = procs.python_module(
-            "services.gateway", "--http-port", "0", "--grpc-bind", "127.0.0.1:0",
-            "--store-address", store_address, "--engines", _json.dumps(engines),
-            "--ready-file", str(ready), *extra)
-        self.proc = procs.ServiceProcess("gateway", argv, workdir, ready_file=ready,
-                                         env={"HARNESSRL_GATEWAY_SECRET": TEST_SECRET}).start()
-        info = self.proc.wait_ready(30)
+        self.proc, info = procs.start_service(
+            "gateway", "services.gateway",
+            ["--http-port", "0", "--grpc-bind", "127.0.0.1:0", "--store-address", store_address,
+             "--engines", _json.dumps(engines), *extra], workdir,
+            env={"HARNESSRL_GATEWAY_SECRET": TEST_SECRET}, timeout=30)
         self.http_port, self.grpc_port = info["http_port"], info["grpc_port"]
         self.base_url = f"http://127.0.0.1:{self.http_port}/v1"
         self.admin_address = f"127.0.0.1:{self.grpc_port}"
