@@ -2,6 +2,10 @@
 
 Defaults train the bundled calculator example (`examples/calc`) on the project's tiny model;
 point `model_path`, `tasks_file` and the harness/grader commands elsewhere for another task.
+The learning defaults (steps, tasks_per_step, group_size, lr) are the ones measured on that
+example (tests/test_learning.py: mean reward 0.43 over the first 5 steps, 0.91 over the last 5,
+~27 s a step on 2 CPU cores); `lr` in particular suits a 0.7M-parameter model only — a real
+LLM wants something like 1e-6.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ class TrainerConfig(ServiceConfig):
                              "the nonce is drawn once per output_dir, so a restarted trainer "
                              "re-attaches to its own runs and a fresh one never does",
         pattern=r"^[A-Za-z0-9._-]{1,60}$")
-    steps: int = Field(20, ge=0, description="train until this many steps are done (a resumed "
-                                             "trainer continues to the same total)")
+    steps: int = Field(24, ge=0, description="train until this many steps are done (a resumed "
+                                             "trainer continues to the same total); 24 take "
+                                             "the calc example from ~0.4 to ~0.9 mean reward")
     seed: int = Field(0, description="seed of torch's RNG and of each step's task choice")
     device: str = Field("cpu", description="torch device of the trained model ('cpu', 'cuda')")
     dtype: Literal["float32", "bfloat16"] = Field(
@@ -57,9 +62,10 @@ class TrainerConfig(ServiceConfig):
     tasks_file: str = Field(str(EXAMPLE / "tasks.jsonl"),
                             description="JSONL task file, one JSON object per line ('id' names "
                                         "the task)")
-    tasks_per_step: int = Field(8, ge=1, description="tasks (groups) per step, drawn without "
+    tasks_per_step: int = Field(4, ge=1, description="tasks (groups) per step, drawn without "
                                                      "replacement, deterministically from "
-                                                     "seed and step")
+                                                     "seed and step (4 x group_size 8 = 32 "
+                                                     "rollouts a step on the calc example)")
     group_size: int = Field(8, ge=2, description="rollouts per task (n of GRPO)")
     harness_command: list[str] = Field(
         default_factory=lambda: [sys.executable, str(EXAMPLE / "harness.py")],
@@ -94,7 +100,10 @@ class TrainerConfig(ServiceConfig):
                                                      "seq_mean or rollout_mean")
     max_sample_len: int | None = Field(None, ge=2, description="longest training sample in "
                                                                "tokens (None: no limit)")
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (constant)")
+    lr: float = Field(6e-4, gt=0, description="AdamW learning rate (constant). 6e-4 is tuned "
+                                               "for the tiny model on the calc example (2e-3 "
+                                               "broke its tool-call format within 6 steps); "
+                                               "a real LLM wants ~1e-6")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
     beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
