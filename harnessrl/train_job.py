@@ -71,14 +71,13 @@ def terminal_plot(rows: list[dict]) -> str:  # type: ignore[type-arg]
 
     steps = [r["step"] for r in rows if r.get("reward_mean") is not None]
     rewards = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
-    plt.clear_figure()
-    plt.plot(steps, rewards, marker="dot")
-    plt.ylim(0, 1)
-    plt.title("mean reward per step")
-    plt.xlabel("step")
-    plt.plotsize(70, 15)
-    plt.theme("clear")
-    return str(plt.build())
+    fig = plt.figure  # plotext 6 API: one figure object, signals drawn onto it
+    fig.clear()
+    fig.draw(fig.signal(steps, rewards, marker="dot"))
+    fig.title("mean reward per step")
+    fig.label("step", axis="x")
+    fig.plot_size(70, 15)
+    return str(plt.uncolorize(str(fig.build())))  # plain text: rich would garble ANSI codes
 
 
 def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
