@@ -28,11 +28,19 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 WALL_LIMIT_S = 20 * 60
 MARGIN = 0.25
-# A first choice, not yet tuned: with the tiny model of recipe 1c6b44579f627bfe every one of
-# 320 rollouts (10 steps) scored 0, so there was nothing to tune against. ~27 s per step here.
+# Tuned on the warmed-up tiny model (base mean reward ~0.36), 2 shared cores, ~27 s per step:
+# - lr 2e-3: copying took over within 4 updates (0.44, 0.41, 0.44, 0.56, 0.53), then update 5
+#   broke the tool-call format ('{"name": {"expression": {"expression...') and every rollout
+#   scored 0 from step 6 on — all groups zero-variance, no signal left to recover with;
+# - lr 6e-4 (these flags, also TrainerConfig's defaults): 0.22 0.38 0.44 0.59 0.53 | 0.69 0.81
+#   0.72 0.91 0.91 0.81 0.69 0.94 0.91 0.88 0.84 0.91 0.75 0.81 | 0.91 0.84 1.00 0.88 0.91:
+#   first 5 0.43, last 5 0.91, gain 0.48, trainer wall 654 s; a second run: first 5 0.41,
+#   last 5 0.94, gain 0.53, 558 s; `harnessrl up` with these as defaults: 0.44 -> 0.93, 582 s.
+#   Single steps still dip (0.25 at step 7 or 9: one group whose copies go wrong), so the
+#   5-step means, not single steps, carry the check.
 TRAINER_FLAGS = {
     "--steps": "24", "--tasks-per-step": "4", "--group-size": "8", "--concurrency": "8",
-    "--lr": "2e-3", "--seed": "0", "--checkpoint-every": "4",
+    "--lr": "6e-4", "--seed": "0", "--checkpoint-every": "4",
 }
 
 
