@@ -36,8 +36,9 @@ MARGIN = 0.25
 #   0.72 0.91 0.91 0.81 0.69 0.94 0.91 0.88 0.84 0.91 0.75 0.81 | 0.91 0.84 1.00 0.88 0.91:
 #   first 5 0.43, last 5 0.91, gain 0.48, trainer wall 654 s; a second run: first 5 0.41,
 #   last 5 0.94, gain 0.53, 558 s; `harnessrl up` with these as defaults: 0.44 -> 0.93, 582 s.
-#   Single steps still dip (0.25 at step 7 or 9: one group whose copies go wrong), so the
-#   5-step means, not single steps, carry the check.
+#   Single steps still dip (0.25 at step 7 or 9): mass pushed off "I estimate" first lands on
+#   bare guessed numbers ("879."), which the next updates push down too; the 5-step means, not
+#   single steps, carry the check.
 TRAINER_FLAGS = {
     "--steps": "24", "--tasks-per-step": "4", "--group-size": "8", "--concurrency": "8",
     "--lr": "6e-4", "--seed": "0", "--checkpoint-every": "4",
