@@ -59,6 +59,11 @@ class _Conn(asyncio.Protocol):
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result((self.parser.get_status_code(), b"".join(self.body)))
 
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
     def _fail(self, exc: Exception) -> None:
         self.closed = True
         if self.waiter is not None and not self.waiter.done():
@@ -113,27 +118,22 @@ class UpstreamPool:
         while self.idle:
             conn = self.idle.pop()
             if conn.closed or now - conn.last_used > self.idle_timeout_s:
-                if conn.transport is not None:
-                    conn.transport.close()
+                conn.close()
                 continue
             try:
-                result = await conn.exchange(request, timeout)
+                return await self._exchange(conn, request, timeout)
             except UpstreamError:
                 if not conn.got_bytes:
                     continue  # a keep-alive connection the engine had closed: use another
                 raise
-            except BaseException:
-                if conn.transport is not None:
-                    conn.transport.close()
-                raise
-            self._release(conn)
-            return result
-        conn = await self._connect()
+        return await self._exchange(await self._connect(), request, timeout)
+
+    async def _exchange(self, conn: _Conn, request: bytes, timeout: float
+                        ) -> tuple[int, bytes]:
         try:
             result = await conn.exchange(request, timeout)
         except BaseException:
-            if conn.transport is not None:
-                conn.transport.close()
+            conn.close()
             raise
         self._release(conn)
         return result
@@ -141,11 +141,10 @@ class UpstreamPool:
     def _release(self, conn: _Conn) -> None:
         if conn.keep_alive and not conn.closed:
             self.idle.append(conn)
-        elif conn.transport is not None:
-            conn.transport.close()
+        else:
+            conn.close()
 
     def close(self) -> None:
         for conn in self.idle:
-            if conn.transport is not None:
-                conn.transport.close()
+            conn.close()
         self.idle.clear()
