@@ -186,6 +186,10 @@ class GatewayApp:
         started = time.time()
         while True:
             engine = await self.registry.acquire(rollout_id, model, deadline)
+            # The version when generation starts: a call that spans a weight push (engine
+            # paused with mode=keep) is attributed to the older policy, so staleness is never
+            # under-counted.
+            version = engine.policy_version
             forward["model"] = engine.model or model
             t0 = time.perf_counter()
             served = False
@@ -205,7 +209,7 @@ class GatewayApp:
         call = _call_from_response(api, request, response, body)
         call.rollout_id = rollout_id
         call.attempt = session.cred.attempt
-        call.policy_version = engine.policy_version
+        call.policy_version = version
         call.engine = engine.name
         call.started_at = started
         call.latency_s = latency

@@ -58,8 +58,10 @@ class EngineRegistry:
         self.engines: dict[str, EngineState] = {}
         self._sticky: dict[str, str] = {}  # rollout id -> engine name
         self._changed = asyncio.Event()  # set whenever routing-relevant state changes
+        self._models: list[str] = []
 
     def _notify(self) -> None:
+        self._models = sorted({e.model for e in self.engines.values() if e.model})
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -76,6 +78,7 @@ class EngineRegistry:
                 raise AlreadyExists(f"engine {name!r} is registered at {existing.base_url}")
             existing.model = model or existing.model
             existing.policy_version = policy_version
+            self._notify()
             return existing
         eng = EngineState(name, base_url, model, policy_version)
         self.engines[name] = eng
@@ -132,7 +135,8 @@ class EngineRegistry:
         return engines
 
     def models(self) -> list[str]:
-        return sorted({e.model for e in self.engines.values() if e.model})
+        """Model names the registered engines serve (kept current by `_notify`)."""
+        return self._models
 
     # routing ------------------------------------------------------------------------------
     async def acquire(self, rollout_id: str, model: str, deadline: float) -> EngineState:
