@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import tomllib
 from pathlib import Path
-from typing import Any, ClassVar, get_origin
+from typing import Any, ClassVar, Self, get_origin
 
 import yaml
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -84,7 +85,7 @@ class ServiceConfig(BaseSettings):
         return parser
 
     @classmethod
-    def load(cls, argv: list[str] | None = None, prog: str | None = None) -> "ServiceConfig":
+    def load(cls, argv: list[str] | None = None, prog: str | None = None) -> Self:
         args = cls.arg_parser(prog).parse_args(argv)
         values = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
         for name, value in list(values.items()):
@@ -98,6 +99,17 @@ class ServiceConfig(BaseSettings):
             return cls(**values)
         finally:
             _FILE_VALUES.clear()
+
+    @classmethod
+    def for_service(cls, service: str, argv: list[str] | None = None) -> Self:
+        """A service's start-up: resolves the config from file/env/flags, configures logging
+        once for the process, and logs the resolved config (secrets masked)."""
+        from harnessrl import log as hlog
+
+        cfg = cls.load(argv, prog=f"python -m services.{service}")
+        hlog.setup(service, getattr(cfg, "log_level", None))
+        logging.getLogger(f"harnessrl.{service}").info("config %s", cfg.describe())
+        return cfg
 
     def describe(self) -> str:
         data = self.model_dump(mode="json")

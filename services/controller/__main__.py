@@ -1,17 +1,13 @@
 """`python -m services.controller --help`"""
 
 import asyncio
-import logging
 
-from harnessrl import log as hlog
 from services.controller.config import ControllerConfig
 from services.controller.server import serve
 
 
 def main() -> None:
-    cfg = ControllerConfig.load(prog="python -m services.controller")
-    hlog.setup("controller", cfg.log_level)
-    logging.getLogger("harnessrl.controller").info("config %s", cfg.describe())
+    cfg = ControllerConfig.for_service("controller")
     asyncio.run(serve(cfg))
 
 
