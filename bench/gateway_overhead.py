@@ -8,10 +8,13 @@ Side by side in one run, with wrk (Debian's `wrk`, C, one thread) as the load ge
    connections (skip with --no-vllm).
 
 Every call through the gateway is authenticated with a rollout credential, forwarded, and
-recorded in the store (Redis) before the response returns. Ends with one JSON line:
-`added_p50_ms` (gateway p50 - direct p50, real vLLM, 32 connections; with --no-vllm the stub's),
-`throughput_ratio` (gateway calls/s / direct calls/s, stub upstream, 32 connections), and the
-raw figures.
+recorded in the store (Redis) before the response returns. "Direct" sends the engine the very
+request the gateway forwards (`logprobs` and `return_token_ids` on, so the response carries the
+token ids and logprobs), so the difference is what the gateway adds; `*_direct_plain` also
+shows a direct request without those fields (what asking for them costs the engine itself).
+Ends with one JSON line: `added_p50_ms` (gateway p50 - direct p50, real vLLM, 32 connections;
+with --no-vllm the stub's), `throughput_ratio` (gateway calls/s / direct calls/s, stub
+upstream, 32 connections), and the raw figures.
 
     python bench/gateway_overhead.py [--duration 10] [--no-vllm]
 """
@@ -20,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,11 +76,29 @@ def wrk(url: str, body: dict, key: str, connections: int, duration: int, workdir
             "calls_per_s": r["requests"] / (r["duration_us"] / 1e6), "calls": r["requests"]}
 
 
+def cpu_ms(processes: dict[str, procs.ServiceProcess]) -> dict[str, float]:
+    """CPU time (user + system, ms) each process has used so far, from /proc."""
+    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, p in processes.items():
+        assert p.proc is not None
+        fields = Path(f"/proc/{p.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) * tick_ms
+    return out
+
+
+def as_forwarded(body: dict) -> dict:  # type: ignore[type-arg]
+    """The request the gateway sends the engine for a chat completion `body`."""
+    return {**body, "logprobs": True, "return_token_ids": True}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--duration", type=int, default=10, help="seconds per measurement")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--no-vllm", action="store_true", help="skip the real-vLLM comparison")
+    ap.add_argument("--vllm-rounds", type=int, default=3,
+                    help="alternating direct/gateway runs against vLLM (medians reported)")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk not found: apt-get install wrk (scripts/setup.sh does)")
@@ -114,26 +137,53 @@ def main() -> None:
         stub_body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
         results: dict[str, dict[str, float]] = {}
         d, n = args.duration, args.connections
+        ours = {"gateway": gw_proc, "store": store_proc, "redis": redis_proc}
+
+        def through_gateway(name: str, body: dict, conns: int, secs: int) -> None:  # type: ignore[type-arg]
+            before = cpu_ms(ours)
+            r = results[name] = wrk(gw_url, body, key, conns, secs, work)
+            after = cpu_ms(ours)
+            for proc_name in ours:  # CPU the harnessrl side spent per call, in microseconds
+                r[f"{proc_name}_cpu_us_per_call"] = \
+                    (after[proc_name] - before[proc_name]) * 1000 / max(1, r["calls"])
+
+        stub_direct = f"{stub_url}/v1/chat/completions"
         wrk(gw_url, stub_body, key, n, 2, work)  # warm-up
-        results["stub_direct"] = wrk(f"{stub_url}/v1/chat/completions", stub_body, key, n, d, work)
-        results["stub_gateway"] = wrk(gw_url, stub_body, key, n, d, work)
-        results["stub_direct_c1"] = wrk(f"{stub_url}/v1/chat/completions", stub_body, key, 1,
+        results["stub_direct"] = wrk(stub_direct, as_forwarded(stub_body), key, n, d, work)
+        through_gateway("stub_gateway", stub_body, n, d)
+        results["stub_direct_plain"] = wrk(stub_direct, stub_body, key, n, d, work)
+        results["stub_direct_c1"] = wrk(stub_direct, as_forwarded(stub_body), key, 1,
                                         max(3, d // 2), work)
-        results["stub_gateway_c1"] = wrk(gw_url, stub_body, key, 1, max(3, d // 2), work)
+        through_gateway("stub_gateway_c1", stub_body, 1, max(3, d // 2))
         if vllm is not None:
-            body = {"model": "tiny", "max_tokens": 16, "temperature": 1.0,
+            # Every completion exactly 16 tokens (ignore_eos), so each request is the same work.
+            body = {"model": "tiny", "max_tokens": 16, "temperature": 1.0, "ignore_eos": True,
                     "messages": [{"role": "user", "content": "What is 12 + 30?"}]}
-            wrk(f"{vllm.base_url}/v1/chat/completions", body, key, n, 3, work)  # warm-up
-            results["vllm_direct"] = wrk(f"{vllm.base_url}/v1/chat/completions", body, key, n,
-                                         d, work)
-            results["vllm_gateway"] = wrk(gw_url, body, key, n, d, work)
+            vllm_direct = f"{vllm.base_url}/v1/chat/completions"
+            wrk(vllm_direct, body, key, n, 3, work)  # warm-up
+            # vLLM on 2 CPU cores varies a lot from one run to the next: alternate direct and
+            # gateway runs and keep the median of each.
+            rounds: dict[str, list[dict[str, float]]] = {"vllm_direct": [], "vllm_gateway": []}
+            for _ in range(args.vllm_rounds):
+                rounds["vllm_direct"].append(wrk(vllm_direct, as_forwarded(body), key, n, d,
+                                                 work))
+                through_gateway("vllm_gateway", body, n, d)
+                rounds["vllm_gateway"].append(results["vllm_gateway"])
+            for name, runs in rounds.items():
+                results[name] = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+            results["vllm_direct_plain"] = wrk(vllm_direct, body, key, n, d, work)
         recorded = len(store.get_rollout("bench/0").attempts) and \
             store.get_rollout("bench/0").attempts[0].num_calls
         store.close()
 
-        print(f"\n{'measurement':<18}{'p50 ms':>10}{'p99 ms':>10}{'calls/s':>11}")
+        print(f"\n{'measurement':<18}{'p50 ms':>10}{'p99 ms':>10}{'calls/s':>11}"
+              f"{'gateway / store / redis CPU us per call':>42}")
         for name, r in results.items():
-            print(f"{name:<18}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['calls_per_s']:>11.0f}")
+            cpu = "" if "gateway_cpu_us_per_call" not in r else (
+                f"{r['gateway_cpu_us_per_call']:>24.0f} / {r['store_cpu_us_per_call']:.0f} / "
+                f"{r['redis_cpu_us_per_call']:.0f}")
+            print(f"{name:<18}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['calls_per_s']:>11.0f}"
+                  f"{cpu}")
         ref = "vllm" if vllm is not None else "stub"
         summary = {
             "added_p50_ms": round(results[f"{ref}_gateway"]["p50_ms"]
@@ -143,6 +193,9 @@ def main() -> None:
                                   - results[f"{ref}_direct"]["p99_ms"], 3),
             "throughput_ratio": round(results["stub_gateway"]["calls_per_s"]
                                       / results["stub_direct"]["calls_per_s"], 3),
+            "throughput_ratio_vs_plain_direct": round(
+                results["stub_gateway"]["calls_per_s"]
+                / results["stub_direct_plain"]["calls_per_s"], 3),
             "added_p50_ms_stub_c1": round(results["stub_gateway_c1"]["p50_ms"]
                                           - results["stub_direct_c1"]["p50_ms"], 3),
             "recorded_calls": recorded,
@@ -152,6 +205,8 @@ def main() -> None:
         if vllm is not None:
             summary["vllm_throughput_ratio"] = round(
                 results["vllm_gateway"]["calls_per_s"] / results["vllm_direct"]["calls_per_s"], 3)
+            summary["added_p50_ms_vs_plain_direct"] = round(
+                results["vllm_gateway"]["p50_ms"] - results["vllm_direct_plain"]["p50_ms"], 3)
         print(json.dumps(summary))
     finally:
         for p in reversed(started):

@@ -78,6 +78,11 @@ class StoreClient(_Client[store_pb2_grpc.StoreStub]):
             spb.AppendCallsRequest(calls=list(calls)), timeout=timeout or self.timeout
         )
 
+    def record_calls(self) -> Any:
+        """Opens a RecordCalls stream (asyncio channel): `await s.write(AppendCallsRequest)`,
+        then `await s.read()` gives its AppendCallsResponse; batches answered in order."""
+        return self.stub.RecordCalls()
+
     def report_reward(self, rollout_id: str, attempt: int, reward: float) -> c.Rollout:
         return self.stub.ReportReward(
             spb.ReportRewardRequest(rollout_id=rollout_id, attempt=attempt, reward=reward),

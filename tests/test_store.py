@@ -10,6 +10,7 @@ import grpc
 import pytest
 import redis
 
+from conftest import StoreService
 from harnessrl import procs
 from harnessrl.clients import StoreClient
 from harnessrl.rpc import health_check
@@ -121,6 +122,69 @@ def test_explicit_status_codes(client: StoreClient) -> None:
     with pytest.raises(grpc.RpcError) as e:
         finish(client, ros[0].rollout_id, 1, status=c.ROLLOUT_STATUS_RUNNING)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_record_calls_stream_answers_batches_in_order(client: StoreClient,
+                                                            store_service) -> None:  # type: ignore[no-untyped-def]
+    """The gateway's hot path: batches written back to back on one stream are answered in
+    order, with AppendCalls' per-call semantics."""
+    ros = make_group("rs", "t", 1)
+    client.create_rollouts(ros)
+    rid = ros[0].rollout_id
+    client.start_attempt(rid, 1)
+    aio = StoreClient.connect_async(store_service.address)
+    try:
+        stream = aio.record_calls()
+        batches = [[call(rid, 1, 0), call(rid, 1, 1)],
+                   [call(rid, 1, 1, base=900), call(rid, 1, 2)],  # seq 1 again: duplicate
+                   [call(rid, 1, 3), call(rid, 2, 0), call("nope", 1, 0)]]
+        for b in batches:  # all written before any answer is read
+            await stream.write(spb.AppendCallsRequest(calls=b))
+        answers = [await stream.read() for _ in batches]
+        await stream.done_writing()
+        assert await stream.read() is grpc.aio.EOF
+    finally:
+        await aio.close()
+    ST, DUP, REJ = (spb.APPEND_RESULT_STORED, spb.APPEND_RESULT_DUPLICATE,
+                    spb.APPEND_RESULT_REJECTED)
+    assert [list(a.results) for a in answers] == [[ST, ST], [DUP, ST], [ST, REJ, REJ]]
+    assert "not running" in answers[2].reasons[1] and "unknown" in answers[2].reasons[2]
+    got = client.get_rollout(rid, include_calls=True)
+    assert [x.seq for x in got.calls] == [0, 1, 2, 3]
+    assert list(got.calls[1].completion_token_ids) == [10, 11, 12]  # first write won
+
+
+async def test_record_calls_stream_ends_unavailable_when_redis_is_down(tmp_path: Path) -> None:
+    url, redis_proc = procs.start_redis(tmp_path / "r")
+    port = redis.Redis.from_url(url).connection_pool.connection_kwargs["port"]
+    svc = StoreService(tmp_path / "store", url, "hrl-down:").start()
+    try:
+        sync = StoreClient.connect(svc.address)
+        ros = make_group("rd", "t", 1)
+        sync.create_rollouts(ros)
+        rid = ros[0].rollout_id
+        sync.start_attempt(rid, 1)
+        aio = StoreClient.connect_async(svc.address)
+        stream = aio.record_calls()
+        await stream.write(spb.AppendCallsRequest(calls=[call(rid, 1, 0)]))
+        assert list((await stream.read()).results) == [spb.APPEND_RESULT_STORED]
+        redis_proc.kill()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stream.write(spb.AppendCallsRequest(calls=[call(rid, 1, 1)]))
+            await stream.read()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "redis unavailable" in (err.value.details() or "")
+        # Redis back (AOF): a new stream delivers the call the broken one could not.
+        _, redis_proc = procs.start_redis(tmp_path / "r", port=port)
+        stream = aio.record_calls()
+        await stream.write(spb.AppendCallsRequest(calls=[call(rid, 1, 1)]))
+        assert list((await stream.read()).results) == [spb.APPEND_RESULT_STORED]
+        assert [x.seq for x in sync.get_rollout(rid, include_calls=True).calls] == [0, 1]
+        await aio.close()
+        sync.close()
+    finally:
+        svc.stop()
+        redis_proc.stop()
 
 
 def test_retry_attempts_keep_history_and_calls_of_final_attempt(client: StoreClient) -> None:

@@ -42,6 +42,12 @@ class StoreStub:
     """Starts attempt `attempt` of a rollout; idempotent for the current attempt."""
     AppendCalls: _grpc.UnaryUnaryMultiCallable[_store_pb2.AppendCallsRequest, _store_pb2.AppendCallsResponse]
     """Appends calls; each is idempotent on (rollout_id, attempt, seq). Per-call results."""
+    RecordCalls: _grpc.StreamStreamMultiCallable[_store_pb2.AppendCallsRequest, _store_pb2.AppendCallsResponse]
+    """AppendCalls as one long-lived stream, the gateway's hot path: one response per request,
+    in order, with the same per-call semantics. A stream costs about half the CPU and latency
+    of a unary call per batch. A Redis outage ends the stream with UNAVAILABLE; the caller
+    opens a new one and sends again (appends are idempotent).
+    """
     ReportReward: _grpc.UnaryUnaryMultiCallable[_store_pb2.ReportRewardRequest, _common_pb2.Rollout]
     """Records a reward reported by the harness for a running attempt."""
     FinishAttempt: _grpc.UnaryUnaryMultiCallable[_store_pb2.FinishAttemptRequest, _common_pb2.Rollout]
@@ -69,6 +75,12 @@ class StoreAsyncStub(StoreStub):
     """Starts attempt `attempt` of a rollout; idempotent for the current attempt."""
     AppendCalls: _aio.UnaryUnaryMultiCallable[_store_pb2.AppendCallsRequest, _store_pb2.AppendCallsResponse]  # type: ignore[assignment]
     """Appends calls; each is idempotent on (rollout_id, attempt, seq). Per-call results."""
+    RecordCalls: _aio.StreamStreamMultiCallable[_store_pb2.AppendCallsRequest, _store_pb2.AppendCallsResponse]  # type: ignore[assignment]
+    """AppendCalls as one long-lived stream, the gateway's hot path: one response per request,
+    in order, with the same per-call semantics. A stream costs about half the CPU and latency
+    of a unary call per batch. A Redis outage ends the stream with UNAVAILABLE; the caller
+    opens a new one and sends again (appends are idempotent).
+    """
     ReportReward: _aio.UnaryUnaryMultiCallable[_store_pb2.ReportRewardRequest, _common_pb2.Rollout]  # type: ignore[assignment]
     """Records a reward reported by the harness for a running attempt."""
     FinishAttempt: _aio.UnaryUnaryMultiCallable[_store_pb2.FinishAttemptRequest, _common_pb2.Rollout]  # type: ignore[assignment]
@@ -129,6 +141,18 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_store_pb2.AppendCallsResponse, _abc.Awaitable[_store_pb2.AppendCallsResponse]]:
         """Appends calls; each is idempotent on (rollout_id, attempt, seq). Per-call results."""
+
+    @_abc_1.abstractmethod
+    def RecordCalls(
+        self,
+        request_iterator: _MaybeAsyncIterator[_store_pb2.AppendCallsRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_store_pb2.AppendCallsResponse], _abc.AsyncIterator[_store_pb2.AppendCallsResponse]]:
+        """AppendCalls as one long-lived stream, the gateway's hot path: one response per request,
+        in order, with the same per-call semantics. A stream costs about half the CPU and latency
+        of a unary call per batch. A Redis outage ends the stream with UNAVAILABLE; the caller
+        opens a new one and sends again (appends are idempotent).
+        """
 
     @_abc_1.abstractmethod
     def ReportReward(

@@ -43,7 +43,9 @@ class GatewayConfig(ServiceConfig):
         120.0, description="how long a call is held while the store or every engine is "
         "unavailable or paused; past it the harness gets HTTP 503 and nothing is recorded")
     record_batch_max: int = Field(256, description="calls per AppendCalls batch at most")
-    record_writers: int = Field(2, description="AppendCalls batches in flight at once")
+    record_writers: int = Field(1, ge=1, description="RecordCalls streams to the store, each "
+                                "with one batch in flight; calls arriving meanwhile form the "
+                                "next batch (1 gives the largest batches: least CPU per call)")
     engine_probe_interval_s: float = Field(2.0, description="health probe of unhealthy engines")
     ready_file: str = Field("", description="write {pid, http_port, grpc_port} once serving")
     log_level: str = Field("INFO", description="logging level")

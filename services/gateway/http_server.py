@@ -51,6 +51,7 @@ class _Connection(asyncio.Protocol):
     # asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.loop = asyncio.get_running_loop()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -90,7 +91,7 @@ class _Connection(asyncio.Protocol):
         self.queue.append((self.parser.get_method().decode("latin-1"), path, self._headers,
                            body, self.parser.should_keep_alive()))
         if self.worker is None or self.worker.done():
-            self.worker = asyncio.get_running_loop().create_task(self._serve())
+            self.worker = self.loop.create_task(self._serve())
 
     # --------------------------------------------------------------------------------------
     async def _serve(self) -> None:

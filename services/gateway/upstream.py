@@ -73,13 +73,22 @@ class _Conn(asyncio.Protocol):
         assert self.transport is not None
         self.body = []
         self.got_bytes = False
-        self.waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = self.waiter = loop.create_future()
+        # A timer on the waiter, not asyncio.wait_for: this runs once per harness call.
+        timer = loop.call_later(timeout, self._timed_out, waiter, timeout)
         self.transport.write(request)
         try:
-            return await asyncio.wait_for(self.waiter, timeout)
+            return await waiter
         finally:
+            timer.cancel()
             self.waiter = None
             self.last_used = time.monotonic()
+
+    @staticmethod
+    def _timed_out(waiter: asyncio.Future[tuple[int, bytes]], timeout: float) -> None:
+        if not waiter.done():
+            waiter.set_exception(asyncio.TimeoutError(f"no response within {timeout:g}s"))
 
 
 class UpstreamPool:

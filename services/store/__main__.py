@@ -2,12 +2,15 @@
 
 import asyncio
 
+import uvloop
+
 from services.store.config import StoreConfig
 from services.store.server import serve
 
 
 def main() -> None:
     cfg = StoreConfig.for_service("store")
+    uvloop.install()
     asyncio.run(serve(cfg))
 
 

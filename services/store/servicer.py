@@ -4,7 +4,7 @@ UNAVAILABLE (callers retry; every write is idempotent)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -19,6 +19,7 @@ from harnessrl.v1 import store_pb2_grpc
 from services.store.redis_store import RolloutStore
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 def _redis_unavailable(fn: F) -> F:
@@ -26,7 +27,7 @@ def _redis_unavailable(fn: F) -> F:
     async def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return await fn(*args, **kwargs)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except _REDIS_DOWN as exc:
             raise Unavailable(f"redis unavailable: {exc}") from exc
     return wrapper  # type: ignore[return-value]
 
@@ -67,6 +68,16 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                           context: grpc.aio.ServicerContext) -> spb.AppendCallsResponse:
         results, reasons = await self.store.append_calls(request.calls)
         return spb.AppendCallsResponse(results=results, reasons=reasons)
+
+    async def RecordCalls(self, request_iterator: AsyncIterator[spb.AppendCallsRequest],
+                          context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[spb.AppendCallsResponse]:
+        async for request in request_iterator:
+            try:
+                results, reasons = await self.store.append_calls(request.calls)
+            except _REDIS_DOWN as exc:
+                raise Unavailable(f"redis unavailable: {exc}") from exc
+            yield spb.AppendCallsResponse(results=results, reasons=reasons)
 
     @_redis_unavailable
     async def ReportReward(self, request: spb.ReportRewardRequest,
