@@ -7,6 +7,8 @@ responses without a model). The same paths against the real vLLM are in test_dat
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -275,6 +277,34 @@ def test_calls_are_held_while_the_store_is_down(world: World) -> None:
     store = StoreClient.connect(world.store_svc.address)
     assert [x.seq for x in store.get_rollout(rid, include_calls=True).calls] == [0, 1]
     store.close()
+
+
+def test_calls_are_held_while_the_store_hangs(tmp_path: Path, store_service: StoreService,
+                                              stub_engine: StubEngineService) -> None:
+    """A store that stops answering (SIGSTOP) without closing its connections: past the batch
+    timeout the gateway replaces the stream and keeps the call held; once the store answers
+    again the call is recorded exactly once and only then answered."""
+    w = World(tmp_path, store_service, [stub_engine], "--record-batch-timeout-s", "0.5")
+    try:
+        rid = w.rollout()
+        client = w.client(SIGNER.mint(rid, 1, 60), timeout=60)
+        chat(client)
+        pid = store_service.proc.proc.pid  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            result: list[object] = []
+            t = threading.Thread(target=lambda: result.append(chat(client)))
+            t.start()
+            time.sleep(2.5)  # several batch timeouts and new streams
+            assert not result, "the harness got a response that is not recorded anywhere"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        t.join(30)
+        assert result and result[0].choices[0].message.content == "Hello, world!"  # type: ignore[attr-defined]
+        assert [x.seq for x in w.calls(rid)] == [0, 1]
+        assert "store unreachable" in (tmp_path / "gw" / "gateway.log").read_text()
+    finally:
+        w.close()
 
 
 def test_hold_past_the_bound_fails_loudly(tmp_path: Path, store_service: StoreService,

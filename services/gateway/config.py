@@ -46,6 +46,9 @@ class GatewayConfig(ServiceConfig):
     record_writers: int = Field(1, ge=1, description="RecordCalls streams to the store, each "
                                 "with one batch in flight; calls arriving meanwhile form the "
                                 "next batch (1 gives the largest batches: least CPU per call)")
+    record_batch_timeout_s: float = Field(10.0, gt=0, description="a store that answers no "
+                                          "batch within this long counts as down: the stream "
+                                          "is replaced and the batch sent again (held calls)")
     engine_probe_interval_s: float = Field(2.0, description="health probe of unhealthy engines")
     ready_file: str = Field("", description="write {pid, http_port, grpc_port} once serving")
     log_level: str = Field("INFO", description="logging level")

@@ -47,7 +47,7 @@ async def serve(cfg: GatewayConfig) -> None:
         registry.register(e.name, e.base_url, e.model, e.policy_version)
     http = aiohttp.ClientSession()  # health probes of unreachable engines only
     recorder = CallRecorder(store, cfg.hold_timeout_s, cfg.record_batch_max,
-                            cfg.record_writers)
+                            cfg.record_writers, cfg.record_batch_timeout_s)
     app = GatewayApp(cfg, registry, Sessions(signer, store), recorder, store)
 
     grpc_server, grpc_port, _ = await rpc.start_server(cfg.grpc_bind, [
