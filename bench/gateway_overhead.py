@@ -5,18 +5,21 @@ Side by side in one run, with wrk (Debian's `wrk`, C, one thread) as the load ge
 1. against a stub OpenAI-compatible upstream in its own process (fixed chat completion with
    vLLM's `prompt_token_ids`, `token_ids` and logprobs fields), at 32 connections and at 1;
 2. against the real vLLM serving the project's tiny model (16-token completions), at 32
-   connections (skip with --no-vllm).
+   connections (skip with --no-vllm), twice: with every process sharing the machine's CPUs
+   (`*_shared`; on a small machine the gateway, store and Redis then take CPU from the engine),
+   and with vLLM alone on `--engine-cpus` and everything else on the other CPUs, which is what
+   the gateway adds when it does not compete with the engine for CPU, as with a GPU engine.
 
 Every call through the gateway is authenticated with a rollout credential, forwarded, and
 recorded in the store (Redis) before the response returns. "Direct" sends the engine the very
 request the gateway forwards (`logprobs` and `return_token_ids` on, so the response carries the
 token ids and logprobs), so the difference is what the gateway adds; `*_direct_plain` also
 shows a direct request without those fields (what asking for them costs the engine itself).
-Ends with one JSON line: `added_p50_ms` (gateway p50 - direct p50, real vLLM, 32 connections;
-with --no-vllm the stub's), `throughput_ratio` (gateway calls/s / direct calls/s, stub
+Ends with one JSON line: `added_p50_ms` (gateway p50 - direct p50, real vLLM, 32 connections,
+engine isolated; `added_p50_ms_shared_cpus` without isolation; with --no-vllm the stub's), `throughput_ratio` (gateway calls/s / direct calls/s, stub
 upstream, 32 connections), and the raw figures.
 
-    python bench/gateway_overhead.py [--duration 10] [--no-vllm]
+    python bench/gateway_overhead.py [--duration 10] [--no-vllm] [--engine-cpus 0|'']
 """
 
 from __future__ import annotations
@@ -87,6 +90,31 @@ def cpu_ms(processes: dict[str, procs.ServiceProcess]) -> dict[str, float]:
     return out
 
 
+def pin(pids: list[int], cpus: set[int]) -> None:
+    """Restricts every thread of these processes to `cpus`."""
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            os.sched_setaffinity(int(task.name), cpus)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    return tree
+
+
 def as_forwarded(body: dict) -> dict:  # type: ignore[type-arg]
     """The request the gateway sends the engine for a chat completion `body`."""
     return {**body, "logprobs": True, "return_token_ids": True}
@@ -97,12 +125,21 @@ def main() -> None:
     ap.add_argument("--duration", type=int, default=10, help="seconds per measurement")
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--no-vllm", action="store_true", help="skip the real-vLLM comparison")
-    ap.add_argument("--vllm-rounds", type=int, default=3,
+    ap.add_argument("--engine-cpus", default="0",
+                    help="CPU ids for vLLM alone in the isolated vLLM phase (vLLM pinned there, "
+                         "wrk, gateway, store and Redis on the other CPUs); '' skips that phase")
+    ap.add_argument("--vllm-rounds", type=int, default=5,
                     help="alternating direct/gateway runs against vLLM (medians reported)")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk not found: apt-get install wrk (scripts/setup.sh does)")
 
+    all_cpus = os.sched_getaffinity(0)
+    engine_cpus = {int(x) for x in args.engine_cpus.split(",") if x.strip()}
+    if engine_cpus and not engine_cpus < all_cpus:
+        print(f"--engine-cpus {sorted(engine_cpus)} leaves no CPU for the rest of "
+              f"{sorted(all_cpus)}: no isolated phase", flush=True)
+        engine_cpus = set()
     work = Path(tempfile.mkdtemp(prefix="hrl-bench-gw-"))
     started: list[procs.ServiceProcess] = []
     try:
@@ -161,16 +198,34 @@ def main() -> None:
                     "messages": [{"role": "user", "content": "What is 12 + 30?"}]}
             vllm_direct = f"{vllm.base_url}/v1/chat/completions"
             wrk(vllm_direct, body, key, n, 3, work)  # warm-up
-            # vLLM on 2 CPU cores varies a lot from one run to the next: alternate direct and
-            # gateway runs and keep the median of each.
-            rounds: dict[str, list[dict[str, float]]] = {"vllm_direct": [], "vllm_gateway": []}
-            for _ in range(args.vllm_rounds):
-                rounds["vllm_direct"].append(wrk(vllm_direct, as_forwarded(body), key, n, d,
-                                                 work))
-                through_gateway("vllm_gateway", body, n, d)
-                rounds["vllm_gateway"].append(results["vllm_gateway"])
-            for name, runs in rounds.items():
-                results[name] = {m: statistics.median(r[m] for r in runs) for m in runs[0]}
+
+            def vllm_rounds(suffix: str) -> None:
+                # vLLM on CPU varies from one run to the next: alternate direct and gateway
+                # runs and keep the median of each.
+                runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
+                for _ in range(args.vllm_rounds):
+                    runs["direct"].append(wrk(vllm_direct, as_forwarded(body), key, n, d, work))
+                    through_gateway("vllm_gateway" + suffix, body, n, d)
+                    runs["gateway"].append(results["vllm_gateway" + suffix])
+                for how, rs in runs.items():
+                    results[f"vllm_{how}{suffix}"] = {m: statistics.median(r[m] for r in rs)
+                                                      for m in rs[0]}
+
+            # 1. everything shares the machine's CPUs, as `harnessrl up` runs here.
+            vllm_rounds("_shared")
+            # 2. the engine alone on `engine_cpus`, everything else on the other CPUs: what the
+            #    gateway adds when it does not compete with the engine for CPU (as on a GPU box).
+            if engine_cpus:
+                assert vllm.proc is not None
+                pin(process_tree(vllm.proc.pid), engine_cpus)
+                others = all_cpus - engine_cpus
+                pin([p.proc.pid for p in ours.values() if p.proc], others)
+                os.sched_setaffinity(0, others)  # wrk inherits it
+                wrk(vllm_direct, body, key, n, 3, work)  # settle
+                vllm_rounds("")
+            else:
+                for how in ("direct", "gateway"):
+                    results[f"vllm_{how}"] = results[f"vllm_{how}_shared"]
             results["vllm_direct_plain"] = wrk(vllm_direct, body, key, n, d, work)
         recorded = len(store.get_rollout("bench/0").attempts) and \
             store.get_rollout("bench/0").attempts[0].num_calls
@@ -188,7 +243,10 @@ def main() -> None:
         summary = {
             "added_p50_ms": round(results[f"{ref}_gateway"]["p50_ms"]
                                   - results[f"{ref}_direct"]["p50_ms"], 3),
-            "added_p50_ms_basis": f"{ref} upstream, {n} connections",
+            "added_p50_ms_basis": f"{ref} upstream, {n} connections"
+                                  + (f", vLLM alone on CPUs {sorted(engine_cpus)}, the rest on "
+                                     f"{sorted(all_cpus - engine_cpus)}"
+                                     if engine_cpus and vllm is not None else ", shared CPUs"),
             "added_p99_ms": round(results[f"{ref}_gateway"]["p99_ms"]
                                   - results[f"{ref}_direct"]["p99_ms"], 3),
             "throughput_ratio": round(results["stub_gateway"]["calls_per_s"]
@@ -205,6 +263,12 @@ def main() -> None:
         if vllm is not None:
             summary["vllm_throughput_ratio"] = round(
                 results["vllm_gateway"]["calls_per_s"] / results["vllm_direct"]["calls_per_s"], 3)
+            summary["added_p50_ms_shared_cpus"] = round(
+                results["vllm_gateway_shared"]["p50_ms"] - results["vllm_direct_shared"]["p50_ms"],
+                3)
+            summary["vllm_throughput_ratio_shared_cpus"] = round(
+                results["vllm_gateway_shared"]["calls_per_s"]
+                / results["vllm_direct_shared"]["calls_per_s"], 3)
             summary["added_p50_ms_vs_plain_direct"] = round(
                 results["vllm_gateway"]["p50_ms"] - results["vllm_direct_plain"]["p50_ms"], 3)
         print(json.dumps(summary))

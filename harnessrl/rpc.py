@@ -29,14 +29,27 @@ from harnessrl.errors import HarnessRLError
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
+KEEPALIVE_TIME_MS = 30_000
+
+
+def grpc_options(keepalive_time_ms: int = KEEPALIVE_TIME_MS) -> list[tuple[str, Any]]:
+    """Channel and server arguments for every harnessrl process: message limits, and
+    keepalive pings every `keepalive_time_ms` that the peer accepts. Servers must allow pings
+    that often: gRPC's default (one ping per 5 minutes without data) answers more frequent
+    pings with GOAWAY "too_many_pings" and drops the connection, e.g. the gateway's idle
+    RecordCalls stream."""
+    return [
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_time_ms // 2),
+    ]
+
+
+OPTIONS = grpc_options()
 # Every harnessrl write is idempotent, so clients may retry any RPC that found no server.
 _SERVICE_CONFIG = json.dumps({
     "methodConfig": [{
