@@ -42,7 +42,7 @@ class GatewayConfig(ServiceConfig):
     hold_timeout_s: float = Field(
         120.0, description="how long a call is held while the store or every engine is "
         "unavailable or paused; past it the harness gets HTTP 503 and nothing is recorded")
-    record_batch_max: int = Field(256, description="calls per AppendCalls batch at most")
+    record_batch_max: int = Field(256, description="calls per RecordCalls batch at most")
     record_writers: int = Field(1, ge=1, description="RecordCalls streams to the store, each "
                                 "with one batch in flight; calls arriving meanwhile form the "
                                 "next batch (1 gives the largest batches: least CPU per call)")
