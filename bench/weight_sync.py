@@ -16,7 +16,7 @@ For each model size (random float32 Qwen3 configs, untied embeddings):
    median gap without a push).
 
 The engine runs on jemalloc with page purging off (`--allocator jemalloc`, the default; see
-`devtools.jemalloc_env`): with glibc every model-sized buffer of the update is a fresh mmap.
+`harnessrl.engine.jemalloc_env`): with glibc every model-sized buffer of the update is a fresh mmap.
 `--allocator system` measures without it.
 
 Ends with one JSON line: `push_gbps`, `raw_gbps`, `ratio` (push / raw) and `paused_ms` for the
@@ -43,9 +43,10 @@ from typing import Any
 import httpx
 import torch
 
+from harnessrl.engine import jemalloc_env
 from harnessrl.procs import free_port
 from harnessrl.weight_transfer import EngineRef, PushConfig, WeightPusher, weights_of
-from harnessrl.weight_transfer.devtools import VllmServer, jemalloc_env, random_qwen3
+from harnessrl.weight_transfer.devtools import VllmServer, random_qwen3
 
 # hidden, layers, intermediate, heads, kv_heads, vocab
 SIZES: dict[str, dict[str, int]] = {
@@ -168,6 +169,8 @@ def bench_size(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
     cfg = PushConfig(bucket_mb=args.bucket_mb, solo_mb=args.solo_mb,
                      num_buffers=args.num_buffers)
     env = jemalloc_env() if args.allocator == "jemalloc" else {}
+    if args.allocator == "jemalloc" and not env:
+        sys.exit("libjemalloc not found (apt-get install libjemalloc2), or use --allocator system")
     with VllmServer(model_dir, root / f"{name}-run", max_model_len=512, extra_env=env) as server, \
             WeightPusher([EngineRef("e0", server.base_url)], cfg) as pusher:
         t = time.perf_counter()
@@ -227,7 +230,7 @@ def main() -> None:
     parser.add_argument("--solo-mb", type=float, default=PushConfig().solo_mb)
     parser.add_argument("--num-buffers", type=int, default=PushConfig().num_buffers)
     parser.add_argument("--allocator", choices=["jemalloc", "system"], default="jemalloc",
-                        help="the engine's malloc (see devtools.jemalloc_env)")
+                        help="the engine's malloc (see harnessrl.engine.jemalloc_env)")
     parser.add_argument("--debug-client", action="store_true",
                         help="print the client's token arrivals around each push")
     parser.add_argument("--workdir", type=Path, default=None)

@@ -34,16 +34,13 @@ def jemalloc_env() -> dict[str, str]:
     libjemalloc is not installed (Debian: libjemalloc2)."""
     import ctypes.util
 
-    for candidate in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
-                      "/lib/x86_64-linux-gnu/libjemalloc.so.2",
-                      "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"):
-        if Path(candidate).exists():
-            return {"LD_PRELOAD": candidate,
-                    "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
-    found = ctypes.util.find_library("jemalloc")
-    if found is None:
+    candidates = [p for p in ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+                              "/lib/x86_64-linux-gnu/libjemalloc.so.2",
+                              "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2") if Path(p).exists()]
+    lib = candidates[0] if candidates else ctypes.util.find_library("jemalloc")
+    if lib is None:
         return {}
-    return {"LD_PRELOAD": found, "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+    return {"LD_PRELOAD": lib, "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
 
 
 class EngineError(RuntimeError):

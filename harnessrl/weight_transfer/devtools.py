@@ -13,8 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-
-from harnessrl.engine import jemalloc_env  # noqa: F401 - re-exported for the bench
 import torch
 
 from harnessrl.procs import ServiceProcess, free_port

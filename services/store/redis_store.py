@@ -13,10 +13,11 @@ Keys (all under the configured prefix P):
 - `P stream:{name}` the Redis Stream of completed groups, read through consumer groups.
 
 Appends are checked and written by one Lua script per batch, so a call can never land in an
-attempt that has finished. (Scripts touch several keys: a single Redis, not Redis Cluster.) Record updates use optimistic transactions (WATCH/MULTI). Publishing a
-completed group is a Lua script guarded by a flag, so it happens exactly once even when the
-store dies between finishing the last rollout and publishing (the idempotent retry of
-FinishAttempt publishes then).
+attempt that has finished (scripts touch several keys: a single Redis, not Redis Cluster).
+Record updates use optimistic transactions (WATCH/MULTI). Publishing a completed group is a
+Lua script guarded by a flag, so it happens exactly once even when the store dies between
+finishing the last rollout and publishing (the idempotent retry of FinishAttempt publishes
+then).
 """
 
 from __future__ import annotations
