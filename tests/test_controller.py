@@ -456,35 +456,60 @@ def test_run_survives_store_restart(redis_url: str, key_prefix: str, tmp_path: P
 
 
 
-def test_create_run_again_resumes_after_controller_crash(redis_url: str, key_prefix: str,
-                                                         tmp_path: Path) -> None:
+def harness_pids(s: Services, run_id: str) -> dict[str, int]:
+    """task id -> pid of its running harness, for the attempts that wrote one."""
+    pids = {}
+    for ro in s.store.list_rollouts(run_id).rollouts:
+        if ro.attempts:
+            f = Path(ro.attempts[-1].workdir) / "harness.pid"
+            if f.exists():
+                pids[ro.task_id] = int(f.read_text())
+    return pids
+
+
+def test_controller_killed_mid_run_adopts_its_jobs(redis_url: str, key_prefix: str,
+                                                   tmp_path: Path) -> None:
+    """kill -9 of the controller: one harness ends while no controller runs, one runs on; the
+    restarted controller resumes the run by itself, adopts both jobs (the first's exit status
+    is read back, the second is watched to its end) and launches neither again."""
     s = Services(tmp_path, redis_url, key_prefix)
     try:
         run_id = "resumed"
-        spec = s.spec([{"id": "a", "behavior": "sleep", "sleep": 1.0, "x": 1}], group_size=3,
-                      concurrency=2, max_attempts=2)
+        spec = s.spec([{"id": "fast", "behavior": "sleep", "sleep": 0.5, "x": 1},
+                       {"id": "slow", "behavior": "sleep", "sleep": 6.0, "x": 1},
+                       {"id": "later", "x": 2}],
+                      group_size=1, concurrency=2, max_attempts=2)
         s.ctl.create_run(spec, run_id=run_id)
         deadline = time.monotonic() + 20
-        while sum(ro.status == c.ROLLOUT_STATUS_RUNNING
-                  for ro in s.store.list_rollouts(run_id).rollouts) < 2:
+        while len(pids := harness_pids(s, run_id)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        s.controller.kill()  # kill -9: two harnesses running, one rollout pending
+        s.ctl.close()
+        while process_alive(pids["fast"]):  # it ends with no controller to see it
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        s.controller.kill()  # kill -9: two attempts were running, one rollout pending
-        s.ctl.close()
-        s.start_controller()
-        with pytest.raises(grpc.RpcError) as err:  # not executing here until resumed
-            list(s.ctl.watch_run(run_id, timeout=10))
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert s.ctl.create_run(spec, run_id=run_id).status == c.RUN_STATUS_RUNNING
+        assert process_alive(pids["slow"])
+        s.start_controller()  # resumes the run at start-up, before any request
         done = list(s.ctl.watch_run(run_id, timeout=60))[-1].run
-        assert done.status == c.RUN_STATUS_SUCCEEDED and done.num_succeeded == 3
+        assert done.status == c.RUN_STATUS_SUCCEEDED and done.num_succeeded == 3, done
         rollouts = s.rollouts(run_id)
-        interrupted = [ro for ro in rollouts.values() if len(ro.attempts) == 2]
-        assert len(interrupted) == 2
-        for ro in interrupted:
-            assert "controller running this attempt stopped" in ro.attempts[0].error
-            assert ro.attempts[1].status == c.ROLLOUT_STATUS_SUCCEEDED
-        assert sum(len(ro.attempts) == 1 for ro in rollouts.values()) == 1
+        for ro in rollouts.values():
+            assert [a.status for a in ro.attempts] == [c.ROLLOUT_STATUS_SUCCEEDED], ro
+            assert ro.reward == 1.0
+        # the slow harness finished under the new controller's watch, as the same process
+        assert not process_alive(pids["slow"])
+        assert (Path(rollouts["slow/0"].attempts[0].workdir) / "span.txt").exists()
+        # each harness ran once: one launch record and one "harness ran" line per rollout
+        for ro in rollouts.values():
+            wd = Path(ro.attempts[0].workdir)
+            assert len(list(wd.glob(".*.h1.job.json"))) == 1
+            assert (wd / "stdout.log").read_text().count("harness ran") == 1
+        assert "adopted from an earlier controller (ended meanwhile)" in \
+            s.controller.log_tail(400)
+        assert "adopted from an earlier controller (still running)" in \
+            s.controller.log_tail(400)
+        assert s.ctl.create_run(spec, run_id=run_id).status == c.RUN_STATUS_SUCCEEDED
     finally:
         s.stop()
 
@@ -493,7 +518,8 @@ def test_stopping_the_controller_kills_its_harnesses(redis_url: str, key_prefix:
                                                      tmp_path: Path) -> None:
     s = Services(tmp_path, redis_url, key_prefix)
     try:
-        run = s.ctl.create_run(s.spec([{"id": "s", "behavior": "sleep", "sleep": 120, "x": 1}]))
+        run = s.ctl.create_run(s.spec([{"id": "s", "behavior": "sleep", "sleep": 120, "x": 1}],
+                                      max_attempts=2))
         pidfile = None
         deadline = time.monotonic() + 20
         while pidfile is None or not pidfile.exists():
@@ -507,11 +533,17 @@ def test_stopping_the_controller_kills_its_harnesses(redis_url: str, key_prefix:
         s.controller.stop()  # SIGTERM
         assert s.controller.proc is not None and s.controller.proc.returncode == 0
         assert not process_alive(pid)
-        # the store still says RUNNING: CreateRun with the run_id would resume it; a new
-        # controller can also cancel it there
+        # The store still says RUNNING: the next controller resumes the run at start-up. The
+        # killed attempt fails with the reason, and the retry runs until the run is cancelled.
         assert s.store.get_rollout(ro.rollout_id).status == c.ROLLOUT_STATUS_RUNNING
         s.ctl.close()
         s.start_controller()
+        deadline = time.monotonic() + 20
+        while len((ro2 := s.store.get_rollout(ro.rollout_id)).attempts) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ro2.attempts[0].status == c.ROLLOUT_STATUS_FAILED
+        assert "controller shut down" in ro2.attempts[0].error, ro2.attempts[0].error
         cancelled = s.ctl.cancel_run(run.run_id)
         assert cancelled.status == c.RUN_STATUS_CANCELLED and cancelled.num_cancelled == 1
         assert s.store.get_rollout(ro.rollout_id).status == c.ROLLOUT_STATUS_CANCELLED

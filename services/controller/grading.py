@@ -129,6 +129,33 @@ async def run_grader(run_job: Callable[[JobSpec], Awaitable[JobResult]], *, job_
     return grade_result(await run_job(spec), reward_source, timeout_s)
 
 
+def in_job_grader_env(harness_env: dict[str, str]) -> dict[str, str]:
+    """The environment of a grader that runs inside the harness's job (Kubernetes: a container
+    after the harness's): the harness's without its credential. It runs only after the
+    harness exited 0; the harness's output is in the job's log, not in files it can read."""
+    env = {k: v for k, v in harness_env.items() if k not in CREDENTIAL_ENV}
+    env["HARNESSRL_HARNESS_EXIT_CODE"] = "0"
+    return env
+
+
+def grade_in_job(result: JobResult, reward_source: int) -> Grade:
+    """The reward of a harness job whose grader ran inside it (`JobSpec.grader`)."""
+    if result.grader is None:
+        return Grade(None, "the grader did not run in the harness's job")
+    out = result.grader
+    if reward_source == c.REWARD_SOURCE_GRADER_EXIT_CODE:
+        grade = reward_from_exit_code(out.exit_code)
+    elif out.exit_code != 0:
+        grade = Grade(None, f"grader exited with code {out.exit_code}")
+    else:
+        grade = parse_reward_line(read_tail(out.stdout_path))
+    if not grade.ok:
+        log_tail = read_tail(out.stdout_path, 2048).strip()
+        if log_tail:
+            grade = Grade(None, f"{grade.error}; grader log: {quote(log_tail[-QUOTE_LIMIT:])}")
+    return grade
+
+
 def grade_result(result: JobResult, reward_source: int, timeout_s: float) -> Grade:
     if result.cancelled:
         return Grade(None, "grader cancelled")

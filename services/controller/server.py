@@ -10,8 +10,8 @@ from harnessrl.credentials import CredentialSigner, load_secret
 from harnessrl.v1 import controller_pb2, controller_pb2_grpc
 from services.controller.backends import JobBackend, LocalBackend
 from services.controller.config import ControllerConfig
-from services.controller.runner import RunContext
-from services.controller.runs import RunManager
+from services.controller.run_execution import RunContext
+from services.controller.run_manager import RunManager
 from services.controller.servicer import ControllerServicer
 from services.controller.store_calls import ResilientStore
 
@@ -29,6 +29,8 @@ async def serve(cfg: ControllerConfig) -> None:
     backends = make_backends(cfg)
     runs = RunManager(RunContext(cfg=cfg, store=store, backends=backends, signer=signer,
                                  job_slots=asyncio.Semaphore(cfg.max_jobs)))
+    # Runs an earlier controller left running are resumed (their jobs adopted) first.
+    await runs.recover()
     server, port, _ = await rpc.start_server(cfg.bind, [
         (controller_pb2_grpc.add_ControllerServicer_to_server, ControllerServicer(runs),
          controller_pb2.DESCRIPTOR.services_by_name["Controller"].full_name),

@@ -8,7 +8,7 @@ import grpc
 
 from harnessrl.rpc import map_errors
 from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, controller_pb2_grpc
-from services.controller.runs import RunManager
+from services.controller.run_manager import RunManager
 
 
 @map_errors

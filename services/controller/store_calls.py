@@ -80,6 +80,11 @@ class ResilientStore:
         return await self._call(f"PutRun {run.run_id}",
                                 lambda: self.client.put_run(run), retry_s)
 
+    async def list_runs(self, limit: int, retry_s: float | None = None) -> list[c.Run]:
+        """The newest `limit` runs."""
+        resp = await self._call("ListRuns", lambda: self.client.list_runs(limit), retry_s)
+        return list(resp.runs)
+
     async def get_run(self, run_id: str, retry_s: float | None = None) -> c.Run:
         return await self._call(f"GetRun {run_id}", lambda: self.client.get_run(run_id),
                                 retry_s)

@@ -2,9 +2,9 @@
 
 A backend runs one *job* from a `JobSpec` (argv, environment, working directory, timeout,
 labels) and reports its `JobResult` (exit code, whether it timed out or was cancelled, where
-its stdout/stderr lie). Implementations: `local` (a process group on this machine); a
-Kubernetes backend (one Job per spec) implements the same interface. Every implementation
-passes the conformance suite in `tests/test_job_backends.py`.
+its stdout/stderr lie). Implementations: `local` (a process group on this machine) and
+`kubernetes` (one `batch/v1` Job per spec). Every implementation passes the conformance suite
+in `tests/test_job_backends.py`.
 
 Contract every backend keeps:
 - `launch` returns once the job was submitted; the timeout counts from then.
@@ -19,6 +19,14 @@ Contract every backend keeps:
 - A job that cannot start at all (no such executable, image pull failure) is a finished job
   with `exit_code` 127 and `error` saying why, not an exception: the caller treats it like a
   crash of the program.
+- Restart safety: jobs outlive a controller that is killed (kill -9). A new controller calls
+  `adopt(spec)` with the spec it would launch: when the backend finds that job (still running,
+  or ended while nobody watched), it takes it over and `wait` reports its result as if it had
+  launched it; when it finds none, the job was never launched and the caller launches it.
+  So a job is launched once, whatever the restarts.
+- A backend whose jobs run apart from the controller's file system (`shares_workdir` False:
+  Kubernetes) runs the grader inside the job, after the harness (`JobSpec.grader`,
+  `grades_in_job` True); its output comes back in `JobResult.grader`.
 """
 
 from __future__ import annotations
@@ -39,6 +47,22 @@ class JobSpec:
     labels: dict[str, str] = field(default_factory=dict)  # run/rollout/attempt ids, for listing
     stdout_name: str = "stdout.log"  # file name of the captured stdout inside `workdir`
     stderr_name: str = "stderr.log"
+    # Backends with `grades_in_job`: a grader to run after the job's command exited 0, in the
+    # same working directory; `timeout_s` then covers both.
+    grader: "GraderStep | None" = None
+
+
+@dataclass(frozen=True)
+class GraderStep:
+    argv: list[str]
+    env: dict[str, str]  # the grader's whole job environment (replaces JobSpec.env for it)
+    stdout_name: str = "grader.stdout.log"
+
+
+@dataclass(frozen=True)
+class GraderOutput:
+    exit_code: int
+    stdout_path: Path  # on Kubernetes: the grader container's log (stdout and stderr merged)
 
 
 class JobState(enum.Enum):
@@ -56,7 +80,8 @@ class JobResult:
     stderr_path: Path
     started_at: float  # unix seconds
     finished_at: float
-    error: str = ""  # set when the job could not run at all (then exit_code is 127)
+    error: str = ""  # why the job could not run, or was ended (then exit_code is 127 or <0)
+    grader: GraderOutput | None = None  # JobSpec.grader's outcome, when it ran
 
     @property
     def succeeded(self) -> bool:
@@ -74,6 +99,13 @@ class JobBackend(abc.ABC):
     """Runs jobs. All methods are coroutines on the controller's event loop."""
 
     name: str
+    # False where jobs run on another file system (a pod): files they write in their working
+    # directory stay there, and the grader must run inside the job (`grades_in_job`).
+    shares_workdir: bool = True
+    grades_in_job: bool = False
+    # True where stdout and stderr come back as one log (Kubernetes container logs): both
+    # result paths then name the same file.
+    merged_output: bool = False
 
     @abc.abstractmethod
     async def launch(self, spec: JobSpec) -> None:
@@ -84,8 +116,9 @@ class JobBackend(abc.ABC):
         """The job's result once it has ended; raises `KeyError` for an unknown job."""
 
     @abc.abstractmethod
-    async def cancel(self, job_id: str) -> None:
-        """Kills a running job (its `wait` then reports `cancelled`); no-op when not running."""
+    async def cancel(self, job_id: str, reason: str = "") -> None:
+        """Kills a running job (its `wait` then reports `cancelled`, with `reason` as its
+        `error`); no-op when not running."""
 
     @abc.abstractmethod
     async def list_jobs(self, labels: dict[str, str] | None = None) -> list[JobInfo]:
@@ -96,13 +129,20 @@ class JobBackend(abc.ABC):
         """Forgets a finished job and frees what the backend holds for it (a Kubernetes Job
         object, say); its stdout/stderr files stay. Cancels it first when still running."""
 
+    async def adopt(self, spec: JobSpec) -> bool:
+        """Takes over the job an earlier controller launched from `spec`, if there is one
+        (running or ended); True when found (`wait` then reports it), False when that job was
+        never launched. See the module docstring."""
+        return False
+
     def check_argv(self, argv: list[str], env: dict[str, str]) -> str | None:
         """Why `argv` (with `env`) cannot run on this backend, or None; lets a run with a typo
         in its command be refused up front. Backends that cannot tell return None."""
         return None
 
     async def close(self) -> None:
-        """Kills every running job (controller shutdown)."""
+        """Controller shutdown: kills every running job (a backend whose jobs a next
+        controller adopts may leave them running instead, and says so)."""
         for info in await self.list_jobs():
             if info.state is JobState.RUNNING:
-                await self.cancel(info.job_id)
+                await self.cancel(info.job_id, "the controller shut down")

@@ -9,18 +9,28 @@ or cgroups — the Kubernetes backend — are the remedy for hostile jobs.)
 
 Environment: the controller's own environment without its `HARNESSRL_*` variables (they hold
 the controller's config and may hold the credential secret), plus the spec's `env`.
+
+Restart safety: the group's leader is `job_wrapper.py`, which runs the command as its child
+and writes how it ended to `<workdir>/.<job_id>.exit.json`; the backend records the group
+(`<workdir>/.<job_id>.job.json`: leader pid, its start time, launch time, timeout) before the
+job can run long. A controller restarted after a kill -9 `adopt`s the job from that record:
+a group still running is supervised again (its timeout counted from the original launch), an
+ended one reports the exit status its wrapper wrote. A job is never started twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +40,8 @@ log = logging.getLogger(__name__)
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 EXEC_FAILED_EXIT_CODE = 127
+_WRAPPER = str(Path(__file__).with_name("job_wrapper.py"))
+_POLL_S = 0.1  # how often an adopted job's leader is checked (it is not our child to wait for)
 
 
 def base_environment() -> dict[str, str]:
@@ -62,6 +74,33 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot), or None when it does not run; with
+    the pid it names one process, whatever pids the kernel reuses later."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _write_json(path: Path, data: dict[str, object]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> dict[str, object] | None:
+    try:
+        return json.loads(path.read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None
+
+
 def _signal_group(pgid: int, sig: int) -> bool:
     """Sends `sig` to the group; False when the group no longer exists."""
     try:
@@ -79,6 +118,15 @@ class _Job:
     started_at: float
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Future[JobResult] | None = None
+    cancel_reason: str = ""
+
+    @property
+    def record_path(self) -> Path:
+        return Path(self.spec.workdir) / f".{self.spec.job_id}.job.json"
+
+    @property
+    def exit_path(self) -> Path:
+        return Path(self.spec.workdir) / f".{self.spec.job_id}.exit.json"
 
 
 class LocalBackend(JobBackend):
@@ -106,7 +154,7 @@ class LocalBackend(JobBackend):
             return f"{exe!r} is not an executable file" + ("" if "/" in exe else " on PATH")
         return None
 
-    async def launch(self, spec: JobSpec) -> None:
+    def _check_spec(self, spec: JobSpec) -> None:
         if not _JOB_ID.match(spec.job_id):
             raise ValueError(f"invalid job id {spec.job_id!r}: use [A-Za-z0-9._-], 1-200 chars")
         if spec.job_id in self._jobs:
@@ -115,27 +163,63 @@ class LocalBackend(JobBackend):
             raise ValueError("empty argv")
         if not spec.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {spec.timeout_s}")
+        if spec.grader is not None:
+            raise ValueError("the local backend runs graders as jobs of their own")
+
+    async def launch(self, spec: JobSpec) -> None:
+        self._check_spec(spec)
         workdir = Path(spec.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         job = _Job(spec, time.time())
         self._jobs[spec.job_id] = job
+        job.exit_path.unlink(missing_ok=True)
         env = {**self.base_env, **spec.env}
         deadline = time.monotonic() + spec.timeout_s
         with open(workdir / spec.stdout_name, "wb") as out, \
                 open(workdir / spec.stderr_name, "wb") as err:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *spec.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                    sys.executable, "-I", "-S", _WRAPPER, str(job.exit_path), *spec.argv,
+                    stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                     cwd=workdir, env=env, start_new_session=True,
                 )
             except OSError as exc:
-                reason = f"cannot execute {spec.argv[0]!r}: {exc}"
+                reason = f"cannot start the job wrapper: {exc}"
                 err.write(f"harnessrl: {reason}\n".encode())
                 done: asyncio.Future[JobResult] = asyncio.get_running_loop().create_future()
                 done.set_result(self._result(job, EXEC_FAILED_EXIT_CODE, False, False, reason))
                 job.task = done
                 return
-        job.task = asyncio.ensure_future(self._supervise(job, proc, deadline))
+        ticks = _start_ticks(proc.pid)
+        _write_json(job.record_path, {"pgid": proc.pid, "start_ticks": ticks,
+                                      "launched_at": job.started_at,
+                                      "timeout_s": spec.timeout_s})
+        job.task = asyncio.ensure_future(self._supervise(job, proc.pid, proc.wait(), deadline))
+
+    async def adopt(self, spec: JobSpec) -> bool:
+        self._check_spec(spec)
+        record = await asyncio.to_thread(_read_json,
+                                         Path(spec.workdir) / f".{spec.job_id}.job.json")
+        if record is None:
+            return False
+        job = _Job(spec, float(record["launched_at"]))  # type: ignore[arg-type]
+        self._jobs[spec.job_id] = job
+        pgid = int(record["pgid"])  # type: ignore[call-overload]
+        left = job.started_at + float(record["timeout_s"]) - time.time()  # type: ignore[arg-type]
+        deadline = time.monotonic() + max(0.0, left)
+        alive = record.get("start_ticks") is not None and \
+            _start_ticks(pgid) == record["start_ticks"]
+        log.info("job %s: adopted from an earlier controller (%s)", spec.job_id,
+                 "still running" if alive else "ended meanwhile")
+        job.task = asyncio.ensure_future(self._supervise(
+            job, pgid, self._leader_gone(pgid, record.get("start_ticks")) if alive else None,
+            deadline))
+        return True
+
+    @staticmethod
+    async def _leader_gone(pid: int, ticks: object) -> None:
+        while _start_ticks(pid) == ticks:
+            await asyncio.sleep(_POLL_S)
 
     def _result(self, job: _Job, exit_code: int, timed_out: bool, cancelled: bool,
                 error: str = "") -> JobResult:
@@ -147,35 +231,56 @@ class LocalBackend(JobBackend):
             started_at=job.started_at, finished_at=time.time(), error=error,
         )
 
-    async def _supervise(self, job: _Job, proc: asyncio.subprocess.Process,
+    async def _supervise(self, job: _Job, pgid: int, leader_exit: Awaitable[object] | None,
                          deadline: float) -> JobResult:
-        pgid = proc.pid  # session leader: its pid is the group id
-        exited = asyncio.ensure_future(proc.wait())
-        cancelled_ev = asyncio.ensure_future(job.cancel.wait())
+        """Watches the job's group (led by `pgid`) until nothing of it runs. `leader_exit`
+        ends when the leader has: our child's `wait()`, or a poll for an adopted job's leader
+        (None: it had ended before we looked)."""
         timed_out = cancelled = False
-        try:
-            done, _ = await asyncio.wait(
-                {exited, cancelled_ev}, timeout=max(0.0, deadline - time.monotonic()),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            if exited not in done:
-                cancelled = cancelled_ev in done
-                timed_out = not cancelled
-                log.info("job %s: %s, terminating its process group", job.spec.job_id,
-                         "cancelled" if cancelled else f"timed out after {job.spec.timeout_s}s")
-                _signal_group(pgid, signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(asyncio.shield(exited), self.kill_grace_s)
-                except asyncio.TimeoutError:
-                    pass
-            # Whatever is left of the group (the main process past its grace period, or
-            # children it left behind) is killed now.
-            if _signal_group(pgid, signal.SIGKILL):
-                await self._wait_group_gone(job.spec.job_id, pgid)
-            exit_code = await exited
-        finally:
-            cancelled_ev.cancel()
-        return self._result(job, exit_code, timed_out, cancelled)
+        if leader_exit is not None:
+            exited = asyncio.ensure_future(leader_exit)
+            cancelled_ev = asyncio.ensure_future(job.cancel.wait())
+            try:
+                done, _ = await asyncio.wait(
+                    {exited, cancelled_ev}, timeout=max(0.0, deadline - time.monotonic()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if exited not in done:
+                    cancelled = cancelled_ev in done
+                    timed_out = not cancelled
+                    log.info("job %s: %s, terminating its process group", job.spec.job_id,
+                             "cancelled" if cancelled
+                             else f"timed out after {job.spec.timeout_s}s")
+                    _write_json(job.record_path, {
+                        **(_read_json(job.record_path) or {}),
+                        "ended_by": "cancel" if cancelled else "timeout",
+                        "cancel_reason": job.cancel_reason})
+                    _signal_group(pgid, signal.SIGTERM)
+                    try:
+                        await asyncio.wait_for(asyncio.shield(exited), self.kill_grace_s)
+                    except asyncio.TimeoutError:
+                        pass
+            finally:
+                cancelled_ev.cancel()
+        else:  # ended while no controller watched: how, the record and the exit file say
+            record = _read_json(job.record_path) or {}
+            timed_out, cancelled = record.get("ended_by") == "timeout", \
+                record.get("ended_by") == "cancel"
+            job.cancel_reason = str(record.get("cancel_reason", ""))
+        # Whatever is left of the group (the leader past its grace period, or children it
+        # left behind) is killed now.
+        if _signal_group(pgid, signal.SIGKILL):
+            await self._wait_group_gone(job.spec.job_id, pgid)
+        if leader_exit is not None:
+            await exited
+        outcome = _read_json(job.exit_path)
+        if outcome is not None:
+            return self._result(job, int(outcome["exit_code"]), timed_out,  # type: ignore[call-overload]
+                                cancelled, str(outcome.get("error", "")) or job.cancel_reason)
+        # The wrapper itself was killed (SIGKILL past the grace period) or vanished unseen.
+        error = job.cancel_reason if cancelled else \
+            "" if timed_out else "the job ended without recording its exit status"
+        return self._result(job, -signal.SIGKILL, timed_out, cancelled, error)
 
     async def _wait_group_gone(self, job_id: str, pgid: int) -> None:
         deadline = time.monotonic() + self.reap_timeout_s
@@ -200,12 +305,19 @@ class LocalBackend(JobBackend):
         assert job.task is not None
         return await asyncio.shield(job.task)
 
-    async def cancel(self, job_id: str) -> None:
+    async def cancel(self, job_id: str, reason: str = "") -> None:
         job = self._jobs.get(job_id)
         if job is None or job.task is None or job.task.done():
             return
+        job.cancel_reason = reason
         job.cancel.set()
         await asyncio.shield(job.task)
+
+    async def close(self) -> None:
+        """Kills every running job: local jobs do not outlive a controller that stops on
+        purpose (after a crash they do, and the next controller adopts them)."""
+        await asyncio.gather(*(self.cancel(job_id, "the controller shut down")
+                               for job_id in list(self._jobs)))
 
     async def list_jobs(self, labels: dict[str, str] | None = None) -> list[JobInfo]:
         want = labels or {}

@@ -6,7 +6,15 @@ One attempt, top to bottom (`RunExecution._attempt`):
   job with the task and the credential in its environment -> wait (timeout kills its process
   group) -> crashed or timed out: FinishAttempt FAILED (will_retry while attempts remain; the
   next attempt gets a new credential) -> else grade -> FinishAttempt SUCCEEDED with the
-  reward, or FAILED with the grader's failure (not retried: see `grading`).
+  reward, or FAILED with the grader's failure (not retried: see `grading`). On a backend whose
+  jobs run apart from this machine's files (Kubernetes) the grader runs inside the harness's
+  job, after it, and its output comes back with the job's result.
+
+Restart safety: a run resumed after its controller died (kill -9) finds attempts the store
+holds as RUNNING. Each is picked up where it was: the backend adopts its job (still running,
+or ended meanwhile) by the same deterministic job id, and the attempt goes on from there
+(grading included); only a job that was never launched is launched now. No attempt's job is
+launched twice, and no result that still exists is thrown away.
 
 The store is the record: every transition is written there first, and the run's `Run` record
 (status, counts, mean reward) is kept current with PutRun. Store calls survive a store restart
@@ -22,7 +30,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +38,9 @@ from harnessrl.credentials import CredentialSigner
 from harnessrl.errors import HarnessRLError
 from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as spb
 from services.controller import grading
-from services.controller.backends import JobBackend, JobResult, JobSpec
+from services.controller.backends import GraderStep, JobBackend, JobResult, JobSpec
 from services.controller.config import ControllerConfig
-from services.controller.runspec import task_env
+from services.controller.run_spec import task_env
 from services.controller.store_calls import ResilientStore, StoreUnavailable
 
 log = logging.getLogger("harnessrl.controller")
@@ -162,17 +170,21 @@ class RunExecution:
         log.info("run started: %d tasks x %d, concurrency %d, backend %s",
                  len(self.tasks), self.spec.group_size, self.spec.concurrency,
                  self.spec.backend, extra=self._extra)
-        tasks: list[asyncio.Task[None]] = []
         try:
             # The store's view wins: a resumed run continues where the store says it is.
             for ro in await self.ctx.store.list_rollouts(self.run.run_id):
                 if ro.rollout_id in self.rollouts:
                     self.rollouts[ro.rollout_id] = ro
             await self._save_run()
-            tasks = [asyncio.create_task(self._rollout(rid)) for rid, ro in
-                     self.rollouts.items() if ro.status not in TERMINAL]
-            if tasks:
-                await _first_error(tasks)
+            # Attempts a dead controller left running go first: their jobs may be running.
+            todo = sorted((rid for rid, ro in self.rollouts.items() if ro.status not in TERMINAL),
+                          key=lambda rid: not _attempt_running(self.rollouts[rid]))
+            try:
+                async with asyncio.TaskGroup() as rollouts:  # one error stops them all
+                    for rid in todo:
+                        rollouts.create_task(self._rollout(rid))
+            except BaseExceptionGroup as group:
+                raise group.exceptions[0] from None
             self.run.status = c.RUN_STATUS_CANCELLED if self.cancelled \
                 else c.RUN_STATUS_SUCCEEDED
         except asyncio.CancelledError:
@@ -184,10 +196,6 @@ class RunExecution:
                       exc_info=not isinstance(exc, StoreUnavailable))
             self.run.status = c.RUN_STATUS_FAILED
             self.run.error = str(exc)
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
         self.run.finished_at = time.time()
         try:
             await self._save_run(retry_s=self.ctx.cfg.store_retry_s)
@@ -213,7 +221,8 @@ class RunExecution:
         log.info("cancelling run", extra=self._extra)
         self.cancelled = True
         self._cancel_ev.set()
-        await asyncio.gather(*(self.backend.cancel(j) for j in list(self._jobs.values())))
+        await asyncio.gather(*(self.backend.cancel(j, "run cancelled")
+                               for j in list(self._jobs.values())))
 
     async def _acquire(self, sem: asyncio.Semaphore) -> bool:
         """Takes a slot of `sem`, or returns False when the run is cancelled first."""
@@ -235,15 +244,6 @@ class RunExecution:
 
     async def _rollout(self, rid: str) -> None:
         try:
-            ro = self.rollouts[rid]
-            if ro.status == c.ROLLOUT_STATUS_RUNNING and ro.attempts and \
-                    ro.attempts[-1].status == c.ROLLOUT_STATUS_RUNNING:
-                # Resumed run: the controller that ran this attempt is gone, and its result.
-                await self._finish(rid, ro.attempt, c.ROLLOUT_STATUS_FAILED,
-                                   error="the controller running this attempt stopped before "
-                                         "it finished; its result is lost")
-                if self.rollouts[rid].status in TERMINAL:
-                    return
             if not await self._acquire(self._run_slots):
                 await self._cancel_in_store(rid)
                 return
@@ -252,6 +252,8 @@ class RunExecution:
                     await self._cancel_in_store(rid)
                     return
                 try:
+                    if _attempt_running(self.rollouts[rid]):  # left running by a dead controller
+                        await self._attempt(rid, self.rollouts[rid].attempt, resumed=True)
                     while self.rollouts[rid].status not in TERMINAL:
                         if self.cancelled:
                             await self._cancel_in_store(rid)
@@ -332,19 +334,33 @@ class RunExecution:
         })
         return env
 
-    async def _run_job(self, rid: str, spec: JobSpec) -> JobResult:
-        """Runs a job of this rollout; killed if the run is cancelled (or this task is)."""
+    async def _run_job(self, rid: str, spec: JobSpec, adopt: bool = False) -> JobResult:
+        """Runs a job of this rollout (with `adopt`: takes over the one an earlier controller
+        launched from this spec, launching it only if there is none); killed if the run is
+        cancelled (or this task is)."""
         self._jobs[rid] = spec.job_id
         try:
-            await self.backend.launch(spec)
+            if not (adopt and await self.backend.adopt(spec)):
+                await self.backend.launch(spec)
             if self.cancelled:  # cancelled while launching: cancel() did not see this job
-                await self.backend.cancel(spec.job_id)
-            return await self.backend.wait(spec.job_id)
-        finally:
+                await self.backend.cancel(spec.job_id, "run cancelled")
+            result = await self.backend.wait(spec.job_id)
+        except asyncio.CancelledError:
+            # The controller is stopping: the job is left to the backend's close() (the local
+            # backend kills it, Kubernetes leaves it for the next controller to adopt).
+            self._jobs.pop(rid, None)
+            raise
+        except BaseException:
             self._jobs.pop(rid, None)
             await asyncio.shield(self.backend.cleanup(spec.job_id))
+            raise
+        self._jobs.pop(rid, None)
+        await asyncio.shield(self.backend.cleanup(spec.job_id))
+        return result
 
-    async def _attempt(self, rid: str, attempt: int) -> None:
+    async def _attempt(self, rid: str, attempt: int, resumed: bool = False) -> None:
+        """Runs attempt `attempt` of a rollout to its end in the store; `resumed`: the store
+        holds it as RUNNING already (its controller died), its jobs are adopted."""
         ro, spec, ctx = self.rollouts[rid], self.spec, self.ctx
         extra = {**self._extra, "rollout": rid, "attempt": attempt}
         workdir = self._workdir(ro, attempt)
@@ -353,35 +369,37 @@ class RunExecution:
         token = ctx.signer.mint(rid, attempt,
                                 ttl_s=spec.timeout_s + ctx.cfg.credential_ttl_margin_s)
         env = self._harness_env(ro, attempt, token, workdir)
-        await self._changed(await ctx.store.start_attempt(rid, attempt, str(workdir)))
-        log.info("attempt %d started in %s", attempt, workdir, extra=extra)
+        if resumed:
+            log.info("attempt %d: resuming it (its controller stopped)", attempt, extra=extra)
+        else:
+            await self._changed(await ctx.store.start_attempt(rid, attempt, str(workdir)))
+            log.info("attempt %d started in %s", attempt, workdir, extra=extra)
         labels = {"run": self.run.run_id, "rollout": _short_hash(rid), "attempt": str(attempt)}
+        in_job = self.backend.grades_in_job and spec.reward_source != c.REWARD_SOURCE_HARNESS
+        grader = GraderStep(argv=list(spec.grader_command),
+                            env=grading.in_job_grader_env(env)) if in_job else None
         result = await self._run_job(rid, JobSpec(
             job_id=self._job_id(rid, "h", attempt), argv=list(spec.harness_command), env=env,
-            workdir=workdir, timeout_s=spec.timeout_s, labels={**labels, "role": "harness"}))
-        if result.cancelled or self.cancelled:
+            workdir=workdir, labels={**labels, "role": "harness"}, grader=grader,
+            timeout_s=spec.timeout_s + (spec.grader_timeout_s if in_job else 0.0)),
+            adopt=resumed)
+        if self.cancelled:
             await self._finish(rid, attempt, c.ROLLOUT_STATUS_CANCELLED, error="run cancelled",
                                exit_code=result.exit_code)
             return
         if not result.succeeded:
-            if result.timed_out:
-                error = (f"harness timed out after {spec.timeout_s:g}s; its process group was "
-                         "killed")
-            else:
-                error = f"harness exited with code {result.exit_code}"
-                if result.error:
-                    error += f" ({result.error})"
-                stderr = grading.read_tail(result.stderr_path, 4096).strip()
-                if stderr:
-                    error += f"; stderr: {grading.quote(stderr[-STDERR_QUOTE_CHARS:])}"
-            await self._finish(rid, attempt, c.ROLLOUT_STATUS_FAILED, error=error,
+            await self._finish(rid, attempt, c.ROLLOUT_STATUS_FAILED,
+                               error=self._harness_failure(result),
                                exit_code=result.exit_code, timed_out=result.timed_out)
             return
         if spec.reward_source == c.REWARD_SOURCE_HARNESS:
             grade = grading.reward_from_report(await ctx.store.get_rollout(rid), attempt)
+        elif in_job:
+            grade = grading.grade_in_job(result, spec.reward_source)
         else:
             grade = await grading.run_grader(
-                lambda job: self._run_job(rid, job), job_id=self._job_id(rid, "g", attempt),
+                lambda job: self._run_job(rid, job, adopt=resumed),
+                job_id=self._job_id(rid, "g", attempt),
                 argv=list(spec.grader_command), harness_env=env, workdir=workdir,
                 timeout_s=spec.grader_timeout_s, harness=result,
                 reward_source=spec.reward_source, labels={**labels, "role": "grader"})
@@ -393,6 +411,22 @@ class RunExecution:
         else:
             await self._finish(rid, attempt, c.ROLLOUT_STATUS_FAILED,
                                error=f"grading failed: {grade.error}", may_retry=False)
+
+    def _harness_failure(self, result: JobResult) -> str:
+        """Why a harness job that did not succeed failed, for the attempt's record."""
+        if result.cancelled:  # not by this run: the controller shut down, say
+            return f"harness job cancelled ({result.error or 'outside this run'})"
+        if result.timed_out:
+            return (f"harness timed out after {self.spec.timeout_s:g}s; its job was killed"
+                    + (f" ({result.error})" if result.error else ""))
+        error = f"harness exited with code {result.exit_code}"
+        if result.error:
+            error += f" ({result.error})"
+        what = "log" if result.stderr_path == result.stdout_path else "stderr"
+        stderr = grading.read_tail(result.stderr_path, 4096).strip()
+        if stderr:
+            error += f"; {what}: {grading.quote(stderr[-STDERR_QUOTE_CHARS:])}"
+        return error
 
     # -- watching ----------------------------------------------------------------------------
     async def watch(self) -> AsyncIterator[cpb.RunEvent]:
@@ -413,11 +447,7 @@ class RunExecution:
             self.unsubscribe(q)
 
 
-async def _first_error(tasks: list[asyncio.Task[None]]) -> None:
-    """Waits for all tasks; raises the first error as soon as one fails."""
-    pending: set[asyncio.Task[None]] | set[Awaitable[None]] = set(tasks)
-    while pending:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            if not t.cancelled() and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
+def _attempt_running(ro: c.Rollout) -> bool:
+    """The store holds the rollout's current attempt as running."""
+    return ro.status == c.ROLLOUT_STATUS_RUNNING and bool(ro.attempts) and \
+        ro.attempts[-1].status == c.ROLLOUT_STATUS_RUNNING

@@ -6,6 +6,11 @@ as it is; a run the store holds as RUNNING that no controller executes (its cont
 stopped) or FAILED (say, its store was gone too long) is resumed — attempts left running are
 recorded as failed (retried while attempts remain), unfinished rollouts run. A different spec
 under an existing run_id is ALREADY_EXISTS.
+
+At start-up (`recover`) the controller resumes, before it takes any request, every run the
+store holds as RUNNING: the runs of a controller that died. Their jobs are adopted where they
+still run or ended meanwhile (see `run_execution`), so a restart neither orphans a harness nor
+launches one twice.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from collections.abc import AsyncIterator
 
 from harnessrl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as spb
-from services.controller import runspec
-from services.controller.runner import RUN_TERMINAL, TERMINAL, RunContext, RunExecution
+from services.controller import run_spec
+from services.controller.run_execution import RUN_TERMINAL, TERMINAL, RunContext, RunExecution
 
 log = logging.getLogger("harnessrl.controller")
 
@@ -39,7 +44,7 @@ class RunManager:
         return self.ctx.cfg.store_request_retry_s
 
     async def create(self, spec: c.RunSpec, run_id: str = "") -> c.Run:
-        spec = runspec.normalize(spec, tuple(self.ctx.backends))
+        spec = run_spec.normalize(spec, tuple(self.ctx.backends))
         backend = self.ctx.backends[spec.backend]
         env = dict(spec.env)
         for what, argv in (("harness_command", spec.harness_command),
@@ -47,11 +52,11 @@ class RunManager:
             problem = backend.check_argv(list(argv), env) if argv else None
             if problem:
                 raise InvalidArgument(f"{what}: {problem}")
-        tasks = await asyncio.to_thread(runspec.resolve_tasks, spec)
+        tasks = await asyncio.to_thread(run_spec.resolve_tasks, spec)
         async with self._create_lock:
             run: c.Run | None = None
             if run_id:
-                runspec.check_run_id(run_id)
+                run_spec.check_run_id(run_id)
                 ex = self.executions.get(run_id)
                 if ex is not None:
                     if not _same_spec(ex.spec, spec):
@@ -87,6 +92,29 @@ class RunManager:
             self.executions[run_id] = ex
             ex.start()
             return ex.snapshot()
+
+    async def recover(self, limit: int = 1000) -> list[str]:
+        """Resumes the runs (among the newest `limit`) the store holds as RUNNING that no
+        controller executes; returns their ids. A run that cannot be resumed any more (its
+        backend is gone from this controller's config, say) is failed with the reason."""
+        resumed = []
+        for run in await self.ctx.store.list_runs(limit):
+            if run.status != c.RUN_STATUS_RUNNING or run.run_id in self.executions:
+                continue
+            try:
+                await self.create(run.spec, run.run_id)
+                resumed.append(run.run_id)
+            except (InvalidArgument, AlreadyExists) as exc:
+                log.error("run %s cannot be resumed: %s", run.run_id, exc,
+                          extra={"run": run.run_id})
+                run.status = c.RUN_STATUS_FAILED
+                run.error = f"could not be resumed after a controller restart: {exc}"
+                run.finished_at = time.time()
+                await self.ctx.store.put_run(run)
+        if resumed:
+            log.info("resumed %d run(s) left running by an earlier controller: %s",
+                     len(resumed), ", ".join(resumed))
+        return resumed
 
     async def get(self, run_id: str) -> c.Run:
         if not run_id:

@@ -1,0 +1,50 @@
+"""The session leader of every local job: runs the job's command as its child and writes how it
+ended to a file, so that a controller restarted after a crash can still learn the exit status
+of a job it did not start itself (a process can only wait for its own children).
+
+Usage: `python -I -S job_wrapper.py EXIT_FILE ARGV...`. The exit file gets
+`{"exit_code": N, "error": ""}` (N negative: killed by that signal; 127 with `error` set: the
+command could not be executed) once the command has ended; the wrapper exits with the same
+status. SIGTERM reaches the whole process group: the wrapper outlives it long enough to record
+how its child ended (SIGKILL ends it regardless). It imports only the standard library.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+EXEC_FAILED = 127
+
+
+def _record(exit_file: str, exit_code: int, error: str = "") -> None:
+    tmp = exit_file + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"exit_code": exit_code, "error": error}, f)
+    os.replace(tmp, exit_file)
+
+
+def main() -> int:
+    exit_file, argv = sys.argv[1], sys.argv[2:]
+    # A handler, not SIG_IGN: handlers are reset by exec, so the child gets the default action.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        child = subprocess.Popen(argv)
+    except OSError as exc:
+        error = f"cannot execute {argv[0]!r}: {exc}"
+        print(f"harnessrl: {error}", file=sys.stderr, flush=True)
+        _record(exit_file, EXEC_FAILED, error)
+        return EXEC_FAILED
+    while True:
+        try:
+            code = child.wait()
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries for us
+            continue
+    _record(exit_file, code)
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
