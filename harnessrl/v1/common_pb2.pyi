@@ -410,7 +410,7 @@ class RunSpec(_message.Message):
     model: _builtins.str
     """model name given to the harness as HARNESSRL_MODEL"""
     backend: _builtins.str
-    """job backend: "local" (default)"""
+    """job backend: "local", "kubernetes"; "" = the controller's default"""
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
         """inline tasks; or"""

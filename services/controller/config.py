@@ -52,5 +52,41 @@ class ControllerConfig(ServiceConfig):
     max_jobs: int = Field(
         64, description="harness runs at once over all runs of this controller (each run "
                         "also has its own `concurrency`)", ge=1)
+    default_backend: str = Field(
+        "local", description="job backend of runs whose spec names none: 'local' (process "
+                             "groups on this machine) or 'kubernetes' (a Job per attempt)")
+    k8s_job_template: str = Field(
+        "", description="Job template (YAML) of the kubernetes backend: your harness image "
+                        "and resources (see docs/kubernetes-jobs.md); the backend is "
+                        "available when this is set")
+    k8s_namespace: str = Field(
+        "", description="namespace of the rollout Jobs; empty: the service account's "
+                        "namespace in a pod, else the kubeconfig context's (else 'default')")
+    k8s_kubeconfig: str = Field(
+        "", description="kubeconfig file; empty: the in-cluster service account inside a pod "
+                        "(KUBERNETES_SERVICE_HOST set), else ~/.kube/config or $KUBECONFIG")
+    k8s_gateway_url: str = Field(
+        "", description="the gateway's /v1 URL as rollout pods reach it (its in-cluster "
+                        "Service, e.g. http://gateway.harnessrl.svc:8080/v1); empty: "
+                        "gateway_url")
+    k8s_job_creates_per_s: float = Field(
+        10.0, gt=0, description="rate limit of Job creations (the API server's protection)")
+    k8s_relist_s: float = Field(
+        30.0, gt=0, description="the Job and Pod watches are re-listed this often (and at "
+                                "once after a 410 Gone)")
+    k8s_pending_timeout_s: float = Field(
+        300.0, gt=0, description="an attempt whose pod stays unschedulable this long fails "
+                                 "with the scheduler's reason")
+    k8s_secret_timeout_s: float = Field(
+        60.0, gt=0, description="an attempt whose pod cannot start this long for a missing "
+                                "Secret (CreateContainerConfigError) fails")
+    k8s_ttl_after_finished_s: int = Field(
+        3600, ge=0, description="ttlSecondsAfterFinished of each Job: how long Kubernetes "
+                                "keeps a finished Job and its pod (the controller deletes "
+                                "the Jobs it saw end)")
+    k8s_deadline_margin_s: float = Field(
+        30.0, ge=0, description="activeDeadlineSeconds = attempt timeout + this; the "
+                                "controller ends a Job at its timeout itself, the deadline "
+                                "bounds Jobs no controller watches")
     ready_file: str = Field("", description="write {pid, grpc_port} here once serving")
     log_level: str = Field("INFO", description="logging level")

@@ -44,7 +44,7 @@ class RunManager:
         return self.ctx.cfg.store_request_retry_s
 
     async def create(self, spec: c.RunSpec, run_id: str = "") -> c.Run:
-        spec = run_spec.normalize(spec, tuple(self.ctx.backends))
+        spec = run_spec.normalize(spec, tuple(self.ctx.backends), self.ctx.cfg.default_backend)
         backend = self.ctx.backends[spec.backend]
         env = dict(spec.env)
         for what, argv in (("harness_command", spec.harness_command),

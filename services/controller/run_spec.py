@@ -23,7 +23,6 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_GRADER_TIMEOUT_S = 60.0
 DEFAULT_MAX_ATTEMPTS = 1
 DEFAULT_STREAM = "train"
-DEFAULT_BACKEND = "local"
 MAX_TASK_ID_CHARS = 256
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 
@@ -34,8 +33,9 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
-def normalize(spec: c.RunSpec, backends: tuple[str, ...]) -> c.RunSpec:
-    """A copy of `spec` with defaults filled in; `InvalidArgument` says what is wrong."""
+def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) -> c.RunSpec:
+    """A copy of `spec` with defaults filled in (`default_backend` where it names none);
+    `InvalidArgument` says what is wrong."""
     s = c.RunSpec()
     s.CopyFrom(spec)
     if s.group_size < 0 or s.concurrency < 0 or s.max_attempts < 0:
@@ -51,7 +51,7 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...]) -> c.RunSpec:
     s.grader_timeout_s = s.grader_timeout_s or DEFAULT_GRADER_TIMEOUT_S
     s.max_attempts = s.max_attempts or DEFAULT_MAX_ATTEMPTS
     s.stream = s.stream or DEFAULT_STREAM
-    s.backend = s.backend or DEFAULT_BACKEND
+    s.backend = s.backend or default_backend
     if s.reward_source == c.REWARD_SOURCE_UNSPECIFIED:
         s.reward_source = c.REWARD_SOURCE_GRADER_JSON
     if s.reward_source not in c.RewardSource.values():

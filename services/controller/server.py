@@ -19,7 +19,26 @@ log = logging.getLogger("harnessrl.controller")
 
 
 def make_backends(cfg: ControllerConfig) -> dict[str, JobBackend]:
-    return {"local": LocalBackend(kill_grace_s=cfg.kill_grace_s)}
+    """The local backend always; the kubernetes one when a Job template is configured."""
+    backends: dict[str, JobBackend] = {"local": LocalBackend(kill_grace_s=cfg.kill_grace_s)}
+    if cfg.k8s_job_template:
+        from services.controller.backends.k8s_manifests import load_template
+        from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings
+
+        backends["kubernetes"] = KubernetesBackend(KubernetesSettings(
+            job_template=load_template(cfg.k8s_job_template),
+            gateway_url=cfg.k8s_gateway_url or cfg.gateway_url, namespace=cfg.k8s_namespace,
+            kubeconfig=cfg.k8s_kubeconfig, creates_per_s=cfg.k8s_job_creates_per_s,
+            relist_s=cfg.k8s_relist_s, pending_timeout_s=cfg.k8s_pending_timeout_s,
+            secret_timeout_s=cfg.k8s_secret_timeout_s,
+            ttl_after_finished_s=cfg.k8s_ttl_after_finished_s,
+            deadline_margin_s=cfg.k8s_deadline_margin_s, kill_grace_s=cfg.kill_grace_s))
+    if cfg.default_backend not in backends:
+        raise ValueError(f"default_backend {cfg.default_backend!r} is not available: "
+                         + ("set k8s_job_template for the kubernetes backend"
+                            if cfg.default_backend == "kubernetes"
+                            else f"choose one of {', '.join(backends)}"))
+    return backends
 
 
 async def serve(cfg: ControllerConfig) -> None:

@@ -83,6 +83,9 @@ class TrainerConfig(ServiceConfig):
     grader_timeout_s: float = Field(60.0, gt=0, description="grader timeout")
     max_attempts: int = Field(1, ge=1, description="attempts per rollout (infrastructure "
                                                    "failures are retried)")
+    rollout_backend: str = Field(
+        "", description="job backend the controller runs the harness on ('local', "
+                        "'kubernetes'); empty: the controller's default_backend")
     run_timeout_s: float = Field(3600.0, gt=0, description="how long one step's run may take "
                                                            "before the trainer gives up")
 

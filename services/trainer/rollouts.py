@@ -174,4 +174,5 @@ def step_spec(cfg: Any, tasks: Sequence[dict[str, Any]]) -> c.RunSpec:
         grader_command=cfg.grader_command, reward_source=c.REWARD_SOURCE_GRADER_JSON,
         concurrency=cfg.concurrency, timeout_s=cfg.rollout_timeout_s,
         grader_timeout_s=cfg.grader_timeout_s, max_attempts=cfg.max_attempts,
-        env=cfg.harness_env, stream=cfg.stream, model=cfg.served_model_name, backend="local")
+        env=cfg.harness_env, stream=cfg.stream, model=cfg.served_model_name,
+        backend=cfg.rollout_backend)

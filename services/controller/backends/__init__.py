@@ -1,11 +1,12 @@
-"""Job backends: where harness and grader runs execute. See `base.JobBackend`."""
+"""Job backends: where harness and grader runs execute. See `base.JobBackend`.
+
+`local` (`local.LocalBackend`) runs process groups on the controller's machine; `kubernetes`
+(`kubernetes.KubernetesBackend`, imported only where configured) runs a Job per attempt.
+"""
 
 from services.controller.backends.base import (GraderOutput, GraderStep, JobBackend, JobInfo,
                                                JobResult, JobSpec, JobState)
 from services.controller.backends.local import LocalBackend
 
-# Names a RunSpec's `backend` field may take ("" means "local").
-BACKEND_NAMES = ("local",)
-
-__all__ = ["BACKEND_NAMES", "GraderOutput", "GraderStep", "JobBackend", "JobInfo", "JobResult", "JobSpec", "JobState",
-           "LocalBackend"]
+__all__ = ["GraderOutput", "GraderStep", "JobBackend", "JobInfo", "JobResult", "JobSpec",
+           "JobState", "LocalBackend"]
