@@ -79,8 +79,11 @@ print(json.dumps({"reward": 1.0 if answer == 2 * int(task["x"]) else 0.0, "answe
 
 
 class Services:
-    def __init__(self, tmp: Path, redis_url: str, prefix: str, store_retry_s: float = 60) -> None:
+    def __init__(self, tmp: Path, redis_url: str, prefix: str, store_retry_s: float = 60,
+                 controller_flags: tuple[str, ...] = ()) -> None:
+        """`controller_flags`: extra flags (the kubernetes backend's, say)."""
         self.tmp = tmp
+        self.controller_flags = controller_flags
         self.store_retry_s = store_retry_s
         self.redis_url = redis_url
         self.prefix = prefix
@@ -101,7 +104,8 @@ class Services:
                 "services.controller", "--bind", "127.0.0.1:0",
                 "--store-address", f"127.0.0.1:{self.store_port}", "--gateway-url", GATEWAY_URL,
                 "--workdir-root", str(self.tmp / "rollouts"), "--kill-grace-s", "0.5",
-                "--store-retry-s", str(self.store_retry_s), "--ready-file", str(ready)),
+                "--store-retry-s", str(self.store_retry_s), "--ready-file", str(ready),
+                *self.controller_flags),
             self.tmp, env={"HARNESSRL_SECRET": SECRET}, ready_file=ready).start()
         port = self.controller.wait_ready()["grpc_port"]
         self.ctl = ControllerClient.connect(f"127.0.0.1:{port}")

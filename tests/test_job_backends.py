@@ -1,9 +1,14 @@
 """Conformance suite of the job-backend interface (`services.controller.backends.base`).
 
 Every backend runs the same tests: add it to `BACKENDS` (a name and a factory taking the test's
-tmp dir) and it is held to the same contract. The local backend runs real process groups; a
-Kubernetes backend joins with its test double (a fake API server driven through the real
-client library) the same way.
+tmp dir and the fixtures it needs) and it is held to the same contract. The local backend runs
+real process groups; the Kubernetes backend runs against its test double, a fake API server in
+its own process (`harnessrl.testing.fake_kube`) that runs each pod's containers as local
+processes, driven through the real `kubernetes` client and a kubeconfig.
+
+Where the backends differ by design, the tests say so through the backend's own flags: a pod's
+working directory is its own, not the controller's (`shares_workdir`), and a container log
+holds stdout and stderr together (`merged_output`).
 """
 
 from __future__ import annotations
@@ -20,18 +25,39 @@ from pathlib import Path
 import pytest
 
 from services.controller.backends import JobBackend, JobSpec, JobState, LocalBackend
+from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings
 
 PY = sys.executable
+K8S_IMAGE = "harnessrl/harness:dev"  # an image the fake API server's node "has"
+K8S_TEMPLATE = {"apiVersion": "batch/v1", "kind": "Job", "spec": {"template": {"spec": {
+    "containers": [{"name": "harness", "image": K8S_IMAGE}]}}}}
 
-BACKENDS: dict[str, Callable[[Path], JobBackend]] = {
-    "local": lambda tmp: LocalBackend(kill_grace_s=0.5),
+
+def kubernetes_backend(kubeconfig: str, template: dict | None = None,  # type: ignore[type-arg]
+                       **kw: object) -> KubernetesBackend:
+    settings = dict(job_template=template or K8S_TEMPLATE, gateway_url="http://127.0.0.1:9/v1",
+                    kubeconfig=kubeconfig, creates_per_s=200.0, relist_s=5.0, kill_grace_s=0.5)
+    settings.update(kw)
+    return KubernetesBackend(KubernetesSettings(**settings))  # type: ignore[arg-type]
+
+
+BACKENDS: dict[str, Callable[[pytest.FixtureRequest], JobBackend]] = {
+    "local": lambda request: LocalBackend(kill_grace_s=0.5),
+    "kubernetes": lambda request: kubernetes_backend(
+        request.getfixturevalue("fake_kube").kubeconfig),
 }
 
 
+REQUEST: list[pytest.FixtureRequest] = []  # the current test's, for a second instance
+
+
 @pytest.fixture(params=sorted(BACKENDS))
-async def backend(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[JobBackend]:
-    b = BACKENDS[request.param](tmp_path)
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[JobBackend]:
+    REQUEST[:] = [request]
+    b = BACKENDS[request.param](request)
     yield b
+    for info in await b.list_jobs():
+        await b.cleanup(info.job_id)
     await b.close()
 
 
@@ -64,8 +90,13 @@ async def test_success_exit_code_and_output(backend: JobBackend, tmp_path: Path)
     r = await backend.wait("ok")
     assert r.exit_code == 0 and r.succeeded
     assert not r.timed_out and not r.cancelled and r.error == ""
-    assert r.stdout_path.read_text() == "to-out\n"
-    assert r.stderr_path.read_text() == "to-err\n"
+    if backend.merged_output:  # one container log
+        assert r.stdout_path == r.stderr_path
+        assert sorted(r.stdout_path.read_text().splitlines()) == ["to-err", "to-out"]
+    else:
+        assert r.stdout_path.read_text() == "to-out\n"
+        assert r.stderr_path.read_text() == "to-err\n"
+    assert r.stdout_path.parent == s.workdir
     assert r.started_at <= r.finished_at
 
 
@@ -79,7 +110,7 @@ async def test_env_and_workdir_visible(backend: JobBackend, tmp_path: Path) -> N
     s = spec(tmp_path, "env", [PY, "-c", textwrap.dedent("""
         import json, os
         print(json.dumps({"cwd": os.getcwd(), "a": os.environ.get("JOB_A"),
-                          "b": os.environ.get("JOB_B"),
+                          "b": os.environ.get("JOB_B"), "found": sorted(os.listdir(".")),
                           "secret": os.environ.get("HARNESSRL_CONTROLLER_SECRET")}))
         open("made-here.txt", "w").write("x")
     """)], env={"JOB_A": "alpha", "JOB_B": "b e t a"})
@@ -91,10 +122,14 @@ async def test_env_and_workdir_visible(backend: JobBackend, tmp_path: Path) -> N
     r = await backend.wait("env")
     assert r.exit_code == 0, r.stderr_path.read_text()
     out = json.loads(r.stdout_path.read_text())
-    assert Path(out["cwd"]).resolve() == s.workdir.resolve()
     assert (out["a"], out["b"]) == ("alpha", "b e t a")
     assert out["secret"] is None
-    assert (s.workdir / "made-here.txt").exists()
+    if backend.shares_workdir:
+        assert Path(out["cwd"]).resolve() == s.workdir.resolve()
+        assert (s.workdir / "made-here.txt").exists()
+    else:  # a pod starts in a fresh, empty directory of its own
+        assert Path(out["cwd"]).resolve() != s.workdir.resolve()
+        assert out["found"] == [] and not (s.workdir / "made-here.txt").exists()
 
 
 async def test_unexecutable_command_is_a_failed_job(backend: JobBackend, tmp_path: Path) -> None:
@@ -103,6 +138,37 @@ async def test_unexecutable_command_is_a_failed_job(backend: JobBackend, tmp_pat
     assert r.exit_code == 127 and not r.succeeded
     assert "no-such-program" in r.error
     assert "no-such-program" in r.stderr_path.read_text()
+
+
+async def test_adopted_after_the_controller_died(backend: JobBackend, tmp_path: Path) -> None:
+    """A new backend instance (the restarted controller's) adopts a job the first one
+    launched and then lost track of (kill -9): running ones are followed to their end, ended
+    ones report their exit status; a job never launched is not found."""
+    marker = tmp_path / "go"
+    body = ("import os, sys, time\n"
+            f"while not os.path.exists({str(marker)!r}): time.sleep(0.02)\n"
+            "print('finished'); sys.exit(int(sys.argv[1]))")
+    specs = {name: spec(tmp_path, name, [PY, "-c", body, code], timeout_s=60)
+             for name, code in (("runs-on", "4"), ("ends-unseen", "5"))}
+    for s in specs.values():
+        await backend.launch(s)
+    for job in backend._jobs.values():  # type: ignore[attr-defined]
+        job.task.cancel()  # the controller is gone: nothing watches the jobs any more
+    successor = BACKENDS[backend.name](REQUEST[0])
+    try:
+        assert not await successor.adopt(spec(tmp_path, "never", [PY, "-c", "pass"]))
+        marker.write_text("")
+        await asyncio.sleep(1.0)  # "ends-unseen" ends now, with no backend following it
+        assert await successor.adopt(specs["ends-unseen"])
+        assert await successor.adopt(specs["runs-on"])
+        for name, code in (("runs-on", 4), ("ends-unseen", 5)):
+            r = await successor.wait(name)
+            assert r.exit_code == code and not r.timed_out and not r.cancelled, r
+            assert "finished" in r.stdout_path.read_text()
+    finally:
+        for name in specs:
+            await successor.cleanup(name)
+        await successor.close()
 
 
 async def test_timeout_kills_grandchild_ignoring_sigterm(backend: JobBackend,
@@ -215,3 +281,101 @@ async def test_many_concurrent_jobs(backend: JobBackend, tmp_path: Path) -> None
     # the jobs ran side by side: most of them were running at the same moment
     most_at_once = max(sum(1 for s, e in spans if s <= t <= e) for t, _ in spans)
     assert most_at_once >= n // 2, spans
+
+
+# -- Kubernetes only: what a pod can run into, and what the API server is sent -------------
+def k8s_template(**container: object) -> dict:  # type: ignore[type-arg]
+    return {"apiVersion": "batch/v1", "kind": "Job", "spec": {"template": {"spec": {
+        "containers": [{"name": "harness", "image": K8S_IMAGE, **container}]}}}}
+
+
+@pytest.fixture
+async def k8s(fake_kube) -> AsyncIterator[Callable[..., KubernetesBackend]]:  # type: ignore[no-untyped-def]
+    made: list[KubernetesBackend] = []
+
+    def make(template: dict | None = None, **kw: object) -> KubernetesBackend:  # type: ignore[type-arg]
+        made.append(kubernetes_backend(fake_kube.kubeconfig, template, **kw))
+        return made[-1]
+    yield make
+    for b in made:
+        for info in await b.list_jobs():
+            await b.cleanup(info.job_id)
+        await b.close()
+
+
+@pytest.mark.parametrize("template, settings, reason", [
+    (k8s_template(image="registry.example.com/does-not-exist:1"), {}, "cannot be pulled"),
+    (k8s_template(resources={"requests": {"cpu": "512"}}), {"pending_timeout_s": 1.0},
+     "unschedulable"),
+    (k8s_template(envFrom=[{"secretRef": {"name": "never-created"}}]),
+     {"secret_timeout_s": 1.0}, "never-created"),
+], ids=["image-pull", "unschedulable", "secret-missing"])
+async def test_pod_that_cannot_start_ends_the_job_with_the_reason(
+        k8s, tmp_path: Path, template: dict, settings: dict,  # type: ignore[no-untyped-def,type-arg]
+        reason: str) -> None:
+    b = k8s(template, **settings)
+    t0 = time.monotonic()
+    await b.launch(spec(tmp_path, "stuck", [PY, "-c", "pass"], timeout_s=60))
+    r = await b.wait("stuck")
+    assert r.exit_code == 127 and not r.succeeded and reason in r.error, r
+    assert time.monotonic() - t0 < 20
+    assert not await kube_jobs(b)  # the Job was deleted
+
+
+async def kube_jobs(b: KubernetesBackend) -> list[str]:
+    jobs = await asyncio.to_thread(b.batch.list_namespaced_job, b.namespace,
+                                   label_selector="app.kubernetes.io/managed-by=harnessrl")
+    return [j.metadata.name for j in jobs.items]
+
+
+async def test_timeout_deletes_the_job_and_keeps_its_log(k8s, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = k8s()
+    await b.launch(spec(tmp_path, "slow", [PY, "-c", "import time; print('started', flush=True);"
+                                           " time.sleep(600)"], timeout_s=2.0))
+    r = await b.wait("slow")
+    assert r.timed_out and not r.succeeded
+    assert "started" in r.stdout_path.read_text()  # the log was saved before the deletion
+    assert not await kube_jobs(b)
+
+
+async def test_credential_only_in_the_secret_and_grader_in_the_pod(
+        k8s, fake_kube, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from services.controller.backends import GraderStep
+
+    token = "hrl1.credential-under-test-0123456789"
+    harness = ("import os; print('key seen:', os.environ['OPENAI_API_KEY'] == "
+               f"{token!r}); open('answer.txt', 'w').write('42')")
+    grader = "print('graded'); print(open('answer.txt').read())"
+    b = k8s()
+    s = JobSpec(job_id="cred", argv=[PY, "-c", harness],
+                env={"OPENAI_API_KEY": token, "OPENAI_BASE_URL": "http://x/v1"},
+                workdir=tmp_path / "cred", timeout_s=60,
+                grader=GraderStep(argv=[PY, "-c", grader], env={}))
+    await b.launch(s)
+    r = await b.wait("cred")
+    assert r.succeeded, r
+    assert "key seen: True" in r.stdout_path.read_text()
+    assert r.grader is not None and r.grader.exit_code == 0
+    assert r.grader.stdout_path.read_text().split() == ["graded", "42"]
+    sent = fake_kube.requests()
+    jobs = [q for q in sent if q["path"].endswith("/jobs") and q["method"] == "POST"]
+    secrets = [q for q in sent if q["path"].endswith("/secrets") and q["method"] == "POST"]
+    assert len(jobs) >= 1 and len(secrets) >= 1
+    for q in sent:
+        if "/secrets" not in q["path"]:
+            assert token not in json.dumps(q), q["path"]
+    pods = await asyncio.to_thread(b.core.list_namespaced_pod, b.namespace)
+    assert token not in json.dumps(b.api.sanitize_for_serialization(pods))
+
+
+async def test_watch_recovers_from_410_gone(k8s, fake_kube, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = k8s(relist_s=60.0)
+    marker = tmp_path / "go"
+    await b.launch(spec(tmp_path, "w", [PY, "-c", "import os, time\n"
+                                        f"while not os.path.exists({str(marker)!r}): "
+                                        "time.sleep(0.02)"], timeout_s=60))
+    await asyncio.sleep(1.0)
+    fake_kube.compact()  # the watch's resourceVersion is gone from the history now
+    marker.write_text("")
+    r = await asyncio.wait_for(b.wait("w"), 30)
+    assert r.exit_code == 0

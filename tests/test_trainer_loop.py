@@ -18,7 +18,7 @@ from harnessrl import procs
 from harnessrl.clients import GatewayAdminClient, StoreClient, TrainerClient
 from harnessrl.rpc import health_check
 from harnessrl.stack import Stack, StackConfig
-from harnessrl.v1 import gateway_pb2 as gpb
+from harnessrl.v1 import common_pb2 as c, gateway_pb2 as gpb
 from harnessrl.weight_transfer import PushConfig, PushError
 from services.trainer.weights import EngineWeights
 
@@ -146,3 +146,54 @@ def test_failed_push_marks_the_engine_and_raises_after_the_tries(
         weights.close()
         admin.close()
         gateway.stop()
+
+
+@pytest.mark.vllm
+def test_short_training_run_with_rollouts_as_kubernetes_jobs(
+        stack: Stack, tmp_path: Path, tiny_model_dir: Path, fake_kube) -> None:  # type: ignore[no-untyped-def]
+    """A few trainer steps whose rollouts are Jobs on the fake API server: a controller with
+    `--default-backend kubernetes` (the example's harness and in-pod grader run as the pods'
+    containers), the module's store, gateway and vLLM. Runs last in this module: its pushes
+    move the engine's policy version."""
+    import yaml
+
+    template = tmp_path / "job-template.yaml"
+    template.write_text(yaml.safe_dump({"apiVersion": "batch/v1", "kind": "Job", "spec": {
+        "template": {"spec": {"containers": [
+            {"name": "harness", "image": "harnessrl/harness:dev"}]}}}}))
+    controller, info = procs.start_service(
+        "controller-k8s", "services.controller",
+        ["--bind", "127.0.0.1:0", "--store-address", stack.store_address,
+         "--gateway-url", stack.gateway_url, "--secret-file", str(stack.secret_file),
+         "--workdir-root", str(tmp_path / "rollouts"), "--default-backend", "kubernetes",
+         "--k8s-job-template", str(template), "--k8s-kubeconfig", str(fake_kube.kubeconfig)],
+        tmp_path)
+    try:
+        address = f"127.0.0.1:{info['grpc_port']}"
+        stack_like = type("S", (), {"store_address": stack.store_address,
+                                    "controller_address": address,
+                                    "gateway_admin_address": stack.gateway_admin_address})
+        trainer = start_trainer(stack_like, tmp_path, tiny_model_dir,  # type: ignore[arg-type]
+                                "--steps", "2", "--tasks-per-step", "2", "--group-size", "3",
+                                "--concurrency", "6", "--run-name", "k8s", "--stream", "k8s",
+                                "--no-filter-zero-variance")
+        assert trainer.proc.wait(600) == 0, trainer.log_tail(80)
+    finally:
+        controller.stop()
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["trained"] for r in rows), rows
+    store = StoreClient.connect(stack.store_address)
+    try:
+        for r in rows:
+            assert r["rollouts"] == 6
+            rollouts = store.list_rollouts(r["run_id"]).rollouts
+            assert all(ro.status == c.ROLLOUT_STATUS_SUCCEEDED for ro in rollouts)
+            # each attempt a Job: the fake API server's creations for the run equal them
+            creations = [q for q in fake_kube.requests() if q["method"] == "POST" and
+                         q["path"].endswith("/jobs") and
+                         q["body"]["metadata"]["labels"]["harnessrl.dev/run"] == r["run_id"]]
+            assert len(creations) == sum(len(ro.attempts) for ro in rollouts) == 6
+            workdir = Path(rollouts[0].attempts[0].workdir)
+            assert '"reward"' in (workdir / "grader.stdout.log").read_text()
+    finally:
+        store.close()

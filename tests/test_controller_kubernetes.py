@@ -1,0 +1,127 @@
+"""The controller with the kubernetes backend: every attempt a Job on the fake API server
+(`harnessrl.testing.fake_kube`, its own process, driven through the real client and a
+kubeconfig), against a real store. Retries as new attempts, both reward paths, credentials
+that travel only in Secrets, and a controller killed with kill -9 mid-run."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import yaml
+
+from harnessrl.v1 import common_pb2 as c
+from test_controller import Services
+
+TEMPLATE = {"apiVersion": "batch/v1", "kind": "Job", "spec": {"template": {"spec": {
+    "containers": [{"name": "harness", "image": "harnessrl/harness:dev"}]}}}}
+
+
+def k8s_services(tmp: Path, redis_url: str, prefix: str, fake_kube) -> Services:  # type: ignore[no-untyped-def]
+    template = tmp / "job-template.yaml"
+    template.write_text(yaml.safe_dump(TEMPLATE))
+    return Services(tmp, redis_url, prefix, controller_flags=(
+        "--default-backend", "kubernetes", "--k8s-job-template", str(template),
+        "--k8s-kubeconfig", str(fake_kube.kubeconfig), "--k8s-relist-s", "5",
+        "--k8s-job-creates-per-s", "100"))
+
+
+def job_creations(fake_kube, run_id: str) -> int:  # type: ignore[no-untyped-def]
+    """Job creations the fake API server accepted for this run (by the run label)."""
+    return sum(1 for q in fake_kube.requests()
+               if q["method"] == "POST" and q["path"].endswith("/jobs") and
+               (q.get("body") or {}).get("metadata", {}).get("labels", {})
+               .get("harnessrl.dev/run") == run_id)
+
+
+def pods_in_phase(fake_kube, run_id: str, phase: str) -> int:  # type: ignore[no-untyped-def]
+    from kubernetes import client, config
+
+    api = config.new_client_from_config(config_file=str(fake_kube.kubeconfig))
+    try:
+        pods = client.CoreV1Api(api).list_namespaced_pod(
+            "default", label_selector=f"harnessrl.dev/run={run_id}").items
+    finally:
+        api.close()
+    return sum(p.status.phase == phase for p in pods)
+
+
+def test_pod_failure_is_retried_and_credentials_stay_in_secrets(
+        redis_url: str, key_prefix: str, tmp_path: Path, fake_kube) -> None:  # type: ignore[no-untyped-def]
+    s = k8s_services(tmp_path, redis_url, key_prefix, fake_kube)
+    try:
+        spec = s.spec([{"id": "flaky", "behavior": "crash_once", "x": 2},
+                       {"id": "broken", "behavior": "crash", "x": 1},
+                       {"id": "fine", "x": 3}], max_attempts=2)
+        run, _ = s.run_to_end(spec)
+        assert run.status == c.RUN_STATUS_SUCCEEDED and run.num_succeeded == 2, run
+        ro = s.rollouts(run.run_id)
+        assert [a.status for a in ro["flaky/0"].attempts] == [c.ROLLOUT_STATUS_FAILED,
+                                                             c.ROLLOUT_STATUS_SUCCEEDED]
+        assert ro["flaky/0"].reward == 1.0 and ro["fine/0"].reward == 1.0
+        broken = ro["broken/0"]
+        assert [a.status for a in broken.attempts] == [c.ROLLOUT_STATUS_FAILED] * 2
+        assert "exited with code 3" in broken.error and "boom on attempt 2" in broken.error
+        # the harness's log and the in-pod grader's output are in the attempt's workdir
+        fine = Path(ro["fine/0"].attempts[0].workdir)
+        assert "harness ran" in (fine / "stdout.log").read_text()
+        assert '"reward": 1.0' in (fine / "grader.stdout.log").read_text()
+        assert job_creations(fake_kube, run.run_id) == 5  # one Job per attempt
+        # every credential the controller minted went into a Secret, and nowhere else
+        sent = fake_kube.requests()
+        tokens = [q["body"]["stringData"]["openai-api-key"] for q in sent
+                  if q["method"] == "POST" and q["path"].endswith("/secrets")]
+        assert len(set(tokens)) >= 5 and all(t.startswith("hrl") for t in tokens), tokens[:1]
+        others = json.dumps([q for q in sent if not q["path"].endswith("/secrets")])
+        assert not any(t in others for t in tokens)
+    finally:
+        s.stop()
+
+
+def test_harness_reported_reward_on_kubernetes(redis_url: str, key_prefix: str,
+                                               tmp_path: Path, fake_kube) -> None:  # type: ignore[no-untyped-def]
+    s = k8s_services(tmp_path, redis_url, key_prefix, fake_kube)
+    try:
+        spec = s.spec([{"id": "r", "behavior": "report", "reward": 0.25, "x": 1}],
+                      reward_source=c.REWARD_SOURCE_HARNESS, grader_command=[])
+        run, _ = s.run_to_end(spec)
+        assert run.status == c.RUN_STATUS_SUCCEEDED, run
+        assert s.rollouts(run.run_id)["r/0"].reward == 0.25
+    finally:
+        s.stop()
+
+
+def test_controller_killed_mid_run_adopts_its_jobs_on_kubernetes(
+        redis_url: str, key_prefix: str, tmp_path: Path, fake_kube) -> None:  # type: ignore[no-untyped-def]
+    """kill -9 of the controller while two pods run; one ends before the restart. The new
+    controller resumes the run, adopts both Jobs, and creates no Job twice."""
+    s = k8s_services(tmp_path, redis_url, key_prefix, fake_kube)
+    try:
+        run_id = "k8s-resumed"
+        spec = s.spec([{"id": "fast", "behavior": "sleep", "sleep": 1.0, "x": 1},
+                       {"id": "slow", "behavior": "sleep", "sleep": 8.0, "x": 1},
+                       {"id": "later", "x": 2}],
+                      group_size=1, concurrency=2, max_attempts=2)
+        s.ctl.create_run(spec, run_id=run_id)
+        deadline = time.monotonic() + 30
+        while pods_in_phase(fake_kube, run_id, "Running") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        s.controller.kill()  # kill -9
+        s.ctl.close()
+        while pods_in_phase(fake_kube, run_id, "Succeeded") < 1:  # "fast" ends unwatched
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        s.start_controller()
+        done = list(s.ctl.watch_run(run_id, timeout=90))[-1].run
+        assert done.status == c.RUN_STATUS_SUCCEEDED and done.num_succeeded == 3, done
+        rollouts = s.rollouts(run_id)
+        for ro in rollouts.values():
+            assert [a.status for a in ro.attempts] == [c.ROLLOUT_STATUS_SUCCEEDED], ro
+        attempts = sum(len(ro.attempts) for ro in rollouts.values())
+        assert job_creations(fake_kube, run_id) == attempts == 3
+        assert "adopted Job" in s.controller.log_tail(400)
+    finally:
+        s.stop()
+
