@@ -1,0 +1,223 @@
+"""A fake Kubernetes API server — a test double, run as its own process, for code that drives
+Kubernetes through the official `kubernetes` Python client (the controller's Kubernetes job
+backend). No real API server can run on these machines; this one speaks the real REST paths
+and JSON closely enough for the official client (`BatchV1Api`, `CoreV1Api`, `watch.Watch`,
+`read_namespaced_pod_log`) and plays the Job controller, the scheduler and a kubelet that runs
+containers as local processes.
+
+    python -m harnessrl.testing.fake_kube_apiserver --root DIR [--port 0] [--ready-file F]
+        [--images IMG,...] [--node-cpu 4] [--kube-version 1.37] [--namespaces a,b]
+
+It writes `DIR/kubeconfig` (server http://127.0.0.1:PORT, a bearer token, namespace
+`default`) and, once serving, the ready file `{"pid", "http_port", "kubeconfig"}`. From
+Python: `FakeKubeAPIServer(root).start()` ... `.stop()` (or a `with` block).
+
+Served (namespaced; JSON only; errors are `Status` objects with the real code and reason):
+  batch/v1 jobs     create get list watch patch delete deletecollection
+  v1 secrets        create get list watch patch delete deletecollection
+  v1 pods           get list watch delete deletecollection, pods/{name}/log
+  /version, /healthz; test hooks GET /fake/stats, GET /fake/requests, POST /fake/compact.
+
+Like a real server: one global resourceVersion; watches replay history from a
+resourceVersion and answer a compacted one with an ERROR event carrying a 410 Expired
+Status; label selectors (=, ==, !=, in, notin, exists, !exists) and field selectors
+(metadata.name, metadata.namespace, status.phase, spec.nodeName); Jobs and Secrets validated
+against the release's OpenAPI schema (`kubernetes_validate`) plus the server's own rules
+(names, labels, restartPolicy, generated selector, ...) — 422 Invalid, nothing stored; Job
+defaults (backoffLimit 6, selector, job-name / controller-uid labels); propagation policies,
+with batch/v1's legacy default of Orphan for Jobs; garbage collection through ownerReferences;
+graceful pod deletion (SIGTERM, SIGKILL after the grace period); ttlSecondsAfterFinished;
+activeDeadlineSeconds; backoffLimit; suspend.
+
+Where it differs from a real cluster (know these before trusting a green test):
+  - No container isolation. A container's `command` + `args` run as a host process (its own
+    session; stdout+stderr merged into the pod log). The image only decides whether the pull
+    succeeds (`--images`); a container without `command` fails with StartError. Paths are
+    mapped, not mounted: a volumeMount's mountPath appearing (at a path boundary) in
+    workingDir, command, args or env values is rewritten to the volume's host directory;
+    anything else a process opens is the host's. The default working directory and HOME are
+    the pod's fresh `<root>/pods/<ns>/<pod>/root`. The environment is only what the spec
+    declares plus PATH, HOSTNAME and HOME (no service-link variables, no service account).
+  - Volumes: emptyDir and secret only. No ConfigMaps (a reference to one is "not found").
+  - Unknown fields are rejected with 422 (a real server drops them with a warning unless
+    fieldValidation=Strict, then 400); schema type errors are 422 too (400 on a real one).
+  - merge-patch and strategic-merge-patch are both applied as JSON merge patch (lists are
+    replaced, not merged by key); no json-patch, no apply, no PUT.
+  - One node: scheduling looks at CPU requests only. All of a pod's images, secrets and
+    volumes are checked before any of its containers runs. A secret volume that is missing
+    leaves containers waiting in ContainerCreating (as a real kubelet does; there is no Events
+    API to carry the FailedMount message, so it is the waiting message).
+  - Job retries come without back-off delay; podFailurePolicy, successPolicy, Indexed mode,
+    manualSelector are refused (422 Forbidden) rather than ignored. restartPolicy OnFailure
+    restarts containers in place and counts restarts against backoffLimit.
+  - `previous`, `sinceSeconds`, `timestamps` on logs are ignored. Lists with `continue` are
+    paged from the current state, not a snapshot. Watches carry no `sendInitialEvents`.
+  - Pod processes are killed on SIGTERM of this server; a SIGKILLed server leaves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import threading
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import yaml
+
+from harnessrl import procs
+from harnessrl.testing.fake_kube.cluster import Cluster
+from harnessrl.testing.fake_kube.http import FakeKubeHTTPServer
+from harnessrl.testing.fake_kube.validation import newest_kube_version
+
+DEFAULT_IMAGES = ("harnessrl/harness:dev",)
+
+
+def write_kubeconfig(path: Path, port: int, token: str) -> None:
+    config = {
+        "apiVersion": "v1", "kind": "Config", "preferences": {},
+        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "fake-user", "user": {"token": token}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake-user",
+                                                  "namespace": "default"}}],
+        "current-context": "fake",
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def serve(root: Path, port: int, ready_file: Path | None, images: list[str], node_cpu: float,
+          kube_version: str, namespaces: list[str], bookmark_seconds: float) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(16)
+    cluster = Cluster(root, images, node_cpu, kube_version, namespaces)
+    server = FakeKubeHTTPServer(port, cluster, token, kube_version, bookmark_seconds)
+    port = server.server_address[1]
+    kubeconfig = root / "kubeconfig"
+    write_kubeconfig(kubeconfig, port, token)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    cluster.start()
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    print(f"fake kube-apiserver v{kube_version} on http://127.0.0.1:{port} (root {root}, "
+          f"images {images}, node cpu {node_cpu})", flush=True)
+    if ready_file is not None:
+        _write_atomic(ready_file, json.dumps({"pid": os.getpid(), "http_port": port,
+                                              "kubeconfig": str(kubeconfig)}))
+    stop.wait()
+    cluster.shutdown()
+    server.shutdown()
+    server.server_close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", type=Path, required=True,
+                   help="state directory: kubeconfig, pods/<ns>/<pod>/ (volumes, logs)")
+    p.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1; 0 picks one")
+    p.add_argument("--ready-file", type=Path, help="JSON {pid, http_port, kubeconfig} once up")
+    p.add_argument("--images", default=",".join(DEFAULT_IMAGES),
+                   help="comma-separated images the node can pull; others get ErrImagePull")
+    p.add_argument("--node-cpu", type=float, default=4.0, help="allocatable CPU of the node")
+    p.add_argument("--kube-version", default=newest_kube_version(),
+                   help="schema version for validation (default: newest kubernetes_validate "
+                        "ships)")
+    p.add_argument("--namespaces", default="",
+                   help="comma-separated namespaces besides default, kube-system, kube-public")
+    p.add_argument("--bookmark-seconds", type=float, default=10.0,
+                   help="interval of BOOKMARK events on watches that allow them")
+    args = p.parse_args(argv)
+    serve(args.root.resolve(), args.port, args.ready_file, _split(args.images), args.node_cpu,
+          args.kube_version, _split(args.namespaces), args.bookmark_seconds)
+
+
+def _split(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+class FakeKubeAPIServer:
+    """Starts and stops the fake API server as a child process (`harnessrl.procs`)."""
+
+    def __init__(self, root: Path, images: list[str] | tuple[str, ...] = DEFAULT_IMAGES,
+                 node_cpu: float = 4.0, kube_version: str | None = None,
+                 namespaces: list[str] | tuple[str, ...] = (),
+                 bookmark_seconds: float = 10.0) -> None:
+        self.root = Path(root)
+        self.args = ["--root", str(self.root), "--images", ",".join(images),
+                     "--node-cpu", str(node_cpu), "--namespaces", ",".join(namespaces),
+                     "--bookmark-seconds", str(bookmark_seconds)]
+        if kube_version:
+            self.args += ["--kube-version", kube_version]
+        self.proc: procs.ServiceProcess | None = None
+        self.port = 0
+        self.kubeconfig = self.root / "kubeconfig"
+
+    def start(self, timeout: float = 30.0) -> "FakeKubeAPIServer":
+        self.proc, info = procs.start_service("fake-kube-apiserver",
+                                              "harnessrl.testing.fake_kube_apiserver",
+                                              self.args, self.root, timeout=timeout)
+        self.port = info["http_port"]
+        self.kubeconfig = Path(info["kubeconfig"])
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is not None:
+            self.proc.stop(timeout)
+
+    def __enter__(self) -> "FakeKubeAPIServer":
+        return self.start()
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None
+                 ) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def token(self) -> str:
+        config = yaml.safe_load(self.kubeconfig.read_text())
+        return str(config["users"][0]["user"]["token"])
+
+    def api_client(self) -> Any:
+        """A `kubernetes.client.ApiClient` configured from the kubeconfig."""
+        from kubernetes import config
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def _call(self, method: str, path: str) -> Any:
+        req = urllib.request.Request(self.url + path, method=method,
+                                     headers={"Authorization": f"Bearer {self.token}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def stats(self) -> dict[str, Any]:
+        """{"created": {kind: count}, "resourceVersion": N}."""
+        return dict(self._call("GET", "/fake/stats"))
+
+    def requests(self) -> list[dict[str, Any]]:
+        """Every write request received: method, path, query, body (parsed), content_type."""
+        return list(self._call("GET", "/fake/requests")["requests"])
+
+    def compact(self) -> int:
+        """Drops the watch history; returns the resourceVersion it was compacted at."""
+        return int(self._call("POST", "/fake/compact")["compactedAt"])
+
+    def pod_dir(self, namespace: str, name: str) -> Path:
+        return self.root / "pods" / namespace / name
+
+
+if __name__ == "__main__":
+    main()
