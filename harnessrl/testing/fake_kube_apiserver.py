@@ -153,8 +153,9 @@ class FakeKubeAPIServer:
     def __init__(self, root: Path, images: list[str] | tuple[str, ...] = DEFAULT_IMAGES,
                  node_cpu: float = 4.0, kube_version: str | None = None,
                  namespaces: list[str] | tuple[str, ...] = (),
-                 bookmark_seconds: float = 10.0) -> None:
+                 bookmark_seconds: float = 10.0, env: dict[str, str] | None = None) -> None:
         self.root = Path(root)
+        self.env = env
         self.args = ["--root", str(self.root), "--images", ",".join(images),
                      "--node-cpu", str(node_cpu), "--namespaces", ",".join(namespaces),
                      "--bookmark-seconds", str(bookmark_seconds)]
@@ -167,7 +168,8 @@ class FakeKubeAPIServer:
     def start(self, timeout: float = 30.0) -> "FakeKubeAPIServer":
         self.proc, info = procs.start_service("fake-kube-apiserver",
                                               "harnessrl.testing.fake_kube_apiserver",
-                                              self.args, self.root, timeout=timeout)
+                                              self.args, self.root, env=self.env,
+                                              timeout=timeout)
         self.port = info["http_port"]
         self.kubeconfig = Path(info["kubeconfig"])
         return self

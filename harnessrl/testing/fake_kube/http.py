@@ -4,6 +4,7 @@ token authentication, chunked watch streams and pod logs, and the `/fake/*` test
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import re
 import threading
@@ -49,6 +50,12 @@ class Handler(BaseHTTPRequestHandler):
     server: FakeKubeHTTPServer
 
     # ------------------------------------------------------------------ plumbing
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except (ConnectionResetError, BrokenPipeError):
+            pass   # the client went away; nothing to answer
 
     def log_message(self, format: str, *args: Any) -> None:
         print(f"{self.address_string()} {format % args}", flush=True)
@@ -118,7 +125,7 @@ class Handler(BaseHTTPRequestHandler):
     def _record(self, method: str, path: str, query: dict[str, str], body: Any) -> None:
         with self.server.requests_lock:
             self.server.requests.append({
-                "method": method, "path": path, "query": query, "body": body,
+                "method": method, "path": path, "query": query, "body": copy.deepcopy(body),
                 "content_type": self.headers.get("Content-Type"), "time": time.time()})
 
     do_GET = lambda self: self._dispatch("GET")        # noqa: E731
@@ -291,7 +298,6 @@ class Handler(BaseHTTPRequestHandler):
         if not rv_text.isdigit():
             raise bad_request(f"invalid resource version: {rv_text}")
         self._start_chunked("application/json")
-        self.close_connection = True
         if rv_text == "0":
             items, cursor = self._selected(kind, ns, query)
             for obj in items:
@@ -378,7 +384,6 @@ class Handler(BaseHTTPRequestHandler):
         cluster = self.server.cluster
         meta = pod["metadata"]
         self._start_chunked("text/plain")
-        self.close_connection = True
         sent = len(first)
         self._chunk(first)
         while limit is None or sent < limit:
