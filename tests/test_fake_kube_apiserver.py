@@ -102,9 +102,14 @@ def the_pod(core: client.CoreV1Api, name: str) -> client.V1Pod:
     return wait_for(f"pod of job {name}", lambda: job_pods(core, name))[0]
 
 
-def waiting_reason(core: client.CoreV1Api, pod: str) -> str | None:
+def container_state(core: client.CoreV1Api, pod: str, state: str) -> Any:
     statuses = core.read_namespaced_pod(pod, NS).status.container_statuses or []
-    return statuses[0].state.waiting.reason if statuses and statuses[0].state.waiting else None
+    return getattr(statuses[0].state, state) if statuses else None
+
+
+def waiting_reason(core: client.CoreV1Api, pod: str) -> str | None:
+    waiting = container_state(core, pod, "waiting")
+    return waiting.reason if waiting else None
 
 
 def process_gone(pid: int) -> bool:
@@ -238,11 +243,16 @@ def test_watch_follows_a_label_selector_from_a_resource_version(
     core.create_namespaced_secret(NS, client.V1Secret(
         metadata=client.V1ObjectMeta(name=f"{tag}-b", labels={"w": "other"})))
     core.patch_namespaced_secret(f"{tag}-a", NS, {"metadata": {"labels": {"w": "moved"}}})
-    events = [(e["type"], e["object"].metadata.name) for e in watch.Watch().stream(
+    stream = list(watch.Watch().stream(
         core.list_namespaced_secret, NS, label_selector=f"w={tag}", resource_version=start,
-        timeout_seconds=1)]
+        timeout_seconds=1, allow_watch_bookmarks=True))
+    events = [(e["type"], e["object"].metadata.name) for e in stream if e["type"] != "BOOKMARK"]
     # leaving the selector reads as DELETED to a filtered watcher, as on a real server
     assert events == [("ADDED", f"{tag}-a"), ("DELETED", f"{tag}-a")]
+    # the watch ends (timeoutSeconds) with a bookmark at the current resourceVersion
+    assert stream[-1]["type"] == "BOOKMARK"
+    assert int(stream[-1]["raw_object"]["metadata"]["resourceVersion"]) \
+        >= int(stream[-2]["raw_object"]["metadata"]["resourceVersion"])
 
 
 def test_watch_from_a_compacted_resource_version_gets_410(
@@ -300,6 +310,28 @@ def test_job_runs_to_completion_and_its_log_is_readable(
     assert core.read_namespaced_pod_log(pod.metadata.name, NS, container="main") \
         == "hello from the pod\n"
     assert core.read_namespaced_pod_log(pod.metadata.name, NS, limit_bytes=5) == "hello"
+
+
+def test_following_a_log_streams_until_the_container_ends(
+        batch: client.BatchV1Api, core: client.CoreV1Api) -> None:
+    name = unique("follow")
+    script = "import time\nfor i in range(3):\n    print('line', i, flush=True)\n    time.sleep(0.3)"
+    batch.create_namespaced_job(NS, make_job(name, [container(python(script))]))
+    pod = the_pod(core, name).metadata.name
+    wait_for("container running", lambda: container_state(core, pod, "running"))
+    lines = list(watch.Watch().stream(core.read_namespaced_pod_log, pod, NS))
+    assert lines == ["line 0", "line 1", "line 2"]
+    assert core.read_namespaced_pod_log(pod, NS, tail_lines=1) == "line 2\n"
+
+
+def test_finished_job_is_deleted_after_its_ttl(
+        batch: client.BatchV1Api, core: client.CoreV1Api) -> None:
+    name = unique("ttl")
+    batch.create_namespaced_job(NS, make_job(name, [container(["true"])],
+                                             ttl_seconds_after_finished=0))
+    wait_for("job deleted", lambda: not batch.list_namespaced_job(
+        NS, field_selector=f"metadata.name={name}").items)
+    assert not job_pods(core, name)
 
 
 def test_pod_sees_only_its_declared_environment_in_a_fresh_directory(

@@ -29,7 +29,7 @@ class Store:
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.rv = 0
+        self.rv = 1    # never "0": to a watch or list that means "any version"
         self._objects: dict[str, dict[tuple[str, str], Obj]] = {k: {} for k in KINDS}
         self._events: list[Event] = []
         self.history_start = 0   # a watch from a resourceVersion below this gets 410
