@@ -315,7 +315,8 @@ def test_job_runs_to_completion_and_its_log_is_readable(
 def test_following_a_log_streams_until_the_container_ends(
         batch: client.BatchV1Api, core: client.CoreV1Api) -> None:
     name = unique("follow")
-    script = "import time\nfor i in range(3):\n    print('line', i, flush=True)\n    time.sleep(0.3)"
+    script = ("import time\nfor i in range(3):\n"
+              "    print('line', i, flush=True)\n    time.sleep(0.3)")
     batch.create_namespaced_job(NS, make_job(name, [container(python(script))]))
     pod = the_pod(core, name).metadata.name
     wait_for("container running", lambda: container_state(core, pod, "running"))

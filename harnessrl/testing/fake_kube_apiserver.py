@@ -34,8 +34,10 @@ Where it differs from a real cluster (know these before trusting a green test):
     session; stdout+stderr merged into the pod log). The image only decides whether the pull
     succeeds (`--images`); a container without `command` fails with StartError. Paths are
     mapped, not mounted: a volumeMount's mountPath appearing (at a path boundary) in
-    workingDir, command, args or env values is rewritten to the volume's host directory;
-    anything else a process opens is the host's. The default working directory and HOME are
+    workingDir, command, args or env values is rewritten to the volume's host directory —
+    host paths under a mountPath are rewritten too, as a real mount would shadow them (mount
+    at /data, not at a prefix of sys.executable); anything else a process opens is the
+    host's. The default working directory and HOME are
     the pod's fresh `<root>/pods/<ns>/<pod>/root`. The environment is only what the spec
     declares plus PATH, HOSTNAME and HOME (no service-link variables, no service account).
   - Volumes: emptyDir and secret only. No ConfigMaps (a reference to one is "not found").

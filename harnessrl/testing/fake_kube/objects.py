@@ -87,9 +87,8 @@ def invalid(kind: Kind, name: str, causes: list[tuple[str, str]]) -> ApiError:
     """422 Invalid; `causes` are (field, message) pairs, as in
     `Job.batch "x" is invalid: spec.foo: Required value`."""
     qual = f"{kind.name}.{kind.group}" if kind.group else kind.name
-    text = "; ".join(f"{field}: {msg}" if field else msg for field, msg in causes)
-    if len(causes) > 1:
-        text = "[" + ", ".join(f"{f}: {m}" if f else m for f, m in causes) + "]"
+    parts = [f"{field}: {msg}" if field else msg for field, msg in causes]
+    text = parts[0] if len(parts) == 1 else "[" + ", ".join(parts) + "]"
     return ApiError(422, "Invalid", f'{qual} "{name}" is invalid: {text}', {
         "name": name, "group": kind.group, "kind": kind.name,
         "causes": [{"reason": "FieldValueInvalid", "message": m, "field": f}
@@ -207,7 +206,8 @@ def fields_match(reqs: list[tuple[str, bool, str]], obj: Obj) -> bool:
 _SUFFIX = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "": 1.0, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
            "P": 1e15, "E": 1e18, "Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40,
            "Pi": 2.0**50, "Ei": 2.0**60}
-QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$")
+QUANTITY = re.compile(r"^([+-]?(?:\d+\.?\d*|\.\d+))"
+                      r"(?:([eE][+-]?\d+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$")
 
 
 def parse_quantity(q: str | int | float) -> float:

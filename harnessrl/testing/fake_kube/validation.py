@@ -14,7 +14,7 @@ from typing import Any
 import kubernetes_validate
 from kubernetes_validate.utils import major_minor
 
-from .objects import KINDS, ApiError, Obj, bad_request, invalid, parse_quantity
+from .objects import KINDS, Obj, bad_request, invalid, parse_quantity
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -241,6 +241,3 @@ def raise_if(causes: Causes, kind_name: str, name: str) -> None:
     if causes:
         raise invalid(KINDS[kind_name], name, causes)
 
-
-__all__ = ["ApiError", "validate_new", "check_body_kind", "check_job_update",
-           "newest_kube_version", "check_schema", "check_job", "check_secret", "raise_if"]
