@@ -127,3 +127,15 @@ def vllm_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield engine
     finally:
         engine.stop(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def fake_kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """The fake Kubernetes API server (`harnessrl.testing.fake_kube_apiserver`), in its own
+    process, once per test session; its node "has" the image `harnessrl/harness:dev`."""
+    from harnessrl.testing.fake_kube_apiserver import FakeKubeAPIServer
+
+    server = FakeKubeAPIServer(tmp_path_factory.mktemp("fake-kube"),
+                               images=["harnessrl/harness:dev"]).start()
+    yield server
+    server.stop()

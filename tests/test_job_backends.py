@@ -268,10 +268,10 @@ async def test_list_filter_cleanup_and_errors(backend: JobBackend, tmp_path: Pat
 
 async def test_many_concurrent_jobs(backend: JobBackend, tmp_path: Path) -> None:
     n = 24
-    body = ("import sys, time; t0 = time.time(); time.sleep(1.0); "
+    body = ("import sys, time; t0 = time.time(); time.sleep(2.0); "
             "print(t0, time.time()); sys.exit({i} % 3)")
-    for i in range(n):
-        await backend.launch(spec(tmp_path, f"job-{i}", [PY, "-c", body.format(i=i)]))
+    await asyncio.gather(*(backend.launch(spec(tmp_path, f"job-{i}", [PY, "-c", body.format(i=i)]))
+                           for i in range(n)))  # as the controller does: side by side
     results = await asyncio.gather(*(backend.wait(f"job-{i}") for i in range(n)))
     spans = []
     for i, r in enumerate(results):

@@ -30,6 +30,28 @@ POLL = 0.1
 RECHECK = 0.2
 
 
+
+def _wait_group_gone(pgid: int, bound_s: float = 5.0) -> None:
+    """Waits until no live (non-zombie) process is left in process group `pgid`."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        alive = False
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+                alive = True
+                break
+        if not alive:
+            return
+        time.sleep(0.01)
+
 class PodGone(Exception):
     """The pod object disappeared (it was removed from the API)."""
 
@@ -586,12 +608,18 @@ class PodWorker(threading.Thread):
         grace = pod["metadata"].get("deletionGracePeriodSeconds",
                                     self.spec.get("terminationGracePeriodSeconds", 30))
         if self.procs:
+            # The container threads may reap (and forget) a main process meanwhile: the groups
+            # to kill are the ones running now, and all of them get the SIGKILL.
+            running = list(self.procs.values())
             self.kill_processes(signal.SIGTERM)
             deadline = time.monotonic() + grace
-            while any(p.poll() is None for p in self.procs.values()) \
+            while any(p.poll() is None for p in running) \
                     and time.monotonic() < deadline and not self.node.stopping.is_set():
                 time.sleep(POLL / 2)
-            self.kill_processes(signal.SIGKILL)
+            for proc in running:
+                self._kill_group(proc, signal.SIGKILL)
+            for proc in running:  # as a runtime does: the container is gone once its
+                _wait_group_gone(proc.pid)  # processes are (the pod then goes too)
             containers = {c["name"]: c for c in self._all_containers()}
             for name, proc in list(self.procs.items()):
                 proc.wait()

@@ -78,7 +78,7 @@ def api_client(kubeconfig: str) -> tuple[k8s.ApiClient, str]:
         except OSError:
             namespace = "default"
         return k8s.ApiClient(conf), namespace
-    path = kubeconfig or None
+    path = str(kubeconfig) if kubeconfig else None
     api = k8s_config.new_client_from_config(config_file=path)
     _, active = k8s_config.list_kube_config_contexts(config_file=path)
     return api, (active or {}).get("context", {}).get("namespace") or "default"
@@ -380,6 +380,8 @@ class KubernetesBackend(JobBackend):
         if term.reason == "StartError" or exit_code == 128 and term.reason != "Error":
             exit_code, error = EXEC_FAILED_EXIT_CODE, \
                 f"cannot execute {job.spec.argv[0]!r}: {term.message or term.reason}"
+            with open(Path(job.spec.workdir) / job.spec.stdout_name, "a") as f:
+                f.write(f"harnessrl: {error}\n")
         grader = None
         if job.spec.grader is not None and exit_code == 0:
             gs = self._container_status(pod, manifests.GRADER)
