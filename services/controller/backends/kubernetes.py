@@ -5,7 +5,8 @@ One job, top to bottom (`launch`, then `_supervise`):
   render the Job from the user's template (`k8s_manifests`) -> create it suspended (rate
   limited) -> create its Secret, owned by the Job -> un-suspend it -> follow the Job and its
   pod through two watches (Jobs and Pods carrying `app.kubernetes.io/managed-by=harnessrl`;
-  re-listed every `relist_s`, and at once after a 410 Gone) -> the pod ends: save the
+  resumed from their last resourceVersion, re-listed every `relist_s` and at once after a
+  410 Gone) -> the pod ends: save the
   harness's log (and the grader's) into the attempt's workdir -> the result. At the timeout,
   on cancel, or when the pod cannot start (image pull error; unschedulable past
   `pending_timeout_s`; its Secret missing past `secret_timeout_s`) the logs are saved and the
@@ -48,6 +49,7 @@ EXEC_FAILED_EXIT_CODE = 127
 _SELECTOR = f"{manifests.MANAGED_BY_LABEL}={manifests.MANAGED_BY}"
 _IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 _IN_CLUSTER_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+_WATCH_TIMEOUT_S = 5  # a watch is resumed this often (from its last resourceVersion)
 
 
 @dataclass(frozen=True)
@@ -130,43 +132,56 @@ class KubernetesBackend(JobBackend):
         self._synced = {"jobs": threading.Event(), "pods": threading.Event()}
 
     # -- watching ----------------------------------------------------------------------------
-    async def _ensure_watching(self) -> None:
+    async def _ensure_watching(self, resume_from: str | None = None) -> None:
+        """Starts the two watches (once); `resume_from`: a resourceVersion to watch from
+        before any list (what a watch whose connection broke does)."""
         if self._watchers:
             return
         self._loop = asyncio.get_running_loop()
         for kind, lister in (("jobs", self.batch.list_namespaced_job),
                              ("pods", self.core.list_namespaced_pod)):
-            t = threading.Thread(target=self._watch, args=(kind, lister), daemon=True,
-                                 name=f"k8s-watch-{kind}")
+            t = threading.Thread(target=self._watch, args=(kind, lister, resume_from),
+                                 daemon=True, name=f"k8s-watch-{kind}")
             t.start()
             self._watchers.append(t)
         for ev in self._synced.values():  # the first list, so adopt sees what exists
             await asyncio.to_thread(ev.wait, 30)
 
-    def _watch(self, kind: str, lister: Callable[..., Any]) -> None:
-        """List, then watch from the list's resourceVersion; again after `relist_s`, after a
-        410 Gone, or after an error (with a short pause)."""
+    def _watch(self, kind: str, lister: Callable[..., Any], rv: str | None) -> None:
+        """List, then watch from the list's resourceVersion. A watch ends every
+        `_WATCH_TIMEOUT_S` and resumes from the last resourceVersion it saw; every `relist_s`
+        the state is listed afresh, and at once after a 410 Gone (that resourceVersion is
+        compacted away) or an error."""
+        listed_at = time.monotonic()
         while not self._stop.is_set():
             try:
-                listed = lister(self.namespace, label_selector=_SELECTOR)
-                self._deliver(kind, "LIST", listed.items)
-                self._synced[kind].set()
+                if rv is None or time.monotonic() - listed_at > self.settings.relist_s:
+                    listed = lister(self.namespace, label_selector=_SELECTOR)
+                    listed_at = time.monotonic()
+                    rv = listed.metadata.resource_version
+                    self._deliver(kind, "LIST", listed.items)
+                    self._synced[kind].set()
                 w = k8s_watch.Watch()
                 for event in w.stream(lister, self.namespace, label_selector=_SELECTOR,
-                                      resource_version=listed.metadata.resource_version,
-                                      timeout_seconds=max(1, int(self.settings.relist_s)),
+                                      resource_version=rv, timeout_seconds=_WATCH_TIMEOUT_S,
                                       allow_watch_bookmarks=True):
                     if self._stop.is_set():
                         w.stop()
                         break
+                    rv = event["raw_object"].get("metadata", {}).get("resourceVersion", rv)
                     if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
                         self._deliver(kind, event["type"], [event["object"]])
             except ApiException as exc:
-                if exc.status != 410:
+                rv = None
+                if exc.status == 410:
+                    log.info("watch of %s: 410 Gone (resourceVersion compacted); listing "
+                             "again", kind)
+                else:
                     log.warning("watch of %s: %s %s; listing again", kind, exc.status,
                                 exc.reason)
                     self._stop.wait(1.0)
             except Exception as exc:  # noqa: BLE001 - the API server away: keep trying
+                rv = None
                 if self._stop.is_set():
                     return
                 log.warning("watch of %s failed (%s: %s); listing again", kind,
