@@ -90,6 +90,19 @@ def test_pod_failure_is_retried_and_credentials_stay_in_secrets(
         s.stop()
 
 
+def test_timeout_deletes_the_job_and_fails_the_attempt(redis_url: str, key_prefix: str,
+                                                       tmp_path: Path, fake_kube) -> None:  # type: ignore[no-untyped-def]
+    s = k8s_services(tmp_path, redis_url, key_prefix, fake_kube)
+    try:
+        run, _ = s.run_to_end(s.spec([{"id": "h", "behavior": "hang", "x": 1}], timeout_s=2))
+        ro = s.rollouts(run.run_id)["h/0"]
+        assert ro.status == c.ROLLOUT_STATUS_FAILED and ro.attempts[0].timed_out
+        assert "timed out after 2s" in ro.error, ro.error
+        assert not [p for p in pods(fake_kube, run.run_id)]  # Job and pod deleted
+    finally:
+        s.stop()
+
+
 def test_harness_reported_reward_on_kubernetes(redis_url: str, key_prefix: str,
                                                tmp_path: Path, fake_kube) -> None:  # type: ignore[no-untyped-def]
     s = k8s_services(tmp_path, redis_url, key_prefix, fake_kube)

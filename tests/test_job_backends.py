@@ -387,3 +387,16 @@ async def test_watch_recovers_from_410_gone(k8s, fake_kube, tmp_path: Path,  # t
     r = await asyncio.wait_for(successor.wait("w"), 30)
     assert r.exit_code == 0 and "ok" in r.stdout_path.read_text()
     assert "410 Gone" in caplog.text
+
+
+async def test_job_creation_is_rate_limited(k8s, fake_kube, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    b = k8s(creates_per_s=4.0)
+    names = [f"burst-{i}" for i in range(8)]
+    await asyncio.gather(*(b.launch(spec(tmp_path, n, [PY, "-c", "pass"])) for n in names))
+    await asyncio.gather(*(b.wait(n) for n in names))
+    times = sorted(q["time"] for q in fake_kube.requests()
+                   if q["method"] == "POST" and q["path"].endswith("/jobs") and
+                   q["body"]["metadata"]["annotations"]["harnessrl.dev/job-id"] in names)
+    assert len(times) == 8
+    # a leaky bucket of 4 per second: the first 4 at once, the next 4 over about a second
+    assert times[-1] - times[0] >= 0.7, times

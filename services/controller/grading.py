@@ -143,6 +143,8 @@ def grade_in_job(result: JobResult, reward_source: int) -> Grade:
     if result.grader is None:
         return Grade(None, "the grader did not run in the harness's job")
     out = result.grader
+    if out.timed_out:
+        return Grade(None, "grader timed out (killed)")
     if reward_source == c.REWARD_SOURCE_GRADER_EXIT_CODE:
         grade = reward_from_exit_code(out.exit_code)
     elif out.exit_code != 0:

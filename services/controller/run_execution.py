@@ -376,13 +376,12 @@ class RunExecution:
             log.info("attempt %d started in %s", attempt, workdir, extra=extra)
         labels = {"run": self.run.run_id, "rollout": _short_hash(rid), "attempt": str(attempt)}
         in_job = self.backend.grades_in_job and spec.reward_source != c.REWARD_SOURCE_HARNESS
-        grader = GraderStep(argv=list(spec.grader_command),
-                            env=grading.in_job_grader_env(env)) if in_job else None
+        grader = GraderStep(argv=list(spec.grader_command), env=grading.in_job_grader_env(env),
+                            timeout_s=spec.grader_timeout_s) if in_job else None
         result = await self._run_job(rid, JobSpec(
             job_id=self._job_id(rid, "h", attempt), argv=list(spec.harness_command), env=env,
             workdir=workdir, labels={**labels, "role": "harness"}, grader=grader,
-            timeout_s=spec.timeout_s + (spec.grader_timeout_s if in_job else 0.0)),
-            adopt=resumed)
+            timeout_s=spec.timeout_s), adopt=resumed)
         if self.cancelled:
             await self._finish(rid, attempt, c.ROLLOUT_STATUS_CANCELLED, error="run cancelled",
                                exit_code=result.exit_code)

@@ -48,7 +48,7 @@ class JobSpec:
     stdout_name: str = "stdout.log"  # file name of the captured stdout inside `workdir`
     stderr_name: str = "stderr.log"
     # Backends with `grades_in_job`: a grader to run after the job's command exited 0, in the
-    # same working directory; `timeout_s` then covers both.
+    # same working directory (`timeout_s` stays the command's; the grader has its own).
     grader: "GraderStep | None" = None
 
 
@@ -56,6 +56,7 @@ class JobSpec:
 class GraderStep:
     argv: list[str]
     env: dict[str, str]  # the grader's whole job environment (replaces JobSpec.env for it)
+    timeout_s: float = 60.0  # from the moment the job's command ended
     stdout_name: str = "grader.stdout.log"
 
 
@@ -63,6 +64,7 @@ class GraderStep:
 class GraderOutput:
     exit_code: int
     stdout_path: Path  # on Kubernetes: the grader container's log (stdout and stderr merged)
+    timed_out: bool = False  # killed at its timeout (then exit_code is negative)
 
 
 class JobState(enum.Enum):

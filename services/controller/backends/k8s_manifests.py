@@ -25,8 +25,9 @@ top-level task field; non-strings as JSON), `{{run_id}}`, `{{rollout_id}}`, `{{a
   `app.kubernetes.io/managed-by: harnessrl`, `harnessrl.dev/<key>` for each of the spec's
   labels, the job id in the annotation `harnessrl.dev/job-id`.
 - `spec`: `backoffLimit: 0` (the controller owns retries), `activeDeadlineSeconds` = the
-  attempt's timeout plus `deadline_margin_s` (the controller ends the Job at its timeout
-  itself, after saving the logs; the deadline ends it when no controller watches),
+  attempt's timeout (and the grader's) plus `deadline_margin_s` (the controller ends the Job
+  at its timeout itself, after saving the logs; the deadline ends it when no controller
+  watches),
   `ttlSecondsAfterFinished`, `suspend: true` (the backend creates the Secret, then un-suspends
   the Job: no pod ever starts without its credential), `restartPolicy: Never`, no service
   account token in the pod, labels `app.kubernetes.io/component: rollout` and
@@ -204,7 +205,9 @@ def render_job(template: dict[str, Any], spec: JobSpec, *, namespace: str, gatew
     js = job.setdefault("spec", {})
     js.pop("selector", None)
     js.update(backoffLimit=0, suspend=True, ttlSecondsAfterFinished=int(ttl_after_finished_s),
-              activeDeadlineSeconds=int(math.ceil(spec.timeout_s + deadline_margin_s)))
+              activeDeadlineSeconds=int(math.ceil(
+                  spec.timeout_s + (spec.grader.timeout_s if spec.grader else 0.0)
+                  + deadline_margin_s)))
     js.pop("completions", None)
     js.pop("parallelism", None)
     tmpl = js.setdefault("template", {})

@@ -94,6 +94,7 @@ class _Job:
     launched_at: float
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     cancel_reason: str | None = None
+    grading: bool = False  # the harness exited 0 and the grader runs: `deadline` is its
     task: asyncio.Future[JobResult] | None = None
 
 
@@ -311,6 +312,10 @@ class KubernetesBackend(JobBackend):
             if job.cancel_reason is not None:
                 return await self._end(job, cancelled=True, error=job.cancel_reason)
             if time.time() >= job.deadline:
+                if job.grading:
+                    return await self._end(job, exit_code=0, grader=GraderOutput(
+                        -9, Path(job.spec.workdir) / job.spec.grader.stdout_name,  # type: ignore[union-attr]
+                        timed_out=True))
                 return await self._end(job, timed_out=True)
             ended = self._ended(job, pending_since)
             if ended is not None:
@@ -332,9 +337,12 @@ class KubernetesBackend(JobBackend):
             harness = self._container_status(pod, manifests.HARNESS)
             if pod.status.phase in ("Succeeded", "Failed"):
                 return self._finished(job, pod)
-            if harness is not None and harness.state.terminated is not None and \
-                    harness.state.terminated.exit_code != 0:
+            term = harness.state.terminated if harness is not None and harness.state else None
+            if term is not None and term.exit_code != 0:
                 return self._finished(job, pod)
+            if term is not None and job.spec.grader is not None and not job.grading:
+                job.grading = True  # the grader's own timeout counts from here
+                job.deadline = _ts(term.finished_at) + job.spec.grader.timeout_s
             problem = self._cannot_start(pod, pending_since)
             if problem:
                 return self._end(job, exit_code=EXEC_FAILED_EXIT_CODE, error=problem)
@@ -423,7 +431,8 @@ class KubernetesBackend(JobBackend):
             await asyncio.to_thread(path.write_text, text or "")
 
     async def _end(self, job: _Job, *, timed_out: bool = False, cancelled: bool = False,
-                   exit_code: int = -9, error: str = "") -> JobResult:
+                   exit_code: int = -9, error: str = "",
+                   grader: GraderOutput | None = None) -> JobResult:
         """Ends the job from our side: its logs saved, the Job deleted with its pods."""
         pod = self._pods.get(job.name)
         if pod is not None:
@@ -436,7 +445,7 @@ class KubernetesBackend(JobBackend):
         await self._delete(job.name)
         await self._wait_pod_gone(job)
         return self._result(job, exit_code, timed_out=timed_out, cancelled=cancelled,
-                            error=error)
+                            error=error, grader=grader)
 
     async def _delete(self, name: str) -> None:
         try:
