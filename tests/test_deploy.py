@@ -10,10 +10,14 @@ and (tests/test_compose_smoke.py) the compose services run on this machine from 
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -259,13 +263,12 @@ def test_manifest_env_names_are_config_fields(manifests) -> None:  # type: ignor
 def compose_config(tmp_path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
     """`docker-compose config` (Debian's docker-compose, a Compose implementation that
     validates the file against the Compose schema) of docker-compose.yml, parsed."""
-    import os
-
     exe = shutil.which("docker-compose")
     assert exe, "docker-compose is needed (apt-get install docker-compose; scripts/setup.sh)"
     secret = tmp_path / "secret"
     secret.write_text("x" * 32)
-    full_env = {**os.environ, "HARNESSRL_SECRET_FILE": str(secret), **(env or {})}
+    full_env = {k: v for k, v in os.environ.items() if k != "COMPOSE_PROFILES"}
+    full_env.update({"HARNESSRL_SECRET_FILE": str(secret), **(env or {})})
     out = subprocess.run([exe, "--project-directory", str(REPO), "-f",
                           str(REPO / "docker-compose.yml"), "config"], capture_output=True,
                          text=True, env=full_env, timeout=60)
@@ -342,3 +345,252 @@ def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:
     out = subprocess.run([tool("hadolint") or "hadolint", str(bad)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
+
+
+# -- compose smoke test ----------------------------------------------------------------------
+#
+# No container runtime works here. This test takes what `docker-compose config` renders for
+# the cpu profile and starts each service's command with its environment (and its image's ENV
+# from the Dockerfile) as local processes, in depends_on order, waiting on each healthcheck
+# command as Compose does; then it runs a short rollouts-only run of the example through them,
+# with the harness and grader commands and the tasks file the trainer's environment names.
+# What it changes: hostnames (compose service names and 0.0.0.0 -> 127.0.0.1), container paths
+# (volumes, the secret, tmpfs, the image's venv and example paths -> folders of this test or
+# this checkout) and the `python` of the command (this venv's). Ports are the rendered ones,
+# moved to free ports through the file's own port variables. The trainer is not started (a
+# training step is the learning test's business); its environment is loaded into its config.
+
+PROFILE = "cpu"
+PORT_VARS = ("REDIS_PORT", "STORE_PORT", "GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT",
+             "CONTROLLER_PORT", "TRAINER_PORT", "ENGINE_PORT")
+NOT_STARTED = {"trainer-cpu"}
+# Where the images put the example harness and its venv (services/controller/Dockerfile).
+IMAGE_PATHS = {"/opt/harness/bin/python": sys.executable,
+               "/opt/examples/calc": str(REPO / "examples" / "calc")}
+
+
+class Localizer:
+    """Maps a rendered string to this machine: hostnames -> 127.0.0.1, container paths ->
+    host paths. Nothing else in a string changes."""
+
+    def __init__(self, hosts: set[str], paths: dict[str, str]) -> None:
+        self.paths = paths
+        alt = "|".join(re.escape(h) for h in sorted(hosts, key=len, reverse=True))
+        self.host_re = re.compile(rf'(^|//|")({alt})(?=:\d|/|"|$)')
+        alt = "|".join(re.escape(p) for p in sorted(paths, key=len, reverse=True))
+        self.path_re = re.compile(rf'(^|")({alt})(?=/|"|$)')
+
+    def __call__(self, value: str) -> str:
+        value = self.host_re.sub(lambda m: m[1] + "127.0.0.1", value)
+        return self.path_re.sub(lambda m: m[1] + self.paths[m[2]], value)
+
+
+def image_env(dockerfile: Path, target: str | None) -> dict[str, str]:
+    """ENV of the image built from `dockerfile` (the target stage and the stages it is
+    built FROM)."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    stages: list[tuple[str | None, str, dict[str, str]]] = []
+    for line in text.splitlines():
+        m = re.match(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?", line, re.I)
+        if m:
+            stages.append((m[2], m[1], {}))
+        elif line.startswith("ENV ") and stages:
+            for key, val in re.findall(r'(\w+)=("[^"]*"|\S+)', line[4:]):
+                stages[-1][2][key] = val.strip('"')
+    named = {s[0]: s for s in stages if s[0]}
+    stage: tuple[str | None, str, dict[str, str]] | None = named[target] if target else stages[-1]
+    chain = []
+    while stage is not None:
+        chain.append(stage)
+        stage = named.get(stage[1])
+    env: dict[str, str] = {}
+    for s in reversed(chain):
+        env.update(s[2])
+    return env
+
+
+def seconds(text: str) -> float:
+    m = re.fullmatch(r"(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", str(text))
+    assert m, text
+    return int(m[1] or 0) * 60 + float(m[2] or 0)
+
+
+class ComposeRun:
+    """The cpu profile's services of a rendered compose config, as local processes."""
+
+    def __init__(self, cfg: dict[str, Any], workdir: Path, volumes: dict[str, Path]) -> None:
+        from harnessrl import procs
+
+        self.procs = procs
+        self.services = {n: s for n, s in cfg["services"].items()
+                         if not s.get("profiles") or PROFILE in s["profiles"]}
+        self.workdir = workdir
+        hosts = {"0.0.0.0"} | set(cfg["services"])
+        for svc in cfg["services"].values():
+            for net in (svc.get("networks") or {}).values():
+                hosts |= set((net or {}).get("aliases", []))
+        paths = dict(IMAGE_PATHS)
+        tmpfs = workdir / "tmpfs"
+        tmpfs.mkdir()
+        for name, svc in self.services.items():
+            for mount in svc.get("volumes", []):
+                source, target = mount.split(":")[:2]
+                assert paths.setdefault(target, str(volumes[source])) == str(volumes[source])
+            for t in svc.get("tmpfs", []):
+                paths[t] = str(tmpfs)
+            for secret in svc.get("secrets", []):
+                target = f"/run/secrets/{secret['source']}"
+                paths[target] = cfg["secrets"][secret["source"]]["file"]
+        self.localize = Localizer(hosts, paths)
+        self.started: dict[str, Any] = {}
+        self.healthy: set[str] = set()
+
+    def argv(self, argv: list[str]) -> list[str]:
+        out = [self.localize(a) for a in argv]
+        assert len(out) == len(argv)
+        if out[0] == "python":
+            out[0] = sys.executable
+        exe = shutil.which(out[0])
+        assert exe, f"{out[0]} is not installed here"
+        return [exe, *out[1:]]
+
+    def env(self, name: str) -> dict[str, str]:
+        svc = self.services[name]
+        env: dict[str, str] = {}
+        if "build" in svc:
+            build = svc["build"]
+            env.update(image_env(Path(build["context"]) / build["dockerfile"],
+                                 build.get("target")))
+        env.update({k: str(v) for k, v in (svc.get("environment") or {}).items()})
+        local = {k: self.localize(v) for k, v in env.items()}
+        assert set(local) == set(env)
+        if "PATH" in local:  # the image's venv first: this machine's venv first
+            local["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+        return local
+
+    def start(self, name: str) -> None:
+        svc = self.services[name]
+        cwd = self.workdir / "services" / name  # an empty working directory, like WORKDIR
+        proc = self.procs.ServiceProcess(name, self.argv(svc["command"]), cwd,
+                                         env=self.env(name))
+        self.started[name] = proc.start()
+
+    def ready(self, name: str) -> bool:
+        """Compose's view: healthy (healthcheck passes) or, without one, exited 0."""
+        svc, proc = self.services[name], self.started[name]
+        if "healthcheck" not in svc:
+            if proc.alive:
+                return False
+            assert proc.proc.returncode == 0, f"{name} failed:\n{proc.log_tail()}"
+            return True
+        assert proc.alive, f"{name} exited with {proc.proc.returncode}:\n{proc.log_tail()}"
+        test = svc["healthcheck"]["test"]
+        assert test[0] == "CMD", test
+        out = subprocess.run(self.argv(test[1:]), capture_output=True, timeout=30)
+        return out.returncode == 0
+
+    def condition_met(self, dep: str, condition: str) -> bool:
+        if dep not in self.started:
+            return False
+        if condition == "service_completed_successfully":
+            return "healthcheck" not in self.services[dep] and dep in self.healthy
+        return dep in self.healthy
+
+    def up(self, timeout: float) -> None:
+        """Starts every service once its depends_on conditions hold; returns when all are
+        healthy (or done)."""
+        todo = [n for n in self.services if n not in NOT_STARTED]
+        next_check: dict[str, float] = {}
+        deadline = time.monotonic() + timeout
+        while todo or set(self.started) - self.healthy:
+            assert time.monotonic() < deadline, (
+                f"not up after {timeout}s: waiting for {sorted(set(todo) | set(self.started))}"
+                f" - {sorted(self.healthy)}; logs in {self.workdir}")
+            for name in list(todo):
+                deps = self.services[name].get("depends_on") or {}
+                if all(self.condition_met(d, c["condition"]) for d, c in deps.items()):
+                    self.start(name)
+                    todo.remove(name)
+            for name in set(self.started) - self.healthy:
+                if time.monotonic() >= next_check.get(name, 0.0):
+                    hc = self.services[name].get("healthcheck", {})
+                    next_check[name] = time.monotonic() + seconds(hc.get("interval", "1s"))
+                    if self.ready(name):
+                        self.healthy.add(name)
+            time.sleep(0.5)
+
+    def down(self) -> None:
+        for proc in reversed(list(self.started.values())):
+            proc.stop(timeout=20)
+
+
+def published_port(svc: dict[str, Any]) -> int:
+    (port,) = svc["ports"]
+    target = port["target"] if isinstance(port, dict) else port.split(":")[-1].split("/")[0]
+    return int(target)
+
+
+@pytest.mark.vllm
+def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from harnessrl.clients import ControllerClient, StoreClient
+    from harnessrl.procs import free_port
+    from harnessrl.v1 import common_pb2 as c
+
+    secret = tmp_path / "compose" / "secret"
+    subprocess.run(["bash", str(REPO / "scripts" / "compose-secret.sh")], check=True,
+                   env={**os.environ, "HARNESSRL_SECRET_FILE": str(secret)}, timeout=30)
+    assert secret.stat().st_mode & 0o777 == 0o644 and len(secret.read_text()) == 64
+    ports = {var: str(free_port()) for var in PORT_VARS}
+    cfg = compose_config(tmp_path, {**ports, "COMPOSE_PROFILES": PROFILE,
+                                    "HARNESSRL_SECRET_FILE": str(secret)})
+    assert tiny_model_dir.name == "tiny-qwen3"  # the folder the compose file names
+    volumes = {name: tmp_path / "volumes" / name for name in cfg["volumes"]}
+    volumes["models"] = tiny_model_dir.parent  # built once per machine (model-cpu: at once)
+    for path in volumes.values():
+        path.mkdir(parents=True, exist_ok=True)
+    run = ComposeRun(cfg, tmp_path, volumes)
+    svcs = run.services
+    assert set(svcs) == {"redis", "store", "gateway", "controller", "model-cpu", "engine-cpu",
+                         "trainer-cpu"}
+    # The trainer's settings (not started): valid for its config, its files there.
+    trainer_env = run.env("trainer-cpu")
+    code = ("from services.trainer.config import TrainerConfig; import json; "
+            "print(TrainerConfig.load([]).model_dump_json())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **trainer_env}, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    trainer = json.loads(out.stdout)
+    assert Path(trainer["tasks_file"]).exists() and trainer["push_backend"] == "gloo"
+    try:
+        run.up(timeout=600)
+        gateway_http = published_port(svcs["gateway"])
+        with urllib.request.urlopen(f"http://127.0.0.1:{gateway_http}/health", timeout=5) as r:
+            assert r.status == 200
+        engines = json.loads(svcs["gateway"]["environment"]["HARNESSRL_GATEWAY_ENGINES"])
+        lines = Path(trainer["tasks_file"]).read_text().splitlines()[:2]
+        spec = c.RunSpec(
+            name="compose-smoke", group_size=2, concurrency=4, timeout_s=120, max_attempts=2,
+            tasks=[c.Task(task_id=json.loads(x)["id"], data_json=x) for x in lines],
+            harness_command=trainer["harness_command"], grader_command=trainer["grader_command"],
+            reward_source=c.REWARD_SOURCE_GRADER_JSON, model=trainer["served_model_name"])
+        controller = f"127.0.0.1:{published_port(svcs['controller'])}"
+        ctl = ControllerClient.connect(controller)
+        run_id = ctl.create_run(spec).run_id
+        deadline = time.monotonic() + 300
+        while (result := ctl.get_run(run_id)).status == c.RUN_STATUS_RUNNING:
+            assert time.monotonic() < deadline, "run still running after 300 s"
+            time.sleep(1)
+        ctl.close()
+        assert result.status == c.RUN_STATUS_SUCCEEDED, result
+        store_port = svcs["store"]["environment"]["HARNESSRL_STORE_BIND"].rsplit(":", 1)[1]
+        store = StoreClient.connect(f"127.0.0.1:{store_port}")
+        rollouts = store.list_rollouts(run_id, include_calls=True).rollouts
+        store.close()
+        assert len(rollouts) == 4
+        for ro in rollouts:
+            assert ro.status == c.ROLLOUT_STATUS_SUCCEEDED and ro.has_reward, ro.error
+            assert ro.calls and all(call.engine == engines[0]["name"] for call in ro.calls)
+            assert all(len(call.logprobs) == len(call.completion_token_ids) > 0
+                       for call in ro.calls)
+    finally:
+        run.down()
