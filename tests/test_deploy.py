@@ -376,7 +376,8 @@ class Localizer:
     def __init__(self, hosts: set[str], paths: dict[str, str]) -> None:
         self.paths = paths
         alt = "|".join(re.escape(h) for h in sorted(hosts, key=len, reverse=True))
-        self.host_re = re.compile(rf'(^|//|")({alt})(?=:\d|/|"|$)')
+        # a whole value ("store:50051", "0.0.0.0") or a URL's host ("http://gateway:8080/v1")
+        self.host_re = re.compile(rf'(^|//)({alt})(?=:\d|/|"|$)')
         alt = "|".join(re.escape(p) for p in sorted(paths, key=len, reverse=True))
         self.path_re = re.compile(rf'(^|")({alt})(?=/|"|$)')
 
@@ -434,7 +435,8 @@ class ComposeRun:
         tmpfs.mkdir()
         for name, svc in self.services.items():
             for mount in svc.get("volumes", []):
-                source, target = mount.split(":")[:2]
+                source, target = ((mount["source"], mount["target"]) if isinstance(mount, dict)
+                                  else mount.split(":")[:2])
                 assert paths.setdefault(target, str(volumes[source])) == str(volumes[source])
             for t in svc.get("tmpfs", []):
                 paths[t] = str(tmpfs)
