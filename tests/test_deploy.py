@@ -4,8 +4,8 @@ No container runtime works on these machines, so what is checked is what can be 
 every kustomize overlay renders and validates against the Kubernetes API schemas (strict);
 docker-compose.yml passes a real Compose implementation's `config`; the Dockerfiles pass
 hadolint; every HARNESSRL_* variable the manifests set is a field of the service's config;
-and (tests/test_compose_smoke.py) the compose services run on this machine from what
-`docker-compose config` renders.
+and (the smoke test at the end) the compose file's CPU services run on this machine from what
+`docker-compose config` renders, and carry a rollouts-only run of the example.
 """
 
 from __future__ import annotations
