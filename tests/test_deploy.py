@@ -596,3 +596,19 @@ def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) 
                        for call in ro.calls)
     finally:
         run.down()
+
+
+def test_healthcheck_command_tells_serving_from_not(store_service) -> None:  # type: ignore[no-untyped-def]
+    """`python -m harnessrl.healthcheck`, the compose healthchecks' command: 0 for a serving
+    gRPC service, 1 for a port nobody serves (gRPC and HTTP)."""
+    from harnessrl.procs import free_port
+
+    def check(*args: str) -> int:
+        return subprocess.run([sys.executable, "-m", "harnessrl.healthcheck", *args,
+                               "--timeout", "1"], capture_output=True, timeout=60,
+                              cwd=REPO).returncode
+
+    assert check("grpc", store_service.address) == 0
+    port = free_port()
+    assert check("grpc", f"127.0.0.1:{port}") == 1
+    assert check("http", f"http://127.0.0.1:{port}/health") == 1
