@@ -1,0 +1,50 @@
+"""`python -m harnessrl.healthcheck grpc HOST:PORT | http URL [--timeout S] [--wait S]`
+
+Exits 0 when the target is healthy, 1 otherwise: `grpc` asks the standard `grpc.health.v1`
+service every harnessrl service serves (overall status SERVING), `http` expects a 200 (vLLM's
+`/health`). Container healthchecks (docker-compose.yml) use it, so the images need no
+grpc_health_probe binary or curl. `--wait S` retries for up to S seconds before giving up (a
+one-shot "wait until ready" step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import urllib.error
+import urllib.request
+
+
+def healthy(kind: str, target: str, timeout: float) -> bool:
+    if kind == "grpc":
+        from harnessrl.rpc import health_check
+
+        return health_check(target, timeout=timeout)
+    try:
+        with urllib.request.urlopen(target, timeout=timeout) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harnessrl.healthcheck", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kind", choices=("grpc", "http"))
+    ap.add_argument("target", help="host:port (grpc) or URL (http)")
+    ap.add_argument("--timeout", type=float, default=3.0, help="seconds per check")
+    ap.add_argument("--wait", type=float, default=0.0, help="retry for this many seconds")
+    args = ap.parse_args(argv)
+    deadline = time.monotonic() + args.wait
+    while True:
+        if healthy(args.kind, args.target, args.timeout):
+            return 0
+        if time.monotonic() >= deadline:
+            print(f"{args.target}: not healthy", file=sys.stderr)
+            return 1
+        time.sleep(1.0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

