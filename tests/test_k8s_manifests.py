@@ -143,5 +143,12 @@ def test_shipped_templates_render_valid_jobs(path: Path) -> None:
     kubernetes_validate.validate(job, KUBE_VERSION, strict=True)
 
 
-def test_a_template_ships() -> None:
+def test_a_template_ships_and_the_cluster_deployment_carries_the_same() -> None:
+    import yaml
+
     assert TEMPLATES, "examples/*/k8s-job-template.yaml"
+    docs = yaml.safe_load_all((REPO / "k8s" / "base" / "controller.yaml").read_text())
+    [cm] = [d for d in docs if d and d["kind"] == "ConfigMap" and
+            d["metadata"]["name"] == "harnessrl-job-template"]
+    in_cluster = m.check_template(yaml.safe_load(cm["data"]["job.yaml"]))
+    assert in_cluster == m.load_template(REPO / "examples" / "calc" / "k8s-job-template.yaml")
