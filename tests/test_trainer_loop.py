@@ -191,7 +191,8 @@ def test_short_training_run_with_rollouts_as_kubernetes_jobs(
             # each attempt a Job: the fake API server's creations for the run equal them
             creations = [q for q in fake_kube.requests() if q["method"] == "POST" and
                          q["path"].endswith("/jobs") and
-                         q["body"]["metadata"]["labels"]["harnessrl.dev/run"] == r["run_id"]]
+                         (q.get("body") or {}).get("metadata", {}).get("labels", {})
+                         .get("harnessrl.dev/run") == r["run_id"]]
             assert len(creations) == sum(len(ro.attempts) for ro in rollouts) == 6
             workdir = Path(rollouts[0].attempts[0].workdir)
             assert '"reward"' in (workdir / "grader.stdout.log").read_text()

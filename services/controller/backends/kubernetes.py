@@ -346,12 +346,17 @@ class KubernetesBackend(JobBackend):
             problem = self._cannot_start(pod, pending_since)
             if problem:
                 return self._end(job, exit_code=EXEC_FAILED_EXIT_CODE, error=problem)
-        if obj is not None and _condition(obj, "Failed") is not None and pod is None:
-            cond = _condition(obj, "Failed")
-            if cond.reason == "DeadlineExceeded":
-                return self._end(job, timed_out=True)
-            return self._end(job, exit_code=-1, error=f"Job failed: {cond.reason}: "
-                                                      f"{cond.message}")
+        if obj is not None and pod is None:
+            failed = _condition(obj, "Failed")
+            if failed is not None:
+                if failed.reason == "DeadlineExceeded":
+                    return self._end(job, timed_out=True)
+                return self._end(job, exit_code=-1, error=f"Job failed: {failed.reason}: "
+                                                          f"{failed.message}")
+            if _condition(obj, "Complete") is not None:  # ended unwatched, pod since gone
+                return self._end(job, exit_code=-1, error=f"Job {job.name} completed while "
+                                 "no controller watched it, and its pod (with the exit status "
+                                 "and log) is gone")
         return None
 
     @staticmethod
