@@ -165,7 +165,7 @@ def test_bad_input_gets_clear_errors_and_records_nothing(world: World) -> None:
                               "invalid_api_key"),
         "over size limit": (auth, b'{"model": "tiny", "messages": [], "x": "' + b"a" * 300_000
                             + b'"}', 413, "body_too_large"),
-        "stream": (auth, good[:-1] + b', "stream": true}', 400, "unsupported_stream"),
+        "n > 1": (auth, good[:-1] + b', "n": 2}', 400, "unsupported_n"),
     }
     for name, (headers, body, status, code) in cases.items():
         got_status, got = _status(world, "/chat/completions", headers, body)

@@ -157,12 +157,14 @@ class Call(_message.Message):
     REQUEST_JSON_FIELD_NUMBER: _builtins.int
     COMPLETION_TEXT_FIELD_NUMBER: _builtins.int
     RESPONSE_MESSAGE_JSON_FIELD_NUMBER: _builtins.int
+    ABORTED_FIELD_NUMBER: _builtins.int
+    SAMPLING_OVERRIDE_JSON_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     attempt: _builtins.int
     seq: _builtins.int
     """0-based, in the order the gateway received the requests of this attempt"""
     api: _builtins.str
-    """"chat.completions" or "completions" """
+    """"chat.completions", "completions", "messages" or "responses" """
     model: _builtins.str
     """model name the harness asked for"""
     finish_reason: _builtins.str
@@ -180,6 +182,14 @@ class Call(_message.Message):
     """text content returned to the harness ("" for tool calls only)"""
     response_message_json: _builtins.bytes
     """the choice's message (chat) or text (completions) as returned"""
+    aborted: _builtins.bool
+    """The harness went away before the response was complete (a stream it disconnected from):
+    the tokens are those generated until then; the trainer skips the call.
+    """
+    sampling_override_json: _builtins.bytes
+    """Sampling settings the run imposed over the harness's own, as JSON
+    ({"temperature": 1.0, ...}; empty when none): the logprobs are those of these settings.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -207,10 +217,12 @@ class Call(_message.Message):
         request_json: _builtins.bytes = ...,
         completion_text: _builtins.str = ...,
         response_message_json: _builtins.bytes = ...,
+        aborted: _builtins.bool = ...,
+        sampling_override_json: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "attempt", b"attempt", "completion_text", b"completion_text", "completion_token_ids", b"completion_token_ids", "engine", b"engine", "finish_reason", b"finish_reason", "latency_s", b"latency_s", "logprobs", b"logprobs", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_json", b"request_json", "response_message_json", b"response_message_json", "rollout_id", b"rollout_id", "seq", b"seq", "started_at", b"started_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "api", b"api", "attempt", b"attempt", "completion_text", b"completion_text", "completion_token_ids", b"completion_token_ids", "engine", b"engine", "finish_reason", b"finish_reason", "latency_s", b"latency_s", "logprobs", b"logprobs", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_json", b"request_json", "response_message_json", b"response_message_json", "rollout_id", b"rollout_id", "sampling_override_json", b"sampling_override_json", "seq", b"seq", "started_at", b"started_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

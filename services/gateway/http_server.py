@@ -6,7 +6,10 @@ This server does only what the data plane needs: keep-alive HTTP/1.1, Content-Le
 chunked request bodies (bounded by `max_body_bytes`), pipelined requests answered in order, and
 one write per response. A client that disconnects cancels its request (nothing is recorded
 for a response nobody received). Handlers are `async (method, path, headers, body) -> (status,
-body)`, headers a list of (lower-case name, value) byte pairs.
+body)`, headers a list of (lower-case name, value) byte pairs. A body is bytes (sent whole,
+JSON) or a `StreamBody`: server-sent events, sent chunked piece by piece as the handler yields
+them (each piece written at once, waiting only while the client's socket buffer is full); its
+`aclose()` is always awaited, also when the client went away mid-stream.
 """
 
 from __future__ import annotations
@@ -14,14 +17,26 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 import httptools
 
 log = logging.getLogger("harnessrl.gateway.http")
 
 Headers = list[tuple[bytes, bytes]]
-Handler = Callable[[str, str, Headers, bytes | None], Awaitable[tuple[int, bytes]]]
+
+
+class StreamBody(Protocol):
+    """A streamed response body: the pieces to send, then `aclose()` (always called)."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+Handler = Callable[[str, str, Headers, bytes | None],
+                   Awaitable[tuple[int, "bytes | StreamBody"]]]
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found",
             405: b"Method Not Allowed", 409: b"Conflict", 413: b"Payload Too Large",
@@ -33,6 +48,14 @@ def _response(status: int, body: bytes, keep_alive: bool) -> bytes:
         b"HTTP/1.1 ", str(status).encode(), b" ", _REASONS.get(status, b"Status"),
         b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
         b"" if keep_alive else b"\r\nconnection: close", b"\r\n\r\n", body))
+
+
+def _stream_head(status: int, keep_alive: bool) -> bytes:
+    return b"".join((
+        b"HTTP/1.1 ", str(status).encode(), b" ", _REASONS.get(status, b"Status"),
+        b"\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+        b"transfer-encoding: chunked", b"" if keep_alive else b"\r\nconnection: close",
+        b"\r\n\r\n"))
 
 
 class _Connection(asyncio.Protocol):
@@ -47,6 +70,7 @@ class _Connection(asyncio.Protocol):
         self._headers: Headers = []
         self._body: list[bytes] = []
         self._size = 0
+        self._writable: asyncio.Event | None = None  # set while the socket buffer has room
 
     # asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -67,6 +91,17 @@ class _Connection(asyncio.Protocol):
         if self.worker is not None:
             self.worker.cancel()
         self.queue.clear()
+        if self._writable is not None:
+            self._writable.set()
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.Event()
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None:
+            self._writable.set()
 
     # httptools callbacks ----------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -102,12 +137,41 @@ class _Connection(asyncio.Protocol):
             except Exception:  # noqa: BLE001 - the handler maps its errors; this is a bug
                 log.exception("unhandled error in %s %s", method, path)
                 status, payload = 500, b'{"error": {"message": "internal gateway error"}}'
+            if not isinstance(payload, bytes):
+                try:
+                    await self._send_stream(status, payload, keep_alive)
+                except Exception:  # noqa: BLE001 - streams report their own errors: a bug
+                    log.exception("stream of %s %s failed", method, path)
+                    self.transport.close()
+                    return
+            elif self.transport.is_closing():
+                return
+            else:
+                self.transport.write(_response(status, payload, keep_alive))
             if self.transport.is_closing():
                 return
-            self.transport.write(_response(status, payload, keep_alive))
             if not keep_alive:
                 self.transport.close()
                 return
+
+    async def _send_stream(self, status: int, body: StreamBody, keep_alive: bool) -> None:
+        transport = self.transport
+        assert transport is not None
+        try:
+            if transport.is_closing():
+                return
+            transport.write(_stream_head(status, keep_alive))
+            async for piece in body:
+                if transport.is_closing():
+                    return  # the client went away: aclose() learns it was not finished
+                if piece:
+                    transport.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+                if self._writable is not None and not self._writable.is_set():
+                    await self._writable.wait()  # a slow client: the stream waits for it
+            if not transport.is_closing():
+                transport.write(b"0\r\n\r\n")
+        finally:
+            await body.aclose()
 
     def _reject(self, status: int, payload: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
