@@ -1,0 +1,118 @@
+"""The gateway's APIs as real SDKs use them, against a real vLLM (the tiny model): what each
+client received is exactly what the recorded completion token ids decode to.
+
+One store, one gateway and the session's vLLM for the whole module (vLLM takes 60-95 s to
+start on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from conftest import TEST_SECRET, GatewayService, StoreService
+from harnessrl.clients import StoreClient
+from harnessrl.credentials import CredentialSigner
+from harnessrl.v1 import common_pb2 as c
+
+pytestmark = pytest.mark.vllm
+
+SIGNER = CredentialSigner(TEST_SECRET.encode())
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+SYSTEM = "You are a careful assistant. Use the calculator tool, then give the answer."
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression with integers and "
+    "+ - *.", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                             "required": ["expression"]}}}]
+QUESTION = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "What is 970 - 154?"}]
+
+
+@dataclass
+class Env:
+    store: StoreClient
+    gateway: GatewayService
+    model: str
+    tok: PreTrainedTokenizerFast
+
+    def key(self) -> tuple[str, str]:
+        rid = f"run/{uuid.uuid4().hex[:8]}/0"
+        self.store.create_rollouts([c.Rollout(rollout_id=rid, run_id="run", task_id="t",
+                                              group_id=rid[:-2], group_size=1, max_attempts=1,
+                                              stream="-")])
+        self.store.start_attempt(rid, 1)
+        return rid, SIGNER.mint(rid, 1, 600)
+
+    def openai(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gateway.base_url, api_key=key, max_retries=0,
+                             timeout=120)
+
+    def calls(self, rid: str) -> list[c.Call]:
+        return list(self.store.get_rollout(rid, include_calls=True).calls)
+
+    def check(self, call: c.Call, content: str | None, tool_calls: list[tuple[str, str]]
+              ) -> None:
+        """The recorded ids decode to exactly the text (or tool calls) the client got."""
+        assert len(call.logprobs) == len(call.completion_token_ids) > 0
+        assert all(lp <= 0.0 for lp in call.logprobs) and len(call.prompt_token_ids) > 0
+        full = self.tok.decode(call.completion_token_ids, skip_special_tokens=False)
+        if tool_calls:
+            parsed = [json.loads(m) for m in TOOL_CALL.findall(full)]
+            assert [(p["name"], p["arguments"]) for p in parsed] == [
+                (name, json.loads(args)) for name, args in tool_calls]
+        else:
+            text = self.tok.decode(call.completion_token_ids, skip_special_tokens=True)
+            assert text == (content or ""), (text, content)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory, redis_url: str, vllm_engine,  # type: ignore[no-untyped-def]
+        tiny_model_dir: Path) -> Iterator[Env]:
+    tmp = tmp_path_factory.mktemp("apis")
+    store_svc = StoreService(tmp / "store", redis_url, f"t{uuid.uuid4().hex[:10]}:").start()
+    gateway = GatewayService(tmp / "gw", store_svc.address, [
+        {"name": "engine0", "base_url": vllm_engine.base_url, "model": vllm_engine.model_name}])
+    store = StoreClient.connect(store_svc.address, timeout=10)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tiny_model_dir))
+    yield Env(store, gateway, vllm_engine.model_name, tok)
+    store.close()
+    gateway.stop()
+    store_svc.stop()
+
+
+def test_openai_streamed_chat_with_tools_is_recorded_token_for_token(env: Env) -> None:
+    tool_runs = 0
+    for _ in range(4):  # sampled: most turns call the tool, some answer in text
+        rid, key = env.key()
+        with env.openai(key).chat.completions.stream(
+                model=env.model, messages=QUESTION, tools=TOOLS, max_tokens=64,
+                temperature=1.0) as stream:
+            final = stream.get_final_completion()
+        msg = final.choices[0].message
+        tcs = [(t.function.name, t.function.arguments) for t in msg.tool_calls or []]
+        tool_runs += bool(tcs)
+        [call] = env.calls(rid)
+        env.check(call, msg.content, tcs)
+        assert call.finish_reason == final.choices[0].finish_reason and not call.aborted
+        assert json.loads(call.response_message_json)["content"] == (msg.content or None)
+    assert tool_runs >= 1
+
+
+def test_openai_streamed_completions_are_recorded_token_for_token(env: Env) -> None:
+    rid, key = env.key()
+    chunks = list(env.openai(key).completions.create(
+        model=env.model, prompt="What is 3 + 4?", max_tokens=24, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    [call] = env.calls(rid)
+    assert env.tok.decode(call.completion_token_ids) == text
+    assert len(call.logprobs) == len(call.completion_token_ids) == chunks[-1].usage.completion_tokens
+    assert env.tok.decode(call.prompt_token_ids) == "What is 3 + 4?"
