@@ -116,3 +116,75 @@ def test_openai_streamed_completions_are_recorded_token_for_token(env: Env) -> N
     assert env.tok.decode(call.completion_token_ids) == text
     assert len(call.logprobs) == len(call.completion_token_ids) == chunks[-1].usage.completion_tokens
     assert env.tok.decode(call.prompt_token_ids) == "What is 3 + 4?"
+
+
+ANTHROPIC_TOOLS = [{"name": "calculator", "description": TOOLS[0]["function"]["description"],  # type: ignore[index]
+                    "input_schema": TOOLS[0]["function"]["parameters"]}]  # type: ignore[index]
+
+
+def _anthropic(env: Env, key: str):  # type: ignore[no-untyped-def]
+    import anthropic
+    return anthropic.Anthropic(base_url=env.gateway.base_url[:-3], api_key=key, max_retries=0,
+                               timeout=120)
+
+
+def _received(content) -> tuple[str, list[tuple[str, str]]]:  # type: ignore[no-untyped-def]
+    text = "".join(b.text for b in content if b.type == "text")
+    tools = [(b.name, json.dumps(b.input)) for b in content if b.type == "tool_use"]
+    return text, tools
+
+
+def test_anthropic_messages_streamed_and_not_with_tool_use(env: Env) -> None:
+    tool_runs = 0
+    for streamed in (False, True, False, True):
+        rid, key = env.key()
+        ac = _anthropic(env, key)
+        kw = dict(model=env.model, max_tokens=64, system=SYSTEM, tools=ANTHROPIC_TOOLS,
+                  messages=[{"role": "user", "content": "What is 970 - 154?"}])
+        if streamed:
+            with ac.messages.stream(**kw) as stream:  # type: ignore[arg-type]
+                msg = stream.get_final_message()
+        else:
+            msg = ac.messages.create(**kw)  # type: ignore[arg-type]
+        text, tools = _received(msg.content)
+        tool_runs += bool(tools)
+        [call] = env.calls(rid)
+        env.check(call, text, tools)
+        assert call.api == "messages" and not call.aborted
+        assert msg.usage.output_tokens == len(call.completion_token_ids)
+        assert msg.usage.input_tokens == len(call.prompt_token_ids)
+        assert msg.stop_reason == ("tool_use" if tools else "end_turn") or \
+            msg.stop_reason == "max_tokens"
+        if tools:  # the tool result goes back as Anthropic sends it: the next turn works
+            block = next(b for b in msg.content if b.type == "tool_use")
+            nxt = ac.messages.create(model=env.model, max_tokens=32, system=SYSTEM,
+                                     tools=ANTHROPIC_TOOLS, messages=[  # type: ignore[arg-type]
+                                         kw["messages"][0],  # type: ignore[index]
+                                         {"role": "assistant", "content": msg.content},
+                                         {"role": "user", "content": [{
+                                             "type": "tool_result", "tool_use_id": block.id,
+                                             "content": "816"}]}])
+            calls = env.calls(rid)
+            env.check(calls[1], *_received(nxt.content))
+            assert "816" in env.tok.decode(calls[1].prompt_token_ids)
+    assert tool_runs >= 1
+    # count_tokens: the prompt length the engine's template gives, as recorded
+    count = _anthropic(env, key).messages.count_tokens(
+        model=env.model, system=SYSTEM, tools=ANTHROPIC_TOOLS,  # type: ignore[arg-type]
+        messages=[{"role": "user", "content": "What is 970 - 154?"}])
+    assert count.input_tokens == len(env.calls(rid)[0].prompt_token_ids)
+
+
+def test_anthropic_stop_sequences(env: Env) -> None:
+    rid, key = env.key()
+    msg = _anthropic(env, key).messages.create(
+        model=env.model, max_tokens=64, stop_sequences=["<tool_call>", "\n"], system=SYSTEM,
+        tools=ANTHROPIC_TOOLS, messages=[{"role": "user", "content": "What is 970 - 154?"}],
+        temperature=0.0)
+    [call] = env.calls(rid)
+    if msg.stop_reason == "stop_sequence":  # the ids hold what was sampled, stop string included
+        assert msg.stop_sequence in ("<tool_call>", "\n")
+        full = env.tok.decode(call.completion_token_ids, skip_special_tokens=False)
+        assert full.startswith(_received(msg.content)[0]) and msg.stop_sequence in full
+    else:
+        assert msg.stop_reason in ("end_turn", "max_tokens")

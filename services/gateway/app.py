@@ -32,6 +32,7 @@ import orjson
 from harnessrl.clients import StoreClient
 from harnessrl.errors import HarnessRLError, Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
+from services.gateway import anthropic
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry, EngineState
 from services.gateway.recorder import CallRecorder, HoldTimeout, RecordRejected
@@ -125,6 +126,8 @@ class GatewayApp:
         self.routes: dict[tuple[str, str], tuple[Route, str]] = {
             ("POST", "/v1/chat/completions"): (self.chat_completions, "openai"),
             ("POST", "/v1/completions"): (self.completions, "openai"),
+            ("POST", "/v1/messages"): (self.messages, "anthropic"),
+            ("POST", "/v1/messages/count_tokens"): (self.count_tokens, "anthropic"),
             ("GET", "/v1/models"): (self.list_models, "openai"),
             ("POST", "/v1/harnessrl/reward"): (self.report_reward, "openai"),
             ("GET", "/health"): (self.health, "openai"),
@@ -220,6 +223,58 @@ class GatewayApp:
             return 200, await self.stream(ex, OpenAIEvents(keep_ids, keep_logprobs))
         response, _ = await self.generate(ex)
         return 200, orjson.dumps(strip_chunk(response, keep_ids, keep_logprobs))
+
+    # Anthropic Messages, translated to chat completions (services/gateway/anthropic.py) ------
+    async def _anthropic_request(self, headers: Headers, body: bytes
+                                 ) -> tuple[Session, dict[str, Any], str, dict[str, Any]]:
+        session = await self._auth(headers)
+        if not any(name == b"anthropic-version" for name, _ in headers):
+            raise bad_request("anthropic-version: header is required")
+        request = parse_json(body)
+        model = self.check_model(request.get("model"))
+        try:
+            forward = anthropic.to_chat(request)
+        except anthropic.Invalid as err:
+            raise bad_request(str(err)) from err
+        return session, request, model, forward
+
+    async def messages(self, headers: Headers, body: bytes) -> tuple[int, Any]:
+        session, request, model, forward = await self._anthropic_request(headers, body)
+        forward["return_token_ids"] = True
+        forward["logprobs"] = True
+        ex = Exchange(session, "messages", model, body, True, forward)
+        if request.get("stream"):
+            return 200, await self.stream(ex, anthropic.AnthropicEvents(request))
+        _, gen = await self.generate(ex)
+        return 200, orjson.dumps(anthropic.to_message(gen, request, anthropic.message_id()))
+
+    async def count_tokens(self, headers: Headers, body: bytes) -> bytes:
+        """The prompt's length as the engine's tokenizer and chat template count it."""
+        try:
+            request = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            request = None  # reported by _anthropic_request
+        if isinstance(request, dict) and "max_tokens" not in request:
+            request["max_tokens"] = 1  # not part of count_tokens requests
+            body = orjson.dumps(request)
+        session, _, model, forward = await self._anthropic_request(headers, body)
+        tokenize = {"model": None, "messages": forward["messages"],
+                    "add_generation_prompt": True}
+        if forward.get("tools"):
+            tokenize["tools"] = forward["tools"]
+        deadline = time.monotonic() + self.cfg.hold_timeout_s
+        engine = await self.registry.acquire(session.cred.rollout_id, model, deadline)
+        try:
+            tokenize["model"] = engine.model or model
+            status, raw = await engine.pool.post("/tokenize", orjson.dumps(tokenize),
+                                                 self.cfg.request_timeout_s)
+        except (UpstreamError, asyncio.TimeoutError) as err:
+            raise HTTPError(502, f"engine {engine.name} failed: {err}", "server_error") from err
+        finally:
+            self.registry.release(engine, False)
+        if status != 200:
+            raise _engine_refused(engine.name, status, raw)
+        return orjson.dumps({"input_tokens": orjson.loads(raw)["count"]})
 
     def check_model(self, model: Any) -> str:
         if not isinstance(model, str) or not model:
