@@ -32,7 +32,7 @@ import orjson
 from harnessrl.clients import StoreClient
 from harnessrl.errors import HarnessRLError, Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
-from services.gateway import anthropic
+from services.gateway import anthropic, responses
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry, EngineState
 from services.gateway.recorder import CallRecorder, HoldTimeout, RecordRejected
@@ -122,12 +122,14 @@ class GatewayApp:
         self.recorder = recorder
         self.store = store
         self._background: set[asyncio.Task[None]] = set()
+        self.chains = responses.Chains()
         # (method, path) -> (handler, error style)
         self.routes: dict[tuple[str, str], tuple[Route, str]] = {
             ("POST", "/v1/chat/completions"): (self.chat_completions, "openai"),
             ("POST", "/v1/completions"): (self.completions, "openai"),
             ("POST", "/v1/messages"): (self.messages, "anthropic"),
             ("POST", "/v1/messages/count_tokens"): (self.count_tokens, "anthropic"),
+            ("POST", "/v1/responses"): (self.responses, "openai"),
             ("GET", "/v1/models"): (self.list_models, "openai"),
             ("POST", "/v1/harnessrl/reward"): (self.report_reward, "openai"),
             ("GET", "/health"): (self.health, "openai"),
@@ -275,6 +277,41 @@ class GatewayApp:
         if status != 200:
             raise _engine_refused(engine.name, status, raw)
         return orjson.dumps({"input_tokens": orjson.loads(raw)["count"]})
+
+    # OpenAI Responses, translated to chat completions (services/gateway/responses.py) -------
+    async def responses(self, headers: Headers, body: bytes) -> tuple[int, Any]:
+        session = await self._auth(headers)
+        request = parse_json(body)
+        model = self.check_model(request.get("model"))
+        rollout_id = session.cred.rollout_id
+        history: list[dict[str, Any]] = []
+        if previous := request.get("previous_response_id"):
+            found = self.chains.get(str(previous), rollout_id)
+            if found is None:
+                raise HTTPError(404, f"Response with id '{previous}' not found (the gateway "
+                                     "keeps the responses of this rollout only)",
+                                "invalid_request_error", "previous_response_not_found")
+            history = found
+        try:
+            forward = responses.to_chat(request, history)
+        except responses.Invalid as err:
+            raise bad_request(str(err)) from err
+        forward["return_token_ids"] = True
+        forward["logprobs"] = True
+        builder = responses.ResponseBuilder(request)
+        # `instructions` are not carried over to the next response in a chain
+        conversation = forward["messages"][1 if request.get("instructions") else 0:]
+
+        def remember(gen: Generated) -> None:
+            self.chains.put(builder.id, rollout_id,
+                            conversation + [responses.assistant_message(gen)])
+
+        ex = Exchange(session, "responses", model, body, True, forward)
+        if request.get("stream"):
+            return 200, await self.stream(ex, responses.ResponsesEvents(builder, remember))
+        _, gen = await self.generate(ex)
+        remember(gen)
+        return 200, orjson.dumps(builder.response(gen))
 
     def check_model(self, model: Any) -> str:
         if not isinstance(model, str) or not model:
