@@ -187,3 +187,44 @@ def test_anthropic_stop_sequences(env: Env) -> None:
         assert full.startswith(_received(msg.content)[0]) and msg.stop_sequence in full
     else:
         assert msg.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_openai_responses_streamed_and_chained(env: Env) -> None:
+    rid, key = env.key()
+    client = env.openai(key)
+    tools = [{"type": "function", "name": "calculator",
+              "description": TOOLS[0]["function"]["description"],  # type: ignore[index]
+              "parameters": TOOLS[0]["function"]["parameters"]}]  # type: ignore[index]
+    with client.responses.stream(model=env.model, instructions=SYSTEM, tools=tools,  # type: ignore[arg-type]
+                                 input="What is 970 - 154?", max_output_tokens=64) as stream:
+        first = stream.get_final_response()
+    calls_ = [o for o in first.output if o.type == "function_call"]
+    env.check(env.calls(rid)[0], first.output_text,
+              [(o.name, o.arguments) for o in calls_])
+    follow = [{"type": "function_call_output", "call_id": o.call_id, "output": "816"}
+              for o in calls_] or "Thanks. And 3 + 4?"
+    second = client.responses.create(model=env.model, instructions=SYSTEM, tools=tools,  # type: ignore[arg-type]
+                                     previous_response_id=first.id, input=follow,
+                                     max_output_tokens=32)
+    c0, c1 = env.calls(rid)
+    env.check(c1, second.output_text, [(o.name, o.arguments) for o in second.output
+                                       if o.type == "function_call"])
+    # The chained prompt is the first prompt, the first answer, then the new input.
+    assert list(c1.prompt_token_ids[:len(c0.prompt_token_ids)]) == list(c0.prompt_token_ids)
+    assert second.usage is not None and second.usage.input_tokens == len(c1.prompt_token_ids)
+
+
+def test_run_sampling_policy_reaches_the_engine(env: Env) -> None:
+    run_id = f"run-{uuid.uuid4().hex[:6]}"
+    env.store.put_run(c.Run(run_id=run_id, status=c.RUN_STATUS_RUNNING, spec=c.RunSpec(
+        name="r", model=env.model, sampling=c.SamplingPolicy(temperature=1.0, max_tokens=3))))
+    rid = f"{run_id}/t/0"
+    env.store.create_rollouts([c.Rollout(rollout_id=rid, run_id=run_id, task_id="t",
+                                         group_id=f"{run_id}/t", group_size=1, max_attempts=1,
+                                         stream="-")])
+    env.store.start_attempt(rid, 1)
+    resp = env.openai(SIGNER.mint(rid, 1, 600)).chat.completions.create(
+        model="my-harness-model", messages=QUESTION, max_tokens=64, temperature=0.0)
+    [call] = env.calls(rid)
+    assert len(call.completion_token_ids) <= 3 and resp.usage.completion_tokens <= 3  # type: ignore[union-attr]
+    assert call.model == "my-harness-model"

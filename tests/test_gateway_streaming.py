@@ -151,3 +151,40 @@ def test_streams_and_plain_calls_interleave_on_one_rollout(world: World) -> None
     calls = world.calls(rid)
     assert sorted(x.seq for x in calls) == list(range(9))
     assert all(not x.aborted and x.completion_text == "Hello, world!" for x in calls)
+
+
+def _run_rollout(world: World, run_id: str, spec: c.RunSpec) -> str:
+    world.store.put_run(c.Run(run_id=run_id, spec=spec, status=c.RUN_STATUS_RUNNING))
+    rid = f"{run_id}/t/0"
+    world.store.create_rollouts([c.Rollout(rollout_id=rid, run_id=run_id, task_id="t",
+                                           group_id=f"{run_id}/t", group_size=1,
+                                           max_attempts=1, stream="-")])
+    world.store.start_attempt(rid, 1)
+    return rid
+
+
+def test_the_run_governs_sampling_and_model_names(world: World) -> None:
+    spec = c.RunSpec(name="r", model="tiny", sampling=c.SamplingPolicy(temperature=1.0,
+                                                                          max_tokens=16))
+    rid = _run_rollout(world, "run-s", spec)
+    client = world.client(SIGNER.mint(rid, 1, 60))
+    resp = client.chat.completions.create(  # the harness's own model name and settings
+        model="gpt-4o", messages=[{"role": "user", "content": "hi"}], temperature=0,
+        max_completion_tokens=500, extra_body={"top_k": 5})
+    assert resp.choices[0].message.content == "Hello, world!"
+    list(client.chat.completions.create(model="gpt-4o", stream=True, messages=[
+        {"role": "user", "content": "hi"}]))
+    plain, streamed = world.calls(rid)
+    assert plain.model == "gpt-4o" and json.loads(plain.request_json)["temperature"] == 0
+    assert json.loads(plain.sampling_override_json) == {
+        "imposed": {"temperature": 1.0, "max_tokens": 16},
+        "harness": {"temperature": 0, "max_completion_tokens": 500, "top_k": 5}}
+    assert json.loads(streamed.sampling_override_json)["harness"] == {}
+    # A policy the trainer cannot match is refused, loudly, before anything is generated.
+    bad = _run_rollout(world, "run-t", c.RunSpec(name="r", model="tiny",
+                                                 sampling=c.SamplingPolicy(temperature=0.7)))
+    import openai
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(world.client(SIGNER.mint(bad, 1, 60)))
+    assert err.value.code == "unmatched_sampling" and "temperature=0.7" in str(err.value)
+    assert world.calls(bad) == []

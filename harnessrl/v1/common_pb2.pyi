@@ -403,6 +403,7 @@ class RunSpec(_message.Message):
     STREAM_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tasks_file: _builtins.str
     """a JSONL file, one JSON object per line ("id" or "task_id" names it)"""
@@ -439,6 +440,13 @@ class RunSpec(_message.Message):
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """extra environment for harness and grader"""
 
+    @_builtins.property
+    def sampling(self) -> Global___SamplingPolicy:
+        """Sampling the gateway imposes on every call of the run, over the harness's own settings
+        (harnesses often ask for temperature 0, which RL cannot learn from). A harness asking for
+        any model name other than a served one gets `model`.
+        """
+
     def __init__(
         self,
         *,
@@ -457,14 +465,57 @@ class RunSpec(_message.Message):
         stream: _builtins.str = ...,
         model: _builtins.str = ...,
         backend: _builtins.str = ...,
+        sampling: Global___SamplingPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunSpec: _TypeAlias = RunSpec  # noqa: Y015
+
+@_typing.final
+class SamplingPolicy(_message.Message):
+    """Unset fields leave the harness's setting as it is. The trainer computes logprobs at
+    temperature 1 without truncation, as vLLM reports them (raw logprobs): the gateway refuses
+    the calls of a run whose policy it cannot match (temperature or top_p other than 1).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    temperature: _builtins.float
+    top_p: _builtins.float
+    max_tokens: _builtins.int
+    """completion tokens per call at most"""
+    def __init__(
+        self,
+        *,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        max_tokens: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+
+Global___SamplingPolicy: _TypeAlias = SamplingPolicy  # noqa: Y015
 
 @_typing.final
 class Run(_message.Message):

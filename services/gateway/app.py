@@ -32,7 +32,7 @@ import orjson
 from harnessrl.clients import StoreClient
 from harnessrl.errors import HarnessRLError, Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
-from services.gateway import anthropic, responses
+from services.gateway import anthropic, responses, sampling
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry, EngineState
 from services.gateway.recorder import CallRecorder, HoldTimeout, RecordRejected
@@ -100,11 +100,21 @@ class Exchange:
 
     session: Session
     api: str  # recorded as Call.api
-    model: str  # the model name the harness asked for
+    asked: str  # the model name the harness asked for (recorded as Call.model)
+    model: str  # the served model it maps to (engines are chosen by it)
     request_json: bytes  # the harness's request body
     chat: bool  # engine route: chat completions (True) or completions
     forward: dict[str, Any]  # the engine request
     started: float = field(default_factory=time.time)
+    override: bytes = b""  # the run's sampling policy as applied (Call.sampling_override_json)
+
+    def __post_init__(self) -> None:
+        """Imposes the run's sampling policy on the engine request."""
+        if self.session.sampling_problem:
+            raise bad_request(self.session.sampling_problem, "unmatched_sampling")
+        applied = sampling.impose(self.forward, self.session.sampling)
+        if applied is not None:
+            self.override = orjson.dumps(applied)
 
 
 Route = Callable[[Headers, bytes], Awaitable[Any]]
@@ -208,7 +218,7 @@ class GatewayApp:
     async def _openai(self, headers: Headers, body: bytes, chat: bool) -> tuple[int, Any]:
         session = await self._auth(headers)
         request = parse_json(body)
-        model = self.check_model(request.get("model"))
+        model = self.check_model(request.get("model"), session)
         _validate_openai(request, chat)
         keep_ids = bool(request.get("return_token_ids"))
         keep_logprobs = bool(request.get("logprobs"))
@@ -219,8 +229,8 @@ class GatewayApp:
         elif not isinstance(request.get("logprobs"), int) or \
                 isinstance(request.get("logprobs"), bool):
             forward["logprobs"] = 0  # the sampled token's logprob only
-        ex = Exchange(session, "chat.completions" if chat else "completions", model, body,
-                      chat, forward)
+        ex = Exchange(session, "chat.completions" if chat else "completions",
+                      request["model"], model, body, chat, forward)
         if request.get("stream"):
             return 200, await self.stream(ex, OpenAIEvents(keep_ids, keep_logprobs))
         response, _ = await self.generate(ex)
@@ -233,7 +243,7 @@ class GatewayApp:
         if not any(name == b"anthropic-version" for name, _ in headers):
             raise bad_request("anthropic-version: header is required")
         request = parse_json(body)
-        model = self.check_model(request.get("model"))
+        model = self.check_model(request.get("model"), session)
         try:
             forward = anthropic.to_chat(request)
         except anthropic.Invalid as err:
@@ -244,7 +254,7 @@ class GatewayApp:
         session, request, model, forward = await self._anthropic_request(headers, body)
         forward["return_token_ids"] = True
         forward["logprobs"] = True
-        ex = Exchange(session, "messages", model, body, True, forward)
+        ex = Exchange(session, "messages", request["model"], model, body, True, forward)
         if request.get("stream"):
             return 200, await self.stream(ex, anthropic.AnthropicEvents(request))
         _, gen = await self.generate(ex)
@@ -282,7 +292,7 @@ class GatewayApp:
     async def responses(self, headers: Headers, body: bytes) -> tuple[int, Any]:
         session = await self._auth(headers)
         request = parse_json(body)
-        model = self.check_model(request.get("model"))
+        model = self.check_model(request.get("model"), session)
         rollout_id = session.cred.rollout_id
         history: list[dict[str, Any]] = []
         if previous := request.get("previous_response_id"):
@@ -306,21 +316,25 @@ class GatewayApp:
             self.chains.put(builder.id, rollout_id,
                             conversation + [responses.assistant_message(gen)])
 
-        ex = Exchange(session, "responses", model, body, True, forward)
+        ex = Exchange(session, "responses", request["model"], model, body, True, forward)
         if request.get("stream"):
             return 200, await self.stream(ex, responses.ResponsesEvents(builder, remember))
         _, gen = await self.generate(ex)
         remember(gen)
         return 200, orjson.dumps(builder.response(gen))
 
-    def check_model(self, model: Any) -> str:
+    def check_model(self, model: Any, session: Session) -> str:
+        """The served model a request's `model` maps to: itself when served, else the run's
+        model (a harness keeps its own model name), else 404."""
         if not isinstance(model, str) or not model:
             raise bad_request("'model' is required", "missing_model")
-        if model not in self.registry.models():
-            raise HTTPError(404, f"the model {model!r} does not exist; served: "
-                                 f"{self.registry.models()}", "invalid_request_error",
-                            "model_not_found")
-        return model
+        served = self.registry.models()
+        if model in served:
+            return model
+        if session.run_model in served:
+            return session.run_model
+        raise HTTPError(404, f"the model {model!r} does not exist; served: {served}",
+                        "invalid_request_error", "model_not_found")
 
     # the recorded round trip, shared by every API --------------------------------------------
     async def generate(self, ex: Exchange) -> tuple[dict[str, Any], Generated]:
@@ -405,7 +419,8 @@ class GatewayApp:
     @staticmethod
     def _call(ex: Exchange, gen: Generated, engine: EngineState, version: int, latency: float,
               aborted: bool = False) -> c.Call:
-        call = gen.call(ex.api, ex.model, ex.request_json, aborted)
+        call = gen.call(ex.api, ex.asked, ex.request_json, aborted)
+        call.sampling_override_json = ex.override
         call.rollout_id = ex.session.cred.rollout_id
         call.attempt = ex.session.cred.attempt
         call.policy_version = version
