@@ -1,19 +1,22 @@
-"""The HTTP data plane: OpenAI-compatible endpoints that forward to vLLM and record each call.
+"""The HTTP data plane: OpenAI- and Anthropic-compatible endpoints that forward to vLLM and
+record each call.
 
 Routes:
-- `POST /v1/chat/completions`, `POST /v1/completions` (non-streaming), `GET /v1/models`:
-  OpenAI-compatible. The API key is the rollout credential the controller minted.
+- `POST /v1/chat/completions`, `POST /v1/completions` (OpenAI), `POST /v1/responses` (OpenAI
+  Responses, translated to chat completions: `responses.py`), `POST /v1/messages` and
+  `/v1/messages/count_tokens` (Anthropic, translated: `anthropic.py`), `GET /v1/models`. Each
+  streams with `stream: true`. The API key is the rollout credential the controller minted.
 - `POST /v1/harnessrl/reward` `{"reward": <number>}`: a harness reports its own reward.
 - `GET /health`.
 
-Each completion request is forwarded to the rollout's engine with `return_token_ids` and
-logprobs requested; the call (prompt and completion token ids, per-token logprobs, policy
-version, engine, timings, the request) is recorded in the store *before* the response goes
-back to the harness, which gets the response in the normal API shape (the fields the gateway
-added are removed unless the harness asked for them itself). Errors use the OpenAI error shape
-`{"error": {"message", "type", "code"}}` with 400 (bad request), 401 (key), 404 (unknown
-model), 413 (body over `max_body_bytes`), 502 (engine failure), 503 (held past
-`hold_timeout_s`).
+Every completion takes the same path: validation (per API) -> an `Exchange` (the run's
+sampling policy imposed) -> `_to_engine` (the rollout's engine, asked for `return_token_ids`
+and logprobs; held while engines are paused or unreachable) -> the output accumulated into a
+`Generated` -> `record` (the call is in the store *before* the harness sees the response as
+complete: for a stream, before its final event) -> the response in the API's own shape, the
+fields the gateway added stripped unless the harness asked for them. Errors come in each API's
+shape: 400 (bad request), 401 (key), 404 (unknown model), 413 (body over `max_body_bytes`),
+502 (engine failure), 503 (held past `hold_timeout_s`).
 """
 
 from __future__ import annotations
