@@ -156,7 +156,7 @@ def to_message(gen: Generated, request: dict[str, Any], msg_id: str) -> dict[str
     content: list[dict[str, Any]] = []
     if gen.content:
         content.append({"type": "text", "text": gen.content})
-    for tc in gen.message()["tool_calls"]:
+    for tc in (gen.tool_calls[k] for k in sorted(gen.tool_calls)):
         content.append({"type": "tool_use", "id": tc["id"] or "toolu_" + uuid.uuid4().hex[:24],
                         "name": tc["function"]["name"],
                         "input": _input(tc["function"]["arguments"])})

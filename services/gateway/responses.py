@@ -133,9 +133,9 @@ def to_chat(request: dict[str, Any], history: list[dict[str, Any]]) -> dict[str,
 
 
 def assistant_message(gen: Generated) -> dict[str, Any]:
-    msg = gen.message()
-    if not msg["tool_calls"]:
-        del msg["tool_calls"]
+    msg = {"role": "assistant", "content": gen.content or None}
+    if gen.tool_calls:
+        msg["tool_calls"] = [gen.tool_calls[k] for k in sorted(gen.tool_calls)]
     return msg
 
 

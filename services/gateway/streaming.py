@@ -46,7 +46,7 @@ class Generated:
     """The engine's output for one call (choice 0), from a whole response or its chunks."""
 
     __slots__ = ("chat", "prompt_ids", "ids", "logprobs", "text", "tool_calls", "finish_reason",
-                 "stop_reason", "usage", "id")
+                 "stop_reason", "usage", "id", "whole")
 
     def __init__(self, chat: bool) -> None:
         self.chat = chat
@@ -59,6 +59,7 @@ class Generated:
         self.stop_reason: Any = None
         self.usage: dict[str, Any] | None = None
         self.id = ""
+        self.whole: dict[str, Any] | None = None  # a whole response's message, as returned
 
     def add(self, chunk: dict[str, Any]) -> None:
         """Adds a streamed chunk, or a whole response (`message` instead of `delta`)."""
@@ -74,14 +75,19 @@ class Generated:
             if (p := choice.get("prompt_token_ids")) is not None:
                 self.prompt_ids = p
             if ids := choice.get("token_ids"):
-                self.ids.extend(ids)
+                if self.ids:
+                    self.ids += ids
+                else:
+                    self.ids = ids
             if lp := choice.get("logprobs"):
                 if self.chat:
-                    self.logprobs.extend(e["logprob"] for e in lp.get("content") or ())
+                    self.logprobs += [e["logprob"] for e in lp.get("content") or ()]
                 else:
-                    self.logprobs.extend(lp.get("token_logprobs") or ())
+                    self.logprobs += lp.get("token_logprobs") or ()
             if self.chat:
-                self._add_message(choice.get("delta") or choice.get("message") or {})
+                if "message" in choice:
+                    self.whole = choice["message"] or {}
+                self._add_message(choice.get("delta") or self.whole or {})
             elif choice.get("text"):
                 self.text.append(choice["text"])
             if choice.get("finish_reason"):
@@ -108,6 +114,8 @@ class Generated:
 
     def message(self) -> dict[str, Any]:
         """The assistant message the harness received (chat)."""
+        if self.whole is not None:
+            return self.whole
         return {"role": "assistant", "content": self.content or None,
                 "tool_calls": [self.tool_calls[k] for k in sorted(self.tool_calls)]}
 
@@ -122,10 +130,13 @@ class Generated:
 
     def call(self, api: str, model: str, request_json: bytes, aborted: bool = False) -> c.Call:
         returned = orjson.dumps(self.message() if self.chat else self.content)
-        n = min(len(self.ids), len(self.logprobs)) if aborted else len(self.ids)
+        ids, logprobs = self.ids, self.logprobs
+        if aborted:
+            n = min(len(ids), len(logprobs))
+            ids, logprobs = ids[:n], logprobs[:n]
         return c.Call(api=api, model=model, prompt_token_ids=self.prompt_ids or [],
-                      completion_token_ids=self.ids[:n],
-                      logprobs=[lp if lp is not None else -math.inf for lp in self.logprobs[:n]],
+                      completion_token_ids=ids,
+                      logprobs=[lp if lp is not None else -math.inf for lp in logprobs],
                       finish_reason=self.finish_reason or ("abort" if aborted else ""),
                       request_json=request_json, completion_text=self.content,
                       response_message_json=returned, aborted=aborted)
