@@ -390,3 +390,39 @@ def test_http_edge_cases(world: World) -> None:
                          content=iter([b'{"model": "tiny", ', b'"messages": []}']),
                          headers={"authorization": "Bearer nope"})
     assert chunked.status_code == 401  # a chunked body is read whole, then the key checked
+
+
+def test_idle_and_slow_clients_are_timed_out(tmp_path: Path, store_service: StoreService,
+                                             stub_engine: StubEngineService) -> None:
+    import socket
+    w = World(tmp_path, store_service, [stub_engine], "--http-idle-timeout-s", "1",
+              "--http-read-timeout-s", "1")
+    try:
+        port = w.gateway.http_port
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:
+            idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+            t0 = time.monotonic()
+            assert idle.recv(4096) == b""  # closed by the gateway once idle
+            assert 0.5 < time.monotonic() - t0 < 5
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+            t0 = time.monotonic()
+            slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            data = b""
+            try:
+                for _ in range(20):  # dribbles a header every 0.2 s: never completes
+                    slow.sendall(b"X-Dribble: 1\r\n")
+                    time.sleep(0.2)
+            except OSError:
+                pass
+            while chunk := slow.recv(4096):
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 5
+        rid = w.rollout()  # a request that keeps its connection busy is not cut off
+        resp = w.client(SIGNER.mint(rid, 1, 60)).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
+            extra_body={"stub_pause_s": 2.0})
+        assert "".join(ch.choices[0].delta.content or "" for ch in resp if ch.choices) == \
+            "Hello, world!"
+    finally:
+        w.close()

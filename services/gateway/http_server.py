@@ -39,6 +39,7 @@ Handler = Callable[[str, str, Headers, bytes | None],
                    Awaitable[tuple[int, "bytes | StreamBody"]]]
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found",
+            408: b"Request Timeout",
             405: b"Method Not Allowed", 409: b"Conflict", 413: b"Payload Too Large",
             500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
 
@@ -59,9 +60,14 @@ def _stream_head(status: int, keep_alive: bool) -> bytes:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, handler: Handler, max_body_bytes: int) -> None:
+    def __init__(self, handler: Handler, max_body_bytes: int, idle_timeout_s: float,
+                 read_timeout_s: float) -> None:
         self.handler = handler
         self.max_body = max_body_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading = False  # a request has begun and is not complete yet
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.queue: deque[tuple[str, str, Headers, bytes | None, bool]] = deque()
@@ -76,6 +82,21 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.loop = asyncio.get_running_loop()
+        self._arm(self.idle_timeout_s)
+
+    # timeouts: an idle keep-alive connection, or a request whose head and body do not arrive
+    # within `read_timeout_s` of its first byte (a client dribbling its headers), is closed
+    def _arm(self, seconds: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(seconds, self._timed_out) if seconds > 0 else None
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self._reading:
+            self._reject(408, b'{"error": {"message": "request not received in time"}}')
+        elif self.transport is not None:
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -88,6 +109,8 @@ class _Connection(asyncio.Protocol):
                          % msg.encode())
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if self.worker is not None:
             self.worker.cancel()
         self.queue.clear()
@@ -106,6 +129,8 @@ class _Connection(asyncio.Protocol):
     # httptools callbacks ----------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", [], [], 0
+        self._reading = True
+        self._arm(self.read_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -121,6 +146,10 @@ class _Connection(asyncio.Protocol):
             self._body = []  # too large: keep parsing to the end, answer 413
 
     def on_message_complete(self) -> None:
+        self._reading = False
+        if self._timer is not None:  # no timer while the request is answered
+            self._timer.cancel()
+            self._timer = None
         path = self._url.split(b"?", 1)[0].decode("latin-1")
         body = b"".join(self._body) if self._size <= self.max_body else None
         self.queue.append((self.parser.get_method().decode("latin-1"), path, self._headers,
@@ -153,6 +182,8 @@ class _Connection(asyncio.Protocol):
             if not keep_alive:
                 self.transport.close()
                 return
+        if not self._reading and not self.queue and self.transport is not None:
+            self._arm(self.idle_timeout_s)
 
     async def _send_stream(self, status: int, body: StreamBody, keep_alive: bool) -> None:
         transport = self.transport
@@ -179,9 +210,11 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-async def serve_http(handler: Handler, sock: "object", max_body_bytes: int
+async def serve_http(handler: Handler, sock: "object", max_body_bytes: int,
+                     idle_timeout_s: float = 75.0, read_timeout_s: float = 30.0
                      ) -> asyncio.AbstractServer:
     """Serves `handler` on an already bound socket; returns the started server."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _Connection(handler, max_body_bytes),
+    return await loop.create_server(lambda: _Connection(handler, max_body_bytes,
+                                                        idle_timeout_s, read_timeout_s),
                                     sock=sock, backlog=2048)  # type: ignore[arg-type]
