@@ -426,3 +426,24 @@ def test_idle_and_slow_clients_are_timed_out(tmp_path: Path, store_service: Stor
             "Hello, world!"
     finally:
         w.close()
+
+
+def test_expect_100_continue(world: World) -> None:
+    import socket
+    rid = world.rollout()
+    key = SIGNER.mint(rid, 1, 60)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nExpect: 100-continue\r\n").encode()
+    with socket.create_connection(("127.0.0.1", world.gateway.http_port), timeout=10) as s:
+        s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body))
+        assert s.recv(4096) == b"HTTP/1.1 100 Continue\r\n\r\n"  # before any body was sent
+        s.sendall(body)
+        data = b""
+        while b"Hello, world!" not in data:
+            data += s.recv(4096)
+        assert data.startswith(b"HTTP/1.1 200")
+    with socket.create_connection(("127.0.0.1", world.gateway.http_port), timeout=10) as s:
+        s.sendall(head + b"Content-Length: 999999999\r\n\r\n")  # too large: refused at once
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+    assert len(world.calls(rid)) == 1

@@ -138,6 +138,17 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
 
+    def on_headers_complete(self) -> None:
+        if (b"expect", b"100-continue") not in [(n, v.lower()) for n, v in self._headers
+                                                 if n == b"expect"]:
+            return
+        length = next((v for n, v in self._headers if n == b"content-length"), b"")
+        if length.isdigit() and int(length) > self.max_body:
+            self._reject(413, b'{"error": {"message": "request body over the size limit", '
+                              b'"code": "body_too_large"}}')
+        elif self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
         if self._size <= self.max_body:

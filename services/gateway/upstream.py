@@ -15,6 +15,7 @@ request.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from urllib.parse import urlsplit
 
@@ -165,14 +166,19 @@ class UpstreamStream:
 
 
 class UpstreamPool:
-    """Keep-alive connections to one engine (`base_url` like http://127.0.0.1:8000)."""
+    """Keep-alive connections to one engine (`base_url` like http://127.0.0.1:8000, or
+    https://: TLS verified against the system's CAs, or `ssl_context`'s)."""
 
-    def __init__(self, base_url: str, idle_timeout_s: float = 30.0) -> None:
+    def __init__(self, base_url: str, idle_timeout_s: float = 30.0,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(base_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"engine URL must be http://host:port, got {base_url!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine URL must be http(s)://host:port, got {base_url!r}")
+        self.ssl: ssl.SSLContext | None = None
+        if parts.scheme == "https":
+            self.ssl = ssl_context or ssl.create_default_context()
         self.host = parts.hostname
-        self.port = parts.port or 80
+        self.port = parts.port or (443 if self.ssl else 80)
         self.prefix = parts.path.rstrip("/")
         self.host_header = f"{self.host}:{self.port}".encode()
         self.idle: list[_Conn] = []
@@ -181,7 +187,9 @@ class UpstreamPool:
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await loop.create_connection(_Conn, self.host, self.port)
+            _, conn = await loop.create_connection(_Conn, self.host, self.port, ssl=self.ssl)
+        except ssl.SSLError as err:  # the engine answered, but not as the one we trust
+            raise ConnectFailed(f"TLS with {self.host}:{self.port} failed: {err}") from err
         except OSError as err:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {err}") from err
         return conn
