@@ -447,3 +447,35 @@ def test_expect_100_continue(world: World) -> None:
         s.sendall(head + b"Content-Length: 999999999\r\n\r\n")  # too large: refused at once
         assert s.recv(4096).startswith(b"HTTP/1.1 413")
     assert len(world.calls(rid)) == 1
+
+
+def test_an_engine_that_comes_back_gets_traffic_again(tmp_path: Path,
+                                                      store_service: StoreService) -> None:
+    from harnessrl import procs
+    engines = [StubEngineService(tmp_path / f"s{i}") for i in range(2)]
+    w = World(tmp_path, store_service, engines, "--engine-probe-interval-s", "0.2")
+    back = None
+    try:
+        port = engines[1].port
+        engines[1].proc.kill()
+        for _ in range(3):  # e1 is found unreachable and routed around
+            rid = w.rollout()
+            chat(w.client(SIGNER.mint(rid, 1, 60)))
+            assert w.calls(rid)[-1].engine == "e0"
+        back, _ = procs.start_service("stub", "harnessrl.testing.stub_engine",
+                                      ["--model", "tiny", "--port", str(port)],
+                                      tmp_path / "back", timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # its /health answers the probe: it serves again
+            rid = w.rollout()
+            chat(w.client(SIGNER.mint(rid, 1, 60)))
+            if w.calls(rid)[-1].engine == "e1":
+                break
+            time.sleep(0.2)
+        assert w.calls(rid)[-1].engine == "e1"
+    finally:
+        w.close()
+        for e in engines:
+            e.proc.stop()
+        if back is not None:
+            back.stop()
