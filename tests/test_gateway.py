@@ -6,8 +6,10 @@ responses without a model). The same paths against the real vLLM are in test_dat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import uuid
 import signal
 import threading
 import time
@@ -76,6 +78,21 @@ def world(tmp_path: Path, store_service: StoreService, stub_engine: StubEngineSe
     w = World(tmp_path, store_service, [stub_engine], "--max-body-bytes", "200000")
     yield w
     w.close()
+
+
+@contextlib.contextmanager
+def shared_world(tmp: Path, redis_url: str) -> Iterator[World]:
+    """A store, a stub engine and a gateway for a whole test module (tests that only need
+    fresh rollouts share them: each process start costs seconds)."""
+    store = StoreService(tmp / "store", redis_url, f"t{uuid.uuid4().hex[:10]}:").start()
+    stub = StubEngineService(tmp / "stub")
+    w = World(tmp, store, [stub])
+    try:
+        yield w
+    finally:
+        w.close()
+        stub.proc.stop()
+        store.stop()
 
 
 def chat(client: openai.OpenAI, **kw: object):  # type: ignore[no-untyped-def]

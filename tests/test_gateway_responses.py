@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 
-from conftest import StoreService, StubEngineService
-from test_gateway import SIGNER, World
+from test_gateway import SIGNER, World, shared_world
 
 TOOLS = [{"type": "function", "name": "add", "description": "add two numbers",
           "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}]
 
 
-@pytest.fixture
-def world(tmp_path: Path, store_service: StoreService, stub_engine: StubEngineService
-          ) -> Iterator[World]:
-    w = World(tmp_path, store_service, [stub_engine])
-    yield w
-    w.close()
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[World]:
+    with shared_world(tmp_path_factory.mktemp("world"), redis_url) as w:
+        yield w
 
 
 def test_responses_function_call_then_chain_by_previous_response_id(world: World) -> None:

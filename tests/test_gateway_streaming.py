@@ -8,22 +8,18 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from conftest import StoreService, StubEngineService
 from harnessrl.v1 import common_pb2 as c
 from services.trainer.samples import rollout_samples
-from test_gateway import SIGNER, World, chat
+from test_gateway import SIGNER, World, chat, shared_world
 
 
-@pytest.fixture
-def world(tmp_path: Path, store_service: StoreService, stub_engine: StubEngineService
-          ) -> Iterator[World]:
-    w = World(tmp_path, store_service, [stub_engine])
-    yield w
-    w.close()
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[World]:
+    with shared_world(tmp_path_factory.mktemp("world"), redis_url) as w:
+        yield w
 
 
 def test_streamed_chat_is_relayed_in_openai_format_and_recorded(world: World) -> None:
