@@ -95,15 +95,3 @@ async def test_https_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]
     pool.close()
     server.close()
 
-
-async def test_get_for_health_probes() -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        assert head.startswith(b"GET /health HTTP/1.1")
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-        await writer.drain()
-        writer.close()
-
-    server, port = await _server(handler)
-    assert await UpstreamPool(f"http://127.0.0.1:{port}").get("/health", 5) == (200, b"")
-    server.close()

@@ -7,6 +7,8 @@ import contextlib
 import logging
 import socket
 
+import aiohttp
+
 from harnessrl import rpc
 from harnessrl.clients import StoreClient
 from harnessrl.credentials import CredentialSigner, load_secret
@@ -18,23 +20,23 @@ from services.gateway.engines import EngineRegistry
 from services.gateway.http_server import serve_http
 from services.gateway.recorder import CallRecorder
 from services.gateway.sessions import Sessions
-from services.gateway.upstream import UpstreamError
 
 log = logging.getLogger("harnessrl.gateway")
 
 
-async def _probe_engines(registry: EngineRegistry, interval: float) -> None:
-    """Marks unreachable engines reachable again once their /health answers (through the
-    engine's own client: one HTTP client in the gateway)."""
+async def _probe_engines(registry: EngineRegistry, http: aiohttp.ClientSession,
+                         interval: float) -> None:
+    """Marks unreachable engines reachable again once their /health answers."""
     while True:
         await asyncio.sleep(interval)
         for eng in list(registry.engines.values()):
             if eng.reachable:
                 continue
-            with contextlib.suppress(UpstreamError, asyncio.TimeoutError):
-                status, _ = await eng.pool.get("/health", interval)
-                if status == 200:
-                    registry.mark_reachable(eng)
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with http.get(f"{eng.base_url}/health",
+                                    timeout=aiohttp.ClientTimeout(total=interval)) as resp:
+                    if resp.status == 200:
+                        registry.mark_reachable(eng)
 
 
 async def serve(cfg: GatewayConfig) -> None:
@@ -43,6 +45,7 @@ async def serve(cfg: GatewayConfig) -> None:
     registry = EngineRegistry()
     for e in cfg.engines:
         registry.register(e.name, e.base_url, e.model, e.policy_version)
+    http = aiohttp.ClientSession()  # health probes of unreachable engines only
     recorder = CallRecorder(store, cfg.hold_timeout_s, cfg.record_batch_max,
                             cfg.record_writers, cfg.record_batch_timeout_s)
     app = GatewayApp(cfg, registry, Sessions(signer, store), recorder, store)
@@ -57,7 +60,7 @@ async def serve(cfg: GatewayConfig) -> None:
     http_port = sock.getsockname()[1]
     http_server = await serve_http(app.handle, sock, cfg.max_body_bytes,
                                    cfg.http_idle_timeout_s, cfg.http_read_timeout_s)
-    probe = asyncio.create_task(_probe_engines(registry, cfg.engine_probe_interval_s))
+    probe = asyncio.create_task(_probe_engines(registry, http, cfg.engine_probe_interval_s))
     log.info("gateway serving HTTP on %s:%d, GatewayAdmin on port %d, store %s",
              cfg.http_host, http_port, grpc_port, cfg.store_address)
     rpc.write_ready_file(cfg.ready_file, http_port=http_port, grpc_port=grpc_port)
@@ -66,6 +69,7 @@ async def serve(cfg: GatewayConfig) -> None:
         http_server.close()
         probe.cancel()
         await recorder.close()
+        await http.close()
         await store.close()
 
     await rpc.wait_for_termination(grpc_server, on_stop=shutdown)

@@ -194,22 +194,16 @@ class UpstreamPool:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {err}") from err
         return conn
 
-    def _request_bytes(self, path: str, body: bytes, method: bytes = b"POST") -> bytes:
+    def _request_bytes(self, path: str, body: bytes) -> bytes:
         return b"".join((
-            method, b" ", (self.prefix + path).encode(), b" HTTP/1.1\r\nHost: ", self.host_header,
+            b"POST ", (self.prefix + path).encode(), b" HTTP/1.1\r\nHost: ", self.host_header,
             b"\r\nContent-Type: application/json\r\nContent-Length: ", str(len(body)).encode(),
             b"\r\n\r\n", body))
-
-    async def get(self, path: str, timeout: float) -> tuple[int, bytes]:
-        """GETs `path` (health probes); like `post`."""
-        return await self._send(self._request_bytes(path, b"", b"GET"), timeout)
 
     async def post(self, path: str, body: bytes, timeout: float) -> tuple[int, bytes]:
         """POSTs JSON; returns (status, body). Raises ConnectFailed when the engine could not
         be reached at all, UpstreamError when the exchange broke."""
-        return await self._send(self._request_bytes(path, body), timeout)
-
-    async def _send(self, request: bytes, timeout: float) -> tuple[int, bytes]:
+        request = self._request_bytes(path, body)
         now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()
