@@ -19,6 +19,12 @@ Ends with one JSON line: `added_p50_ms` (gateway p50 - direct p50, real vLLM, 32
 engine isolated; `added_p50_ms_shared_cpus` without isolation; with --no-vllm the stub's), `throughput_ratio` (gateway calls/s / direct calls/s, stub
 upstream, 32 connections), and the raw figures.
 
+3. streaming (`bench/_stream_client.py`, asyncio, the same client direct and through the
+   gateway): the stub streams 64 events, each with token ids and logprobs; TTFT is the time to
+   the first event that carries generated text (not the role-only first chunk).
+   `stream_added_ttft_p50_ms` (stub, 1 connection) and `stream_throughput_ratio` (gateway
+   streams/s / direct streams/s, stub, 32 connections) join the JSON line.
+
     python bench/gateway_overhead.py [--duration 10] [--no-vllm] [--engine-cpus 0|'']
 """
 
@@ -192,6 +198,16 @@ def main() -> None:
         results["stub_direct_c1"] = wrk(stub_direct, as_forwarded(stub_body), key, 1,
                                         max(3, d // 2), work)
         through_gateway("stub_gateway_c1", stub_body, 1, max(3, d // 2))
+        from bench import _stream_client
+        stream_body = {**stub_body, "stream": True, "stub_tokens": 64}
+        forwarded_stream = {**as_forwarded(stream_body)}
+        _stream_client.run(gw_url, stream_body, key, n, 2)  # warm-up
+        for conns, suffix in ((n, ""), (1, "_c1")):
+            secs = d if conns > 1 else max(3, d // 2)
+            results[f"stream_direct{suffix}"] = _stream_client.run(
+                stub_direct, forwarded_stream, key, conns, secs)
+            results[f"stream_gateway{suffix}"] = _stream_client.run(
+                gw_url, stream_body, key, conns, secs)
         if vllm is not None:
             # Every completion exactly 16 tokens (ignore_eos), so each request is the same work.
             body = {"model": "tiny", "max_tokens": 16, "temperature": 1.0, "ignore_eos": True,
@@ -234,6 +250,10 @@ def main() -> None:
         print(f"\n{'measurement':<18}{'p50 ms':>10}{'p99 ms':>10}{'calls/s':>11}"
               f"{'gateway / store / redis CPU us per call':>42}")
         for name, r in results.items():
+            if name.startswith("stream_"):
+                print(f"{name:<18}{r['stream_p50_ms']:>10.2f}{'':>10}{r['streams_per_s']:>11.0f}"
+                      f"   TTFT p50 {r['ttft_p50_ms']:.2f} ms, p99 {r['ttft_p99_ms']:.2f} ms")
+                continue
             cpu = "" if "gateway_cpu_us_per_call" not in r else (
                 f"{r['gateway_cpu_us_per_call']:>24.0f} / {r['store_cpu_us_per_call']:.0f} / "
                 f"{r['redis_cpu_us_per_call']:.0f}")
@@ -256,6 +276,10 @@ def main() -> None:
                 / results["stub_direct_plain"]["calls_per_s"], 3),
             "added_p50_ms_stub_c1": round(results["stub_gateway_c1"]["p50_ms"]
                                           - results["stub_direct_c1"]["p50_ms"], 3),
+            "stream_added_ttft_p50_ms": round(results["stream_gateway_c1"]["ttft_p50_ms"]
+                                              - results["stream_direct_c1"]["ttft_p50_ms"], 3),
+            "stream_throughput_ratio": round(results["stream_gateway"]["streams_per_s"]
+                                             / results["stream_direct"]["streams_per_s"], 3),
             "recorded_calls": recorded,
             "connections": n, "duration_s": d,
             "results": {k: {m: round(v, 3) for m, v in r.items()} for k, r in results.items()},

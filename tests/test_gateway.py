@@ -6,8 +6,10 @@ responses without a model). The same paths against the real vLLM are in test_dat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import uuid
 import signal
 import threading
 import time
@@ -76,6 +78,21 @@ def world(tmp_path: Path, store_service: StoreService, stub_engine: StubEngineSe
     w = World(tmp_path, store_service, [stub_engine], "--max-body-bytes", "200000")
     yield w
     w.close()
+
+
+@contextlib.contextmanager
+def shared_world(tmp: Path, redis_url: str) -> Iterator[World]:
+    """A store, a stub engine and a gateway for a whole test module (tests that only need
+    fresh rollouts share them: each process start costs seconds)."""
+    store = StoreService(tmp / "store", redis_url, f"t{uuid.uuid4().hex[:10]}:").start()
+    stub = StubEngineService(tmp / "stub")
+    w = World(tmp, store, [stub])
+    try:
+        yield w
+    finally:
+        w.close()
+        stub.proc.stop()
+        store.stop()
 
 
 def chat(client: openai.OpenAI, **kw: object):  # type: ignore[no-untyped-def]
@@ -165,7 +182,7 @@ def test_bad_input_gets_clear_errors_and_records_nothing(world: World) -> None:
                               "invalid_api_key"),
         "over size limit": (auth, b'{"model": "tiny", "messages": [], "x": "' + b"a" * 300_000
                             + b'"}', 413, "body_too_large"),
-        "stream": (auth, good[:-1] + b', "stream": true}', 400, "unsupported_stream"),
+        "n > 1": (auth, good[:-1] + b', "n": 2}', 400, "unsupported_n"),
     }
     for name, (headers, body, status, code) in cases.items():
         got_status, got = _status(world, "/chat/completions", headers, body)
@@ -390,3 +407,92 @@ def test_http_edge_cases(world: World) -> None:
                          content=iter([b'{"model": "tiny", ', b'"messages": []}']),
                          headers={"authorization": "Bearer nope"})
     assert chunked.status_code == 401  # a chunked body is read whole, then the key checked
+
+
+def test_idle_and_slow_clients_are_timed_out(tmp_path: Path, store_service: StoreService,
+                                             stub_engine: StubEngineService) -> None:
+    import socket
+    w = World(tmp_path, store_service, [stub_engine], "--http-idle-timeout-s", "1",
+              "--http-read-timeout-s", "1")
+    try:
+        port = w.gateway.http_port
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:
+            idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert idle.recv(4096).startswith(b"HTTP/1.1 200")
+            t0 = time.monotonic()
+            assert idle.recv(4096) == b""  # closed by the gateway once idle
+            assert 0.5 < time.monotonic() - t0 < 5
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+            t0 = time.monotonic()
+            slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            data = b""
+            try:
+                for _ in range(20):  # dribbles a header every 0.2 s: never completes
+                    slow.sendall(b"X-Dribble: 1\r\n")
+                    time.sleep(0.2)
+            except OSError:
+                pass
+            while chunk := slow.recv(4096):
+                data += chunk
+            assert data.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 5
+        rid = w.rollout()  # a request that keeps its connection busy is not cut off
+        resp = w.client(SIGNER.mint(rid, 1, 60)).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
+            extra_body={"stub_pause_s": 2.0})
+        assert "".join(ch.choices[0].delta.content or "" for ch in resp if ch.choices) == \
+            "Hello, world!"
+    finally:
+        w.close()
+
+
+def test_expect_100_continue(world: World) -> None:
+    import socket
+    rid = world.rollout()
+    key = SIGNER.mint(rid, 1, 60)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nExpect: 100-continue\r\n").encode()
+    with socket.create_connection(("127.0.0.1", world.gateway.http_port), timeout=10) as s:
+        s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body))
+        assert s.recv(4096) == b"HTTP/1.1 100 Continue\r\n\r\n"  # before any body was sent
+        s.sendall(body)
+        data = b""
+        while b"Hello, world!" not in data:
+            data += s.recv(4096)
+        assert data.startswith(b"HTTP/1.1 200")
+    with socket.create_connection(("127.0.0.1", world.gateway.http_port), timeout=10) as s:
+        s.sendall(head + b"Content-Length: 999999999\r\n\r\n")  # too large: refused at once
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+    assert len(world.calls(rid)) == 1
+
+
+def test_an_engine_that_comes_back_gets_traffic_again(tmp_path: Path,
+                                                      store_service: StoreService) -> None:
+    from harnessrl import procs
+    engines = [StubEngineService(tmp_path / f"s{i}") for i in range(2)]
+    w = World(tmp_path, store_service, engines, "--engine-probe-interval-s", "0.2")
+    back = None
+    try:
+        port = engines[1].port
+        engines[1].proc.kill()
+        for _ in range(3):  # e1 is found unreachable and routed around
+            rid = w.rollout()
+            chat(w.client(SIGNER.mint(rid, 1, 60)))
+            assert w.calls(rid)[-1].engine == "e0"
+        back, _ = procs.start_service("stub", "harnessrl.testing.stub_engine",
+                                      ["--model", "tiny", "--port", str(port)],
+                                      tmp_path / "back", timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # its /health answers the probe: it serves again
+            rid = w.rollout()
+            chat(w.client(SIGNER.mint(rid, 1, 60)))
+            if w.calls(rid)[-1].engine == "e1":
+                break
+            time.sleep(0.2)
+        assert w.calls(rid)[-1].engine == "e1"
+    finally:
+        w.close()
+        for e in engines:
+            e.proc.stop()
+        if back is not None:
+            back.stop()

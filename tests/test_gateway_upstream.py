@@ -67,3 +67,31 @@ async def test_connect_failure_and_broken_exchange_are_told_apart() -> None:
         await UpstreamPool(f"http://127.0.0.1:{port}").post("/x", b"{}", 5)
     assert not isinstance(err.value, ConnectFailed)
     server.close()
+
+
+async def test_https_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import ssl
+    import subprocess
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        body = await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=server_ctx)
+    port = server.sockets[0].getsockname()[1]
+    trusting = ssl.create_default_context(cafile=str(cert))
+    pool = UpstreamPool(f"https://127.0.0.1:{port}", ssl_context=trusting)
+    assert await pool.post("/x", b'{"tls":1}', 5) == (200, b'{"tls":1}')
+    with pytest.raises(ConnectFailed):  # a certificate nobody vouched for is refused
+        await UpstreamPool(f"https://127.0.0.1:{port}").post("/x", b"{}", 5)
+    pool.close()
+    server.close()
+

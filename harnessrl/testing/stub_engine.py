@@ -7,6 +7,12 @@ chat completion is the same fixed text; it carries vLLM's extra fields exactly a
 `return_token_ids` is true, and per-token logprobs when asked. When the request has `tools`
 and the last message is from the user, it answers with a tool call instead.
 
+With `stream: true` it answers in server-sent events shaped like vLLM's (the first chunk
+carries `prompt_token_ids`, each later one its `token_ids` and logprobs; a usage chunk when
+`stream_options.include_usage`; then `data: [DONE]`). Two request fields steer it (for tests and
+`bench/gateway_overhead.py`): `stub_tokens` (stream that many text tokens instead of the fixed
+answer) and `stub_pause_s` (wait that long after the first generated token).
+
 `python -m harnessrl.testing.stub_engine --port 0 --ready-file F`
 """
 
@@ -77,6 +83,69 @@ def completion_response(request: dict[str, Any]) -> dict[str, Any]:
             "model": request.get("model"), "choices": [choice]}
 
 
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def stream_events(request: dict[str, Any], chat: bool) -> list[bytes | float]:
+    """The SSE events of a streamed answer; a float among them is a pause (seconds)."""
+    ids = bool(request.get("return_token_ids"))
+    lp = request.get("logprobs")
+    msgs = request.get("messages") or [{}]
+    tool = chat and bool(request.get("tools")) and msgs[-1].get("role") == "user"
+    n = request.get("stub_tokens")
+    tokens = TOOL_TOKENS if tool else (
+        [TEXT_TOKENS[i % len(TEXT_TOKENS)] for i in range(n)] if n else TEXT_TOKENS)
+    base = {"id": "chatcmpl-stub" if chat else "cmpl-stub",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": request.get("model")}
+    out: list[bytes | float] = []
+    if chat:
+        first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]}
+        if ids:
+            first["prompt_token_ids"] = PROMPT_IDS
+        out.append(_sse(first))
+    for i, (tid, text) in enumerate(tokens):
+        last = i == len(tokens) - 1
+        finish = ("tool_calls" if tool else "stop") if last else None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if chat:
+            if tool:
+                delta: dict[str, Any] = {}
+                if i == 0:
+                    delta = {"tool_calls": [{"index": 0, "id": "chatcmpl-tool-1",
+                                             "type": "function",
+                                             "function": {"name": "add", "arguments": ""}}]}
+                elif i == 1:
+                    delta = {"tool_calls": [{"index": 0, "function": {
+                        "arguments": '{"a": 1, "b": 2}'}}]}
+            else:
+                delta = {"content": text}
+            choice["delta"] = delta
+            choice["logprobs"] = {"content": [{"token": text, "logprob": -0.25 * (i + 1),
+                                               "bytes": list(text.encode()),
+                                               "top_logprobs": []}]} if lp else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = None if lp is None else {
+                "tokens": [text], "token_logprobs": [-0.25 * (i + 1)], "top_logprobs": None,
+                "text_offset": []}
+            if ids and i == 0:
+                choice["prompt_token_ids"] = PROMPT_IDS
+        if ids:
+            choice["token_ids"] = [tid]
+        out.append(_sse({**base, "choices": [choice]}))
+        if i == 0 and request.get("stub_pause_s"):
+            out.append(float(request["stub_pause_s"]))
+    if (request.get("stream_options") or {}).get("include_usage"):
+        out.append(_sse({**base, "choices": [], "usage": {
+            "prompt_tokens": len(PROMPT_IDS), "completion_tokens": len(tokens),
+            "total_tokens": len(PROMPT_IDS) + len(tokens)}}))
+    out.append(b"data: [DONE]\n\n")
+    return out
+
+
 class StubEngine:
     def __init__(self, model: str) -> None:
         self.model = model
@@ -93,12 +162,26 @@ class StubEngine:
                 break
         path = scope["path"]
         status, payload = 200, b""
+        completion = path in ("/v1/chat/completions", "/v1/completions")
+        request = orjson.loads(body) if completion else {}
+        if completion and request.get("stream"):
+            self.requests += 1
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"text/event-stream")]})
+            for event in stream_events(request, path == "/v1/chat/completions"):
+                if isinstance(event, float):
+                    await asyncio.sleep(event)
+                else:
+                    await send({"type": "http.response.body", "body": event,
+                                "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return
         if path == "/v1/chat/completions":
             self.requests += 1
-            payload = orjson.dumps(chat_response(orjson.loads(body)))
+            payload = orjson.dumps(chat_response(request))
         elif path == "/v1/completions":
             self.requests += 1
-            payload = orjson.dumps(completion_response(orjson.loads(body)))
+            payload = orjson.dumps(completion_response(request))
         elif path == "/v1/models":
             payload = orjson.dumps({"object": "list", "data": [{"id": self.model,
                                                                 "object": "model"}]})

@@ -157,12 +157,14 @@ class Call(_message.Message):
     REQUEST_JSON_FIELD_NUMBER: _builtins.int
     COMPLETION_TEXT_FIELD_NUMBER: _builtins.int
     RESPONSE_MESSAGE_JSON_FIELD_NUMBER: _builtins.int
+    ABORTED_FIELD_NUMBER: _builtins.int
+    SAMPLING_OVERRIDE_JSON_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     attempt: _builtins.int
     seq: _builtins.int
     """0-based, in the order the gateway received the requests of this attempt"""
     api: _builtins.str
-    """"chat.completions" or "completions" """
+    """"chat.completions", "completions", "messages" or "responses" """
     model: _builtins.str
     """model name the harness asked for"""
     finish_reason: _builtins.str
@@ -180,6 +182,14 @@ class Call(_message.Message):
     """text content returned to the harness ("" for tool calls only)"""
     response_message_json: _builtins.bytes
     """the choice's message (chat) or text (completions) as returned"""
+    aborted: _builtins.bool
+    """The harness went away before the response was complete (a stream it disconnected from):
+    the tokens are those generated until then; the trainer skips the call.
+    """
+    sampling_override_json: _builtins.bytes
+    """Sampling settings the run imposed over the harness's own, as JSON
+    ({"temperature": 1.0, ...}; empty when none): the logprobs are those of these settings.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -207,10 +217,12 @@ class Call(_message.Message):
         request_json: _builtins.bytes = ...,
         completion_text: _builtins.str = ...,
         response_message_json: _builtins.bytes = ...,
+        aborted: _builtins.bool = ...,
+        sampling_override_json: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["api", b"api", "attempt", b"attempt", "completion_text", b"completion_text", "completion_token_ids", b"completion_token_ids", "engine", b"engine", "finish_reason", b"finish_reason", "latency_s", b"latency_s", "logprobs", b"logprobs", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_json", b"request_json", "response_message_json", b"response_message_json", "rollout_id", b"rollout_id", "seq", b"seq", "started_at", b"started_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "api", b"api", "attempt", b"attempt", "completion_text", b"completion_text", "completion_token_ids", b"completion_token_ids", "engine", b"engine", "finish_reason", b"finish_reason", "latency_s", b"latency_s", "logprobs", b"logprobs", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_json", b"request_json", "response_message_json", b"response_message_json", "rollout_id", b"rollout_id", "sampling_override_json", b"sampling_override_json", "seq", b"seq", "started_at", b"started_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -391,6 +403,7 @@ class RunSpec(_message.Message):
     STREAM_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    SAMPLING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tasks_file: _builtins.str
     """a JSONL file, one JSON object per line ("id" or "task_id" names it)"""
@@ -427,6 +440,13 @@ class RunSpec(_message.Message):
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """extra environment for harness and grader"""
 
+    @_builtins.property
+    def sampling(self) -> Global___SamplingPolicy:
+        """Sampling the gateway imposes on every call of the run, over the harness's own settings
+        (harnesses often ask for temperature 0, which RL cannot learn from). A harness asking for
+        any model name other than a served one gets `model`.
+        """
+
     def __init__(
         self,
         *,
@@ -445,14 +465,57 @@ class RunSpec(_message.Message):
         stream: _builtins.str = ...,
         model: _builtins.str = ...,
         backend: _builtins.str = ...,
+        sampling: Global___SamplingPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunSpec: _TypeAlias = RunSpec  # noqa: Y015
+
+@_typing.final
+class SamplingPolicy(_message.Message):
+    """Unset fields leave the harness's setting as it is. The trainer computes logprobs at
+    temperature 1 without truncation, as vLLM reports them (raw logprobs): the gateway refuses
+    the calls of a run whose policy it cannot match (temperature or top_p other than 1).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    temperature: _builtins.float
+    top_p: _builtins.float
+    max_tokens: _builtins.int
+    """completion tokens per call at most"""
+    def __init__(
+        self,
+        *,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        max_tokens: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_temperature", b"_temperature", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+
+Global___SamplingPolicy: _TypeAlias = SamplingPolicy  # noqa: Y015
 
 @_typing.final
 class Run(_message.Message):

@@ -1,19 +1,22 @@
-"""The HTTP data plane: OpenAI-compatible endpoints that forward to vLLM and record each call.
+"""The HTTP data plane: OpenAI- and Anthropic-compatible endpoints that forward to vLLM and
+record each call.
 
 Routes:
-- `POST /v1/chat/completions`, `POST /v1/completions` (non-streaming), `GET /v1/models`:
-  OpenAI-compatible. The API key is the rollout credential the controller minted.
+- `POST /v1/chat/completions`, `POST /v1/completions` (OpenAI), `POST /v1/responses` (OpenAI
+  Responses, translated to chat completions: `responses.py`), `POST /v1/messages` and
+  `/v1/messages/count_tokens` (Anthropic, translated: `anthropic.py`), `GET /v1/models`. Each
+  streams with `stream: true`. The API key is the rollout credential the controller minted.
 - `POST /v1/harnessrl/reward` `{"reward": <number>}`: a harness reports its own reward.
 - `GET /health`.
 
-Each completion request is forwarded to the rollout's engine with `return_token_ids` and
-logprobs requested; the call (prompt and completion token ids, per-token logprobs, policy
-version, engine, timings, the request) is recorded in the store *before* the response goes
-back to the harness, which gets the response in the normal API shape (the fields the gateway
-added are removed unless the harness asked for them itself). Errors use the OpenAI error shape
-`{"error": {"message", "type", "code"}}` with 400 (bad request), 401 (key), 404 (unknown
-model), 413 (body over `max_body_bytes`), 502 (engine failure), 503 (held past
-`hold_timeout_s`).
+Every completion takes the same path: validation (per API) -> an `Exchange` (the run's
+sampling policy imposed) -> `_to_engine` (the rollout's engine, asked for `return_token_ids`
+and logprobs; held while engines are paused or unreachable) -> the output accumulated into a
+`Generated` -> `record` (the call is in the store *before* the harness sees the response as
+complete: for a stream, before its final event) -> the response in the API's own shape, the
+fields the gateway added stripped unless the harness asked for them. Errors come in each API's
+shape: 400 (bad request), 401 (key), 404 (unknown model), 413 (body over `max_body_bytes`),
+502 (engine failure), 503 (held past `hold_timeout_s`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import grpc
 import orjson
@@ -31,11 +35,13 @@ import orjson
 from harnessrl.clients import StoreClient
 from harnessrl.errors import HarnessRLError, Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
+from services.gateway import anthropic, responses, sampling
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry, EngineState
 from services.gateway.recorder import CallRecorder, HoldTimeout, RecordRejected
 from services.gateway.sessions import Session, Sessions
-from services.gateway.upstream import ConnectFailed, UpstreamError
+from services.gateway.streaming import DONE, Generated, SSEDecoder, strip_chunk
+from services.gateway.upstream import ConnectFailed, UpstreamError, UpstreamStream
 
 log = logging.getLogger("harnessrl.gateway")
 
@@ -43,16 +49,43 @@ Headers = list[tuple[bytes, bytes]]
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type_: str, code: str | None = None,
+                 raw: bytes | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
+        self.raw = raw  # the engine's own (OpenAI-shaped) error body, passed on as it is
 
-    def body(self) -> bytes:
+    def body(self, style: str = "openai") -> bytes:
+        if style == "anthropic":
+            return anthropic_error(self.status, self.message)
+        if self.raw is not None:
+            return self.raw
         return orjson.dumps({"error": {"message": self.message, "type": self.type,
                                        "param": None, "code": self.code}})
 
 
-def _bad_request(message: str, code: str = "invalid_request") -> HTTPError:
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> bytes:
+    """Anthropic's error shape."""
+    kind = _ANTHROPIC_TYPES.get(status) or ("invalid_request_error" if status < 500
+                                            else "api_error")
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+
+
+def _engine_refused(engine: str, status: int, raw: bytes) -> HTTPError:
+    try:
+        message = str(orjson.loads(raw)["error"]["message"])
+    except Exception:  # noqa: BLE001 - any body: reported as text
+        message = raw[:500].decode("utf-8", "replace")
+    return HTTPError(status, f"engine {engine}: {message}", "invalid_request_error"
+                     if status < 500 else "server_error", "engine_error", raw=raw)
+
+
+def bad_request(message: str, code: str = "invalid_request") -> HTTPError:
     return HTTPError(400, message, "invalid_request_error", code)
 
 
@@ -64,9 +97,35 @@ def _from_domain(exc: HarnessRLError) -> HTTPError:
     return HTTPError(500, str(exc), "server_error", "internal")
 
 
+@dataclass(slots=True)
+class Exchange:
+    """One harness request on its way to being a recorded call."""
+
+    session: Session
+    api: str  # recorded as Call.api
+    asked: str  # the model name the harness asked for (recorded as Call.model)
+    model: str  # the served model it maps to (engines are chosen by it)
+    request_json: bytes  # the harness's request body
+    chat: bool  # engine route: chat completions (True) or completions
+    forward: dict[str, Any]  # the engine request
+    started: float = field(default_factory=time.time)
+    override: bytes = b""  # the run's sampling policy as applied (Call.sampling_override_json)
+
+    def __post_init__(self) -> None:
+        """Imposes the run's sampling policy on the engine request."""
+        if self.session.sampling_problem:
+            raise bad_request(self.session.sampling_problem, "unmatched_sampling")
+        applied = sampling.impose(self.forward, self.session.sampling)
+        if applied is not None:
+            self.override = orjson.dumps(applied)
+
+
+Route = Callable[[Headers, bytes], Awaitable[Any]]
+
+
 class GatewayApp:
     """The data plane's request handler (served by `http_server`; no framework on the hot
-    path): `handle(method, path, headers, body)` -> (status, JSON body)."""
+    path): `handle(method, path, headers, body)` -> (status, JSON body or event stream)."""
 
     def __init__(self, cfg: GatewayConfig, registry: EngineRegistry, sessions: Sessions,
                  recorder: CallRecorder, store: StoreClient) -> None:
@@ -75,37 +134,45 @@ class GatewayApp:
         self.sessions = sessions
         self.recorder = recorder
         self.store = store
-        self.routes: dict[tuple[str, str], Callable[[Headers, bytes], Awaitable[Any]]] = {
-            ("POST", "/v1/chat/completions"): self.chat_completions,
-            ("POST", "/v1/completions"): self.completions,
-            ("GET", "/v1/models"): self.list_models,
-            ("POST", "/v1/harnessrl/reward"): self.report_reward,
-            ("GET", "/health"): self.health,
+        self._background: set[asyncio.Task[None]] = set()
+        self.chains = responses.Chains()
+        # (method, path) -> (handler, error style)
+        self.routes: dict[tuple[str, str], tuple[Route, str]] = {
+            ("POST", "/v1/chat/completions"): (self.chat_completions, "openai"),
+            ("POST", "/v1/completions"): (self.completions, "openai"),
+            ("POST", "/v1/messages"): (self.messages, "anthropic"),
+            ("POST", "/v1/messages/count_tokens"): (self.count_tokens, "anthropic"),
+            ("POST", "/v1/responses"): (self.responses, "openai"),
+            ("GET", "/v1/models"): (self.list_models, "openai"),
+            ("POST", "/v1/harnessrl/reward"): (self.report_reward, "openai"),
+            ("GET", "/health"): (self.health, "openai"),
         }
 
     async def handle(self, method: str, path: str, headers: Headers, body: bytes | None
-                     ) -> tuple[int, bytes]:
+                     ) -> tuple[int, Any]:
         """`body` is None when it was over `max_body_bytes`."""
+        style = "openai"
         try:
-            handler = self.routes.get((method, path))
-            if handler is None:
+            route = self.routes.get((method, path))
+            if route is None:
                 if any(p == path for _, p in self.routes):
                     raise HTTPError(405, f"method {method} not allowed", "invalid_request_error")
                 raise HTTPError(404, f"no route {path}", "invalid_request_error", "not_found")
+            handler, style = route
             if body is None:
                 raise HTTPError(413, f"request body over the {self.cfg.max_body_bytes}-byte "
                                 "limit", "invalid_request_error", "body_too_large")
             result = await handler(headers, body)
             return result if isinstance(result, tuple) else (200, result)
         except HTTPError as err:
-            return err.status, err.body()
+            return err.status, err.body(style)
         except HarnessRLError as err:
             http_err = _from_domain(err)
-            return http_err.status, http_err.body()
+            return http_err.status, http_err.body(style)
         except Exception as err:  # noqa: BLE001 - reported to the harness, logged here
             log.exception("request failed")
             return 500, HTTPError(500, f"gateway error: {type(err).__name__}: {err}",
-                                  "server_error").body()
+                                  "server_error").body(style)
 
     async def _auth(self, headers: Headers) -> Session:
         authorization = api_key = None
@@ -129,11 +196,11 @@ class GatewayApp:
 
     async def report_reward(self, headers: Headers, body: bytes) -> bytes:
         session = await self._auth(headers)
-        data = _parse_json(body)
+        data = parse_json(body)
         reward = data.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or \
                 not math.isfinite(reward):
-            raise _bad_request("'reward' must be a finite number")
+            raise bad_request("'reward' must be a finite number")
         try:
             await self.store.report_reward(session.cred.rollout_id, session.cred.attempt,
                                            float(reward))
@@ -144,148 +211,380 @@ class GatewayApp:
             raise Unavailable(f"store: {err.details()}") from err
         return b'{"ok":true}'
 
-    async def chat_completions(self, headers: Headers, body: bytes) -> tuple[int, bytes]:
-        return await self._complete(headers, body, "chat.completions")
+    async def chat_completions(self, headers: Headers, body: bytes) -> tuple[int, Any]:
+        return await self._openai(headers, body, chat=True)
 
-    async def completions(self, headers: Headers, body: bytes) -> tuple[int, bytes]:
-        return await self._complete(headers, body, "completions")
+    async def completions(self, headers: Headers, body: bytes) -> tuple[int, Any]:
+        return await self._openai(headers, body, chat=False)
 
-    # the recorded round trip ----------------------------------------------------------------
-    async def _complete(self, headers: Headers, body: bytes, api: str) -> tuple[int, bytes]:
+    # OpenAI chat completions and completions: validate, forward, record, strip ---------------
+    async def _openai(self, headers: Headers, body: bytes, chat: bool) -> tuple[int, Any]:
         session = await self._auth(headers)
-        request = _parse_json(body)
-        model = request.get("model")
-        if not isinstance(model, str) or not model:
-            raise _bad_request("'model' is required", "missing_model")
-        if model not in self.registry.models():
-            raise HTTPError(404, f"the model {model!r} does not exist; served: "
-                                 f"{self.registry.models()}", "invalid_request_error",
-                            "model_not_found")
-        if request.get("stream"):
-            raise _bad_request("stream=true is not supported by this gateway yet",
-                               "unsupported_stream")
-        if request.get("n", 1) not in (1, None):
-            raise _bad_request("n > 1 is not supported: the controller samples groups",
-                               "unsupported_n")
-        if api == "chat.completions" and not isinstance(request.get("messages"), list):
-            raise _bad_request("'messages' must be a list", "invalid_messages")
-        if api == "completions" and "prompt" not in request:
-            raise _bad_request("'prompt' is required", "missing_prompt")
-
-        wants_logprobs = request.get("logprobs")
-        wants_ids = request.get("return_token_ids")
+        request = parse_json(body)
+        model = self.check_model(request.get("model"), session)
+        _validate_openai(request, chat)
+        keep_ids = bool(request.get("return_token_ids"))
+        keep_logprobs = bool(request.get("logprobs"))
         forward = dict(request)
         forward["return_token_ids"] = True
-        if api == "chat.completions":
+        if chat:
             forward["logprobs"] = True
-        elif not isinstance(wants_logprobs, int) or isinstance(wants_logprobs, bool):
+        elif not isinstance(request.get("logprobs"), int) or \
+                isinstance(request.get("logprobs"), bool):
             forward["logprobs"] = 0  # the sampled token's logprob only
+        ex = Exchange(session, "chat.completions" if chat else "completions",
+                      request["model"], model, body, chat, forward)
+        if request.get("stream"):
+            return 200, await self.stream(ex, OpenAIEvents(keep_ids, keep_logprobs))
+        response, _ = await self.generate(ex)
+        return 200, orjson.dumps(strip_chunk(response, keep_ids, keep_logprobs))
 
-        rollout_id = session.cred.rollout_id
+    # Anthropic Messages, translated to chat completions (services/gateway/anthropic.py) ------
+    async def _anthropic_request(self, headers: Headers, body: bytes
+                                 ) -> tuple[Session, dict[str, Any], str, dict[str, Any]]:
+        session = await self._auth(headers)
+        if not any(name == b"anthropic-version" for name, _ in headers):
+            raise bad_request("anthropic-version: header is required")
+        request = parse_json(body)
+        model = self.check_model(request.get("model"), session)
+        try:
+            forward = anthropic.to_chat(request)
+        except anthropic.Invalid as err:
+            raise bad_request(str(err)) from err
+        return session, request, model, forward
+
+    async def messages(self, headers: Headers, body: bytes) -> tuple[int, Any]:
+        session, request, model, forward = await self._anthropic_request(headers, body)
+        forward["return_token_ids"] = True
+        forward["logprobs"] = True
+        ex = Exchange(session, "messages", request["model"], model, body, True, forward)
+        if request.get("stream"):
+            return 200, await self.stream(ex, anthropic.AnthropicEvents(request))
+        _, gen = await self.generate(ex)
+        return 200, orjson.dumps(anthropic.to_message(gen, request, anthropic.message_id()))
+
+    async def count_tokens(self, headers: Headers, body: bytes) -> bytes:
+        """The prompt's length as the engine's tokenizer and chat template count it."""
+        try:
+            request = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            request = None  # reported by _anthropic_request
+        if isinstance(request, dict) and "max_tokens" not in request:
+            request["max_tokens"] = 1  # not part of count_tokens requests
+            body = orjson.dumps(request)
+        session, _, model, forward = await self._anthropic_request(headers, body)
+        tokenize = {"model": None, "messages": forward["messages"],
+                    "add_generation_prompt": True}
+        if forward.get("tools"):
+            tokenize["tools"] = forward["tools"]
         deadline = time.monotonic() + self.cfg.hold_timeout_s
-        started = time.time()
+        engine = await self.registry.acquire(session.cred.rollout_id, model, deadline)
+        try:
+            tokenize["model"] = engine.model or model
+            status, raw = await engine.pool.post("/tokenize", orjson.dumps(tokenize),
+                                                 self.cfg.request_timeout_s)
+        except (UpstreamError, asyncio.TimeoutError) as err:
+            raise HTTPError(502, f"engine {engine.name} failed: {err}", "server_error") from err
+        finally:
+            self.registry.release(engine, False)
+        if status != 200:
+            raise _engine_refused(engine.name, status, raw)
+        return orjson.dumps({"input_tokens": orjson.loads(raw)["count"]})
+
+    # OpenAI Responses, translated to chat completions (services/gateway/responses.py) -------
+    async def responses(self, headers: Headers, body: bytes) -> tuple[int, Any]:
+        session = await self._auth(headers)
+        request = parse_json(body)
+        model = self.check_model(request.get("model"), session)
+        rollout_id = session.cred.rollout_id
+        history: list[dict[str, Any]] = []
+        if previous := request.get("previous_response_id"):
+            found = self.chains.get(str(previous), rollout_id)
+            if found is None:
+                raise HTTPError(404, f"Response with id '{previous}' not found (the gateway "
+                                     "keeps the responses of this rollout only)",
+                                "invalid_request_error", "previous_response_not_found")
+            history = found
+        try:
+            forward = responses.to_chat(request, history)
+        except responses.Invalid as err:
+            raise bad_request(str(err)) from err
+        forward["return_token_ids"] = True
+        forward["logprobs"] = True
+        builder = responses.ResponseBuilder(request)
+        # `instructions` are not carried over to the next response in a chain
+        conversation = forward["messages"][1 if request.get("instructions") else 0:]
+
+        def remember(gen: Generated) -> None:
+            self.chains.put(builder.id, rollout_id,
+                            conversation + [responses.assistant_message(gen)])
+
+        ex = Exchange(session, "responses", request["model"], model, body, True, forward)
+        if request.get("stream"):
+            return 200, await self.stream(ex, responses.ResponsesEvents(builder, remember))
+        _, gen = await self.generate(ex)
+        remember(gen)
+        return 200, orjson.dumps(builder.response(gen))
+
+    def check_model(self, model: Any, session: Session) -> str:
+        """The served model a request's `model` maps to: itself when served, else the run's
+        model (a harness keeps its own model name), else 404."""
+        if not isinstance(model, str) or not model:
+            raise bad_request("'model' is required", "missing_model")
+        served = self.registry.models()
+        if model in served:
+            return model
+        if session.run_model in served:
+            return session.run_model
+        raise HTTPError(404, f"the model {model!r} does not exist; served: {served}",
+                        "invalid_request_error", "model_not_found")
+
+    # the recorded round trip, shared by every API --------------------------------------------
+    async def generate(self, ex: Exchange) -> tuple[dict[str, Any], Generated]:
+        """Forwards `ex` to an engine (whole response), records the call; returns the
+        engine's response and what it generated."""
+        engine, version, t0, (status, raw) = await self._to_engine(ex, stream=False)
+        latency = time.perf_counter() - t0
+        if status != 200:
+            raise _engine_refused(engine.name, status, raw)
+        try:
+            response = orjson.loads(raw)
+        except orjson.JSONDecodeError as err:
+            raise HTTPError(502, f"engine {engine.name} sent malformed JSON: {err}",
+                            "server_error", "engine_error") from err
+        gen = Generated(ex.chat)
+        try:
+            gen.add(response)
+        except (KeyError, TypeError, AttributeError) as err:
+            raise HTTPError(502, f"engine response not understood ({err!r})", "server_error",
+                            "engine_error") from err
+        if problem := gen.problem():
+            raise HTTPError(502, problem, "server_error", "engine_error")
+        await self.record(ex, self._call(ex, gen, engine, version, latency))
+        return response, gen
+
+    async def stream(self, ex: Exchange, events: "EventRenderer") -> "StreamedCall":
+        """Opens a streamed engine request; the returned body relays its events to the
+        harness through `events` and records the call before the final event."""
+        ex.forward["stream"] = True
+        engine, version, t0, upstream = await self._to_engine(ex, stream=True)
+        if upstream.status != 200:
+            try:
+                raw = await upstream.read_all()
+            except (UpstreamError, asyncio.TimeoutError):
+                raw = b""
+            finally:
+                upstream.close()
+                self.registry.release(engine, False)
+            raise _engine_refused(engine.name, upstream.status, raw)
+        return StreamedCall(self, ex, engine, version, t0, upstream, events)
+
+    async def _to_engine(self, ex: Exchange, stream: bool) -> tuple[EngineState, int, float, Any]:
+        """Sends `ex.forward` to the rollout's engine (waiting while engines are paused or
+        unreachable, up to `hold_timeout_s`): (engine, policy version, start, result). A
+        non-streamed request's engine is released here, a stream's when it ends."""
+        rollout_id = ex.session.cred.rollout_id
+        deadline = time.monotonic() + self.cfg.hold_timeout_s
+        path = "/v1/chat/completions" if ex.chat else "/v1/completions"
         while True:
-            engine = await self.registry.acquire(rollout_id, model, deadline)
+            engine = await self.registry.acquire(rollout_id, ex.model, deadline)
             # The version when generation starts: a call that spans a weight push (engine
             # paused with mode=keep) is attributed to the older policy, so staleness is never
             # under-counted.
             version = engine.policy_version
-            forward["model"] = engine.model or model
+            ex.forward["model"] = engine.model or ex.model
+            body = orjson.dumps(ex.forward)
             t0 = time.perf_counter()
             served = False
             try:
-                status, response = await self._forward(engine, api, forward)
-                served = status == 200
+                if stream:
+                    result: Any = await engine.pool.stream(path, body,
+                                                           self.cfg.request_timeout_s)
+                    served = True  # released when the stream ends
+                else:
+                    result = await engine.pool.post(path, body, self.cfg.request_timeout_s)
+                    served = result[0] == 200
             except ConnectFailed as err:
                 self.registry.mark_unreachable(engine, str(err))
+                self.registry.release(engine, False)
                 continue  # nothing was generated: try another engine (or wait for one)
-            finally:
+            except (UpstreamError, asyncio.TimeoutError) as err:
+                self.registry.release(engine, False)
+                raise HTTPError(502, f"engine {engine.name} failed: {type(err).__name__}: "
+                                     f"{err}", "server_error", "engine_error") from err
+            except BaseException:
+                self.registry.release(engine, False)
+                raise
+            if not stream:
                 self.registry.release(engine, served)
-            break
-        latency = time.perf_counter() - t0
-        if status != 200:
-            return status, response if isinstance(response, bytes) else orjson.dumps(response)
+            return engine, version, t0, result
 
-        call = _call_from_response(api, request, response, body)
-        call.rollout_id = rollout_id
-        call.attempt = session.cred.attempt
+    @staticmethod
+    def _call(ex: Exchange, gen: Generated, engine: EngineState, version: int, latency: float,
+              aborted: bool = False) -> c.Call:
+        call = gen.call(ex.api, ex.asked, ex.request_json, aborted)
+        call.sampling_override_json = ex.override
+        call.rollout_id = ex.session.cred.rollout_id
+        call.attempt = ex.session.cred.attempt
         call.policy_version = version
         call.engine = engine.name
-        call.started_at = started
+        call.started_at = ex.started
         call.latency_s = latency
-        call.seq = session.take_seq()
+        call.seq = ex.session.take_seq()
+        return call
+
+    async def record(self, ex: Exchange, call: c.Call) -> None:
+        """Returns once the store has `call`; HTTPError 401 (attempt closed) / 503 (held
+        past `hold_timeout_s`) otherwise."""
         try:
             await self.recorder.record(call)
         except RecordRejected as err:
-            self.sessions.close(session, f"rollout {rollout_id} attempt {call.attempt}: {err}")
+            self.sessions.close(ex.session, f"rollout {call.rollout_id} attempt {call.attempt}: "
+                                            f"{err}")
             raise HTTPError(401, f"call not recorded: {err}", "authentication_error",
                             "rollout_closed") from err
         except HoldTimeout as err:
             raise HTTPError(503, str(err), "service_unavailable", "store_unavailable") from err
 
-        if not wants_ids:
-            response.pop("prompt_token_ids", None)
-        for choice in response.get("choices", ()):
-            if not wants_ids:
-                choice.pop("token_ids", None)
-                choice.pop("prompt_token_ids", None)
-            if not wants_logprobs:
-                choice["logprobs"] = None
-        return 200, orjson.dumps(response)
+    def record_later(self, ex: Exchange, call: c.Call) -> None:
+        """Records an aborted call in the background (its client is gone)."""
+        async def run() -> None:
+            try:
+                await self.record(ex, call)
+            except HTTPError as err:
+                log.warning("aborted call %s/%d not recorded: %s", call.rollout_id, call.seq,
+                            err.message)
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
-    async def _forward(self, engine: EngineState, api: str, forward: dict[str, Any]
-                       ) -> tuple[int, Any]:
-        path = "/v1/chat/completions" if api == "chat.completions" else "/v1/completions"
+
+class EventRenderer(Protocol):
+    """Turns the engine's stream (chat or completion chunks) into one API's events."""
+
+    def chunk(self, chunk: dict[str, Any], gen: Generated) -> bytes: ...
+
+    def finish(self, gen: Generated) -> bytes: ...  # after the call is recorded
+
+    def error(self, err: HTTPError) -> bytes: ...
+
+
+class OpenAIEvents:
+    """OpenAI's own stream: the engine's chunks, without what the gateway added, then
+    `data: [DONE]` once the call is recorded."""
+
+    def __init__(self, keep_ids: bool, keep_logprobs: bool) -> None:
+        self.keep_ids, self.keep_logprobs = keep_ids, keep_logprobs
+
+    def chunk(self, chunk: dict[str, Any], gen: Generated) -> bytes:
+        return b"data: " + orjson.dumps(strip_chunk(chunk, self.keep_ids, self.keep_logprobs)) \
+            + b"\n\n"
+
+    def finish(self, gen: Generated) -> bytes:
+        return b"data: [DONE]\n\n"
+
+    def error(self, err: HTTPError) -> bytes:
+        return b"data: " + err.body("openai") + b"\n\n"
+
+
+class StreamedCall:
+    """A streamed response (`http_server.StreamBody`): relays the engine's events as they
+    arrive, records the call, then sends the final event. If the stream does not complete (the
+    client went away, the engine failed) the call is recorded as aborted."""
+
+    def __init__(self, app: GatewayApp, ex: Exchange, engine: EngineState, version: int,
+                 t0: float, upstream: UpstreamStream, events: EventRenderer) -> None:
+        self.app, self.ex, self.engine, self.version, self.t0 = app, ex, engine, version, t0
+        self.upstream, self.events = upstream, events
+        self.gen = Generated(ex.chat)
+        self.complete = False  # the engine's stream ended normally
+        self.delivered = False  # the call is recorded and the final event sent
+        self.closed = False
+        self._iter: AsyncIterator[bytes] | None = None
+        self.call: c.Call | None = None
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        self._iter = self._relay()
+        return self._iter
+
+    async def _relay(self) -> AsyncIterator[bytes]:
+        decoder, gen, events = SSEDecoder(), self.gen, self.events
         try:
-            status, raw = await engine.pool.post(path, orjson.dumps(forward),
-                                                 self.cfg.request_timeout_s)
-            if status != 200:
-                return status, raw
-            return 200, orjson.loads(raw)
-        except ConnectFailed:
-            raise
+            while (data := await self.upstream.read()) is not None:
+                out = []
+                for payload in decoder.feed(data):
+                    if payload == DONE:
+                        continue
+                    chunk = orjson.loads(payload)
+                    if "error" in chunk and "choices" not in chunk:
+                        raise _engine_refused(self.engine.name, 502, payload)
+                    gen.add(chunk)
+                    out.append(events.chunk(chunk, gen))
+                if out:
+                    yield b"".join(out)
+        except HTTPError as err:
+            yield events.error(err)
+            return
         except (UpstreamError, asyncio.TimeoutError, orjson.JSONDecodeError) as err:
-            raise HTTPError(502, f"engine {engine.name} failed: {type(err).__name__}: {err}",
-                            "server_error", "engine_error") from err
+            yield events.error(HTTPError(502, f"engine {self.engine.name} failed mid-stream: "
+                                              f"{type(err).__name__}: {err}", "server_error",
+                                         "engine_error"))
+            return
+        self.complete = True
+        if problem := gen.problem():
+            yield events.error(HTTPError(502, problem, "server_error", "engine_error"))
+            return
+        call = self.app._call(self.ex, gen, self.engine, self.version,
+                              time.perf_counter() - self.t0)
+        self.call = call
+        try:
+            await self.app.record(self.ex, call)
+        except HTTPError as err:
+            yield events.error(err)
+            return
+        self.delivered = True
+        yield events.finish(gen)
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self._iter is not None:
+                await self._iter.aclose()  # type: ignore[attr-defined]
+        finally:
+            self.upstream.close()
+            self.app.registry.release(self.engine, self.complete)
+            if not self.delivered and self.gen.prompt_ids is not None:
+                # Never half-recorded: what the harness may have seen is kept, marked aborted
+                # (the trainer skips it); a complete call whose recording was cut short keeps
+                # its seq, so the store holds one version of it.
+                call = self.call
+                if call is None:
+                    aborted = self.app._call(self.ex, self.gen, self.engine, self.version,
+                                             time.perf_counter() - self.t0, aborted=True)
+                else:
+                    aborted = c.Call()
+                    aborted.CopyFrom(call)
+                    aborted.aborted = True
+                self.app.record_later(self.ex, aborted)
 
 
-def _parse_json(body: bytes) -> dict[str, Any]:
+def _validate_openai(request: dict[str, Any], chat: bool) -> None:
+    if request.get("n", 1) not in (1, None):
+        raise bad_request("n > 1 is not supported: the controller samples groups",
+                          "unsupported_n")
+    if chat and not isinstance(request.get("messages"), list):
+        raise bad_request("'messages' must be a list", "invalid_messages")
+    if not chat and "prompt" not in request:
+        raise bad_request("'prompt' is required", "missing_prompt")
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as err:
-        raise _bad_request(f"malformed JSON body: {err}", "invalid_json") from err
+        raise bad_request(f"malformed JSON body: {err}", "invalid_json") from err
     if not isinstance(data, dict):
-        raise _bad_request("the JSON body must be an object", "invalid_json")
+        raise bad_request("the JSON body must be an object", "invalid_json")
     return data
-
-
-def _call_from_response(api: str, request: dict[str, Any], response: dict[str, Any],
-                        body: bytes) -> c.Call:
-    """The recorded call from the engine's response (choice 0)."""
-    try:
-        choice = response["choices"][0]
-        completion_ids = choice["token_ids"]
-        if api == "chat.completions":
-            prompt_ids = response["prompt_token_ids"]
-            entries = (choice.get("logprobs") or {}).get("content") or []
-            logprobs = [e["logprob"] for e in entries]
-            message = choice.get("message") or {}
-            text = message.get("content") or ""
-            returned = orjson.dumps(message)
-        else:
-            prompt_ids = choice["prompt_token_ids"]
-            logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
-            text = choice.get("text") or ""
-            returned = orjson.dumps(text)
-    except (KeyError, IndexError, TypeError) as err:
-        raise HTTPError(502, f"engine response lacks token ids or logprobs ({err!r}); the "
-                             "engine must be vLLM with return_token_ids support",
-                        "server_error", "engine_error") from err
-    if prompt_ids is None or completion_ids is None or len(logprobs) != len(completion_ids):
-        raise HTTPError(502, f"engine returned {len(logprobs)} logprobs for "
-                             f"{len(completion_ids or [])} tokens", "server_error", "engine_error")
-    return c.Call(api=api, model=str(request.get("model", "")), prompt_token_ids=prompt_ids,
-                  completion_token_ids=completion_ids,
-                  logprobs=[lp if lp is not None else -math.inf for lp in logprobs],
-                  finish_reason=choice.get("finish_reason") or "", request_json=body,
-                  completion_text=text, response_message_json=returned)

@@ -39,6 +39,11 @@ class GatewayConfig(ServiceConfig):
     max_body_bytes: int = Field(
         16 * 1024 * 1024, description="largest request body accepted; larger gets HTTP 413")
     request_timeout_s: float = Field(600.0, description="limit of one engine round trip")
+    http_idle_timeout_s: float = Field(75.0, description="a keep-alive connection with no "
+                                       "request for this long is closed (0: never)")
+    http_read_timeout_s: float = Field(30.0, description="a request's head and body must "
+                                       "arrive within this long of its first byte, else 408 "
+                                       "and the connection is closed (slow clients; 0: no limit)")
     hold_timeout_s: float = Field(
         120.0, description="how long a call is held while the store or every engine is "
         "unavailable or paused; past it the harness gets HTTP 503 and nothing is recorded")

@@ -6,7 +6,10 @@ This server does only what the data plane needs: keep-alive HTTP/1.1, Content-Le
 chunked request bodies (bounded by `max_body_bytes`), pipelined requests answered in order, and
 one write per response. A client that disconnects cancels its request (nothing is recorded
 for a response nobody received). Handlers are `async (method, path, headers, body) -> (status,
-body)`, headers a list of (lower-case name, value) byte pairs.
+body)`, headers a list of (lower-case name, value) byte pairs. A body is bytes (sent whole,
+JSON) or a `StreamBody`: server-sent events, sent chunked piece by piece as the handler yields
+them (each piece written at once, waiting only while the client's socket buffer is full); its
+`aclose()` is always awaited, also when the client went away mid-stream.
 """
 
 from __future__ import annotations
@@ -14,16 +17,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 import httptools
 
 log = logging.getLogger("harnessrl.gateway.http")
 
 Headers = list[tuple[bytes, bytes]]
-Handler = Callable[[str, str, Headers, bytes | None], Awaitable[tuple[int, bytes]]]
+
+
+class StreamBody(Protocol):
+    """A streamed response body: the pieces to send, then `aclose()` (always called)."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+Handler = Callable[[str, str, Headers, bytes | None],
+                   Awaitable[tuple[int, "bytes | StreamBody"]]]
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found",
+            408: b"Request Timeout",
             405: b"Method Not Allowed", 409: b"Conflict", 413: b"Payload Too Large",
             500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
 
@@ -35,10 +51,23 @@ def _response(status: int, body: bytes, keep_alive: bool) -> bytes:
         b"" if keep_alive else b"\r\nconnection: close", b"\r\n\r\n", body))
 
 
+def _stream_head(status: int, keep_alive: bool) -> bytes:
+    return b"".join((
+        b"HTTP/1.1 ", str(status).encode(), b" ", _REASONS.get(status, b"Status"),
+        b"\r\ncontent-type: text/event-stream\r\ncache-control: no-cache\r\n"
+        b"transfer-encoding: chunked", b"" if keep_alive else b"\r\nconnection: close",
+        b"\r\n\r\n"))
+
+
 class _Connection(asyncio.Protocol):
-    def __init__(self, handler: Handler, max_body_bytes: int) -> None:
+    def __init__(self, handler: Handler, max_body_bytes: int, idle_timeout_s: float,
+                 read_timeout_s: float) -> None:
         self.handler = handler
         self.max_body = max_body_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._reading = False  # a request has begun and is not complete yet
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.queue: deque[tuple[str, str, Headers, bytes | None, bool]] = deque()
@@ -47,11 +76,27 @@ class _Connection(asyncio.Protocol):
         self._headers: Headers = []
         self._body: list[bytes] = []
         self._size = 0
+        self._writable: asyncio.Event | None = None  # set while the socket buffer has room
 
     # asyncio.Protocol --------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.loop = asyncio.get_running_loop()
+        self._arm(self.idle_timeout_s)
+
+    # timeouts: an idle keep-alive connection, or a request whose head and body do not arrive
+    # within `read_timeout_s` of its first byte (a client dribbling its headers), is closed
+    def _arm(self, seconds: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(seconds, self._timed_out) if seconds > 0 else None
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self._reading:
+            self._reject(408, b'{"error": {"message": "request not received in time"}}')
+        elif self.transport is not None:
+            self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -64,19 +109,45 @@ class _Connection(asyncio.Protocol):
                          % msg.encode())
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if self.worker is not None:
             self.worker.cancel()
         self.queue.clear()
+        if self._writable is not None:
+            self._writable.set()
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.Event()
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None:
+            self._writable.set()
 
     # httptools callbacks ----------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", [], [], 0
+        self._reading = True
+        self._arm(self.read_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        if (b"expect", b"100-continue") not in [(n, v.lower()) for n, v in self._headers
+                                                 if n == b"expect"]:
+            return
+        length = next((v for n, v in self._headers if n == b"content-length"), b"")
+        if length.isdigit() and int(length) > self.max_body:
+            self._reject(413, b'{"error": {"message": "request body over the size limit", '
+                              b'"code": "body_too_large"}}')
+        elif self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._size += len(body)
@@ -86,6 +157,10 @@ class _Connection(asyncio.Protocol):
             self._body = []  # too large: keep parsing to the end, answer 413
 
     def on_message_complete(self) -> None:
+        self._reading = False
+        if self._timer is not None:  # no timer while the request is answered
+            self._timer.cancel()
+            self._timer = None
         path = self._url.split(b"?", 1)[0].decode("latin-1")
         body = b"".join(self._body) if self._size <= self.max_body else None
         self.queue.append((self.parser.get_method().decode("latin-1"), path, self._headers,
@@ -102,12 +177,43 @@ class _Connection(asyncio.Protocol):
             except Exception:  # noqa: BLE001 - the handler maps its errors; this is a bug
                 log.exception("unhandled error in %s %s", method, path)
                 status, payload = 500, b'{"error": {"message": "internal gateway error"}}'
+            if not isinstance(payload, bytes):
+                try:
+                    await self._send_stream(status, payload, keep_alive)
+                except Exception:  # noqa: BLE001 - streams report their own errors: a bug
+                    log.exception("stream of %s %s failed", method, path)
+                    self.transport.close()
+                    return
+            elif self.transport.is_closing():
+                return
+            else:
+                self.transport.write(_response(status, payload, keep_alive))
             if self.transport.is_closing():
                 return
-            self.transport.write(_response(status, payload, keep_alive))
             if not keep_alive:
                 self.transport.close()
                 return
+        if not self._reading and not self.queue and self.transport is not None:
+            self._arm(self.idle_timeout_s)
+
+    async def _send_stream(self, status: int, body: StreamBody, keep_alive: bool) -> None:
+        transport = self.transport
+        assert transport is not None
+        try:
+            if transport.is_closing():
+                return
+            transport.write(_stream_head(status, keep_alive))
+            async for piece in body:
+                if transport.is_closing():
+                    return  # the client went away: aclose() learns it was not finished
+                if piece:
+                    transport.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+                if self._writable is not None and not self._writable.is_set():
+                    await self._writable.wait()  # a slow client: the stream waits for it
+            if not transport.is_closing():
+                transport.write(b"0\r\n\r\n")
+        finally:
+            await body.aclose()
 
     def _reject(self, status: int, payload: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -115,9 +221,11 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-async def serve_http(handler: Handler, sock: "object", max_body_bytes: int
+async def serve_http(handler: Handler, sock: "object", max_body_bytes: int,
+                     idle_timeout_s: float = 75.0, read_timeout_s: float = 30.0
                      ) -> asyncio.AbstractServer:
     """Serves `handler` on an already bound socket; returns the started server."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _Connection(handler, max_body_bytes),
+    return await loop.create_server(lambda: _Connection(handler, max_body_bytes,
+                                                        idle_timeout_s, read_timeout_s),
                                     sock=sock, backlog=2048)  # type: ignore[arg-type]

@@ -58,7 +58,8 @@ async def serve(cfg: GatewayConfig) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.http_host, cfg.http_port))
     http_port = sock.getsockname()[1]
-    http_server = await serve_http(app.handle, sock, cfg.max_body_bytes)
+    http_server = await serve_http(app.handle, sock, cfg.max_body_bytes,
+                                   cfg.http_idle_timeout_s, cfg.http_read_timeout_s)
     probe = asyncio.create_task(_probe_engines(registry, http, cfg.engine_probe_interval_s))
     log.info("gateway serving HTTP on %s:%d, GatewayAdmin on port %d, store %s",
              cfg.http_host, http_port, grpc_port, cfg.store_address)

@@ -18,15 +18,19 @@ from harnessrl.clients import StoreClient
 from harnessrl.credentials import CredentialSigner, RolloutCredential
 from harnessrl.errors import Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
+from services.gateway.sampling import unmatched
 
 
 class Session:
-    __slots__ = ("cred", "next_seq", "closed")
+    __slots__ = ("cred", "next_seq", "closed", "run_model", "sampling", "sampling_problem")
 
     def __init__(self, cred: RolloutCredential, next_seq: int) -> None:
         self.cred = cred
         self.next_seq = next_seq
         self.closed = ""
+        self.run_model = ""  # RunSpec.model: what any other model name maps to
+        self.sampling: c.SamplingPolicy | None = None  # RunSpec.sampling, when set
+        self.sampling_problem = ""  # why the trainer cannot match it ("" when it can)
 
     def take_seq(self) -> int:
         seq = self.next_seq
@@ -92,6 +96,7 @@ class Sessions:
                 session.closed = f"rollout {cred.rollout_id} attempt {cred.attempt} has finished"
             else:
                 session.next_seq = att.next_seq
+                await self._load_run(session, ro.run_id)
             if len(self._sessions) >= self.max_sessions:
                 self._evict()
             self._sessions[key] = session
@@ -103,6 +108,19 @@ class Sessions:
             raise
         finally:
             self._loading.pop(key, None)
+
+    async def _load_run(self, session: Session, run_id: str) -> None:
+        """The run's model name and sampling policy (rollouts made without a run have none)."""
+        try:
+            run = await self.store.get_run(run_id)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return
+            raise Unavailable(f"store unavailable: {err.details()}") from err
+        session.run_model = run.spec.model
+        if run.spec.HasField("sampling") and run.spec.sampling.ListFields():
+            session.sampling = run.spec.sampling
+            session.sampling_problem = unmatched(run.spec.sampling)
 
     def close(self, session: Session, why: str) -> None:
         session.closed = why

@@ -5,11 +5,17 @@ general-purpose client (aiohttp, httpx) spends more CPU per request than the res
 gateway; this one keeps a pool of keep-alive connections per engine, writes each request in
 one syscall and parses responses with httptools (the parser uvicorn uses). It speaks only
 what vLLM's server speaks back: HTTP/1.1 with Content-Length or chunked bodies.
+
+`post` returns a whole response; `stream` returns as soon as the response head arrived and
+hands out the body as the engine writes it (server-sent events), so tokens reach the harness
+as they are generated. Closing a stream before its end closes the connection: vLLM aborts the
+request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from urllib.parse import urlsplit
 
@@ -34,6 +40,9 @@ class _Conn(asyncio.Protocol):
         self.keep_alive = True
         self.got_bytes = False
         self.last_used = time.monotonic()
+        # streaming mode: the head's status, then body pieces; None ends, an exception fails
+        self.head: asyncio.Future[int] | None = None
+        self.pieces: asyncio.Queue[bytes | BaseException | None] | None = None
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -51,11 +60,20 @@ class _Conn(asyncio.Protocol):
         self._fail(UpstreamError(f"engine closed the connection ({exc or 'EOF'})"))
 
     # httptools callbacks
+    def on_headers_complete(self) -> None:
+        if self.head is not None and not self.head.done():
+            self.head.set_result(self.parser.get_status_code())
+
     def on_body(self, body: bytes) -> None:
-        self.body.append(body)
+        if self.pieces is not None:
+            self.pieces.put_nowait(body)
+        else:
+            self.body.append(body)
 
     def on_message_complete(self) -> None:
         self.keep_alive = self.parser.should_keep_alive()
+        if self.pieces is not None:
+            self.pieces.put_nowait(None)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result((self.parser.get_status_code(), b"".join(self.body)))
 
@@ -66,6 +84,11 @@ class _Conn(asyncio.Protocol):
 
     def _fail(self, exc: Exception) -> None:
         self.closed = True
+        if self.head is not None and not self.head.done():
+            self.head.set_exception(exc)
+            self.head.exception()  # retrieved: the opener re-raises it
+        if self.pieces is not None:
+            self.pieces.put_nowait(exc)
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_exception(exc)
 
@@ -91,15 +114,71 @@ class _Conn(asyncio.Protocol):
             waiter.set_exception(asyncio.TimeoutError(f"no response within {timeout:g}s"))
 
 
-class UpstreamPool:
-    """Keep-alive connections to one engine (`base_url` like http://127.0.0.1:8000)."""
+class UpstreamStream:
+    """A response being received: `status`, then `read()` the body as it arrives."""
 
-    def __init__(self, base_url: str, idle_timeout_s: float = 30.0) -> None:
+    def __init__(self, pool: "UpstreamPool", conn: _Conn, status: int, timer: asyncio.TimerHandle
+                 ) -> None:
+        self.pool, self.conn, self.status, self.timer = pool, conn, status, timer
+        self.done = False
+
+    async def read(self) -> bytes | None:
+        """The body received since the last read (at least one piece); None at its end."""
+        if self.done:
+            return None
+        queue = self.conn.pieces
+        assert queue is not None
+        item = await queue.get()
+        pieces: list[bytes] = []
+        while True:
+            if item is None:
+                self._end(reuse=True)
+                return b"".join(pieces) if pieces else None
+            if isinstance(item, BaseException):
+                self._end(reuse=False)
+                raise item
+            pieces.append(item)
+            if queue.empty():
+                return b"".join(pieces)
+            item = queue.get_nowait()
+
+    async def read_all(self) -> bytes:
+        out = []
+        while (piece := await self.read()) is not None:
+            out.append(piece)
+        return b"".join(out)
+
+    def close(self) -> None:
+        """Ends the exchange; before the body's end this closes the connection (the engine
+        aborts the request)."""
+        if not self.done:
+            self._end(reuse=False)
+
+    def _end(self, reuse: bool) -> None:
+        self.done = True
+        self.timer.cancel()
+        self.conn.pieces = self.conn.head = None
+        self.conn.last_used = time.monotonic()
+        if reuse:
+            self.pool._release(self.conn)
+        else:
+            self.conn.close()
+
+
+class UpstreamPool:
+    """Keep-alive connections to one engine (`base_url` like http://127.0.0.1:8000, or
+    https://: TLS verified against the system's CAs, or `ssl_context`'s)."""
+
+    def __init__(self, base_url: str, idle_timeout_s: float = 30.0,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         parts = urlsplit(base_url)
-        if parts.scheme != "http" or not parts.hostname:
-            raise ValueError(f"engine URL must be http://host:port, got {base_url!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine URL must be http(s)://host:port, got {base_url!r}")
+        self.ssl: ssl.SSLContext | None = None
+        if parts.scheme == "https":
+            self.ssl = ssl_context or ssl.create_default_context()
         self.host = parts.hostname
-        self.port = parts.port or 80
+        self.port = parts.port or (443 if self.ssl else 80)
         self.prefix = parts.path.rstrip("/")
         self.host_header = f"{self.host}:{self.port}".encode()
         self.idle: list[_Conn] = []
@@ -108,7 +187,9 @@ class UpstreamPool:
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await loop.create_connection(_Conn, self.host, self.port)
+            _, conn = await loop.create_connection(_Conn, self.host, self.port, ssl=self.ssl)
+        except ssl.SSLError as err:  # the engine answered, but not as the one we trust
+            raise ConnectFailed(f"TLS with {self.host}:{self.port} failed: {err}") from err
         except OSError as err:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {err}") from err
         return conn
@@ -136,6 +217,42 @@ class UpstreamPool:
                     continue  # a keep-alive connection the engine had closed: use another
                 raise
         return await self._exchange(await self._connect(), request, timeout)
+
+    async def stream(self, path: str, body: bytes, timeout: float) -> UpstreamStream:
+        """POSTs JSON and returns once the response head arrived; `timeout` bounds the whole
+        exchange. Raises like `post`."""
+        request = self._request_bytes(path, body)
+        now = time.monotonic()
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.closed or now - conn.last_used > self.idle_timeout_s:
+                conn.close()
+                continue
+            try:
+                return await self._open_stream(conn, request, timeout)
+            except UpstreamError:
+                if not conn.got_bytes:
+                    continue  # a keep-alive connection the engine had closed: use another
+                raise
+        return await self._open_stream(await self._connect(), request, timeout)
+
+    async def _open_stream(self, conn: _Conn, request: bytes, timeout: float
+                           ) -> UpstreamStream:
+        assert conn.transport is not None
+        loop = asyncio.get_running_loop()
+        conn.got_bytes = False
+        conn.head = loop.create_future()
+        conn.pieces = asyncio.Queue()
+        timer = loop.call_later(timeout, conn._fail,
+                                asyncio.TimeoutError(f"no complete response within {timeout:g}s"))
+        conn.transport.write(request)
+        try:
+            status = await conn.head
+        except BaseException:
+            timer.cancel()
+            conn.close()
+            raise
+        return UpstreamStream(self, conn, status, timer)
 
     async def _exchange(self, conn: _Conn, request: bytes, timeout: float
                         ) -> tuple[int, bytes]:

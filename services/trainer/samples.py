@@ -132,6 +132,8 @@ def rollout_samples(
             samples.append(sample)
 
     for call in calls:
+        if call.aborted:  # the harness never received this response: not a trajectory step
+            continue
         _check_call(rollout.rollout_id, call)
         prompt, completion = list(call.prompt_token_ids), list(call.completion_token_ids)
         fits = max_len is None or len(prompt) + len(completion) <= max_len
