@@ -85,7 +85,7 @@ class Dist:
         if not self.sharded:
             return value
         box = [value if self.is_main else None]
-        dist.broadcast_object_list(box, src=0, group=_object_group())
+        dist.broadcast_object_list(box, src=0, group=object_group())
         return box[0]  # type: ignore[return-value]
 
     def all_gather(self, value: T) -> list[T]:
@@ -93,7 +93,7 @@ class Dist:
         if not self.sharded:
             return [value]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=_object_group())
+        dist.all_gather_object(out, value, group=object_group())
         return out
 
     def sum(self, values: Sequence[float]) -> list[float]:
@@ -101,35 +101,40 @@ class Dist:
         if not self.sharded:
             return [float(v) for v in values]
         t = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(t, group=_object_group())
+        dist.all_reduce(t, group=object_group())
         return t.tolist()
 
     def max(self, value: int) -> int:
         if not self.sharded:
             return value
         t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_object_group())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=object_group())
         return int(t.item())
 
     def barrier(self) -> None:
         if self.sharded:
-            dist.barrier(group=_object_group())
+            dist.barrier(group=object_group())
 
 
 _OBJECT_GROUP: Any = None
 
 
-def _object_group() -> Any:
-    """A gloo group over all ranks for small CPU collectives (the default group itself on
-    CPU; NCCL cannot carry pickled objects without a device round trip)."""
+def object_group() -> Any:
+    """A gloo group over all ranks for small CPU collectives, with its own (longer) timeout:
+    NCCL cannot carry pickled objects without a device round trip, and the followers wait
+    here while rank 0 runs a step's rollouts."""
     return _OBJECT_GROUP
 
 
-def init_distributed(device: str, timeout_s: float = 600.0) -> Dist:
+def init_distributed(device: str, timeout_s: float = 600.0,
+                     wait_timeout_s: float | None = None) -> Dist:
     """Joins the trainer's process group from the torchrun environment (`RANK`,
     `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`); world size 1 (or no such
     environment): `Dist.single()`, no group. `timeout_s` bounds every collective: a rank that
-    died makes the others fail within it rather than hang."""
+    died makes the others fail within it rather than hang (a dead peer's closed connections
+    usually fail them at once). `wait_timeout_s` (default `timeout_s`) bounds the object
+    collectives (`Dist.agree` ...), where the other ranks wait while rank 0 runs a step's
+    rollouts: it must exceed the longest such wait."""
     global _OBJECT_GROUP
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1:
@@ -145,8 +150,8 @@ def init_distributed(device: str, timeout_s: float = 600.0) -> Dist:
             torch.cuda.set_device(local_rank)
         dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
-    _OBJECT_GROUP = (dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-                     if device.startswith("cuda") else dist.group.WORLD)
+    _OBJECT_GROUP = dist.new_group(backend="gloo", timeout=timedelta(
+        seconds=max(timeout_s, wait_timeout_s or 0.0)))
     log.info("rank %d of %d joined the trainer's process group (%s)", rank, world_size,
              dist.get_backend())
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank)
