@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -96,10 +97,11 @@ def test_sharded_resume_is_bit_for_bit_and_resumes_at_world_size_1(
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["trained"]
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_step_ends_the_job_and_it_resumes_exactly(
         tmp_path: Path, small_model: Path, store: StoreClient, store_service: Any,
         vocab: int, redis_url: str, key_prefix: str) -> None:
-    """~80 s on 2 cores: three two-rank runs, one killed."""
+    """Three two-rank runs, one killed: ~2 min on 2 idle cores, ~6 min on a busy machine."""
     env = (store_service.address, tmp_path, small_model, vocab)
     ref = run({"name": "ref", "steps": 3, "out": str(tmp_path / "ref.pt")}, *env)
 
@@ -107,8 +109,9 @@ def test_rank_killed_mid_step_ends_the_job_and_it_resumes_exactly(
     doomed = group({"name": "kill", "steps": 3, "step_delay_s": 2.0,
                     "out": str(tmp_path / "doomed.pt")}, *env)
     deadline = time.monotonic() + 240
-    while not (cfg.metrics_file.exists() and len(cfg.metrics_file.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline, "step 2 never finished"
+    latest = cfg.checkpoints_dir / ckpt.LATEST
+    while not (latest.exists() and latest.read_text().strip() == ckpt.step_dir_name(2)):
+        assert time.monotonic() < deadline, "step 2 was never checkpointed"
         assert all(p.poll() is None for p in doomed.procs), "a rank ended early"
         time.sleep(0.2)
     time.sleep(1.0)  # into step 3: rank 0 is running it, rank 1 waits for its groups
