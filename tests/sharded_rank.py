@@ -2,7 +2,7 @@
 store, `StoreRuns` for the controller, a recording sink for the engines): what
 tests/test_checkpoint_sharded.py starts N times through `services.trainer.launch.RankGroup`.
 
-argv[1]: JSON {store, tmp, model, vocab, name, steps, stop_at_step?, step_delay_s?, out}.
+argv[1]: JSON {store, tmp, model, vocab, name, steps, stop_at_step?, delay_step?, delay_s?, out}.
 Rank 0 writes <out>: the final full state dict, its pushes and the runs it launched."""
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def main() -> None:
         def run(run_id, spec):  # type: ignore[no-untyped-def]
             if args.get("stop_at_step") and run_id.endswith(f"step{args['stop_at_step']:06d}"):
                 control.request_stop()
-            time.sleep(args.get("step_delay_s", 0.0))
+            if run_id.endswith(f"step{args.get('delay_step', 0):06d}"):
+                time.sleep(args.get("delay_s", 0.0))  # a window to kill a rank mid-step
             return launch(run_id, spec)
 
         runs.run = run  # type: ignore[method-assign]

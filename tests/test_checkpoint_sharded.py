@@ -106,7 +106,7 @@ def test_rank_killed_mid_step_ends_the_job_and_it_resumes_exactly(
     ref = run({"name": "ref", "steps": 3, "out": str(tmp_path / "ref.pt")}, *env)
 
     cfg = make_config(tmp_path, "kill", small_model, steps=3)
-    doomed = group({"name": "kill", "steps": 3, "step_delay_s": 2.0,
+    doomed = group({"name": "kill", "steps": 3, "delay_step": 3, "delay_s": 30.0,
                     "out": str(tmp_path / "doomed.pt")}, *env)
     deadline = time.monotonic() + 240
     latest = cfg.checkpoints_dir / ckpt.LATEST
@@ -114,7 +114,10 @@ def test_rank_killed_mid_step_ends_the_job_and_it_resumes_exactly(
         assert time.monotonic() < deadline, "step 2 was never checkpointed"
         assert all(p.poll() is None for p in doomed.procs), "a rank ended early"
         time.sleep(0.2)
-    time.sleep(1.0)  # into step 3: rank 0 is running it, rank 1 waits for its groups
+    # into step 3: rank 0 is running it (the test double's run waits 30 s before it writes
+    # anything: it is not idempotent half-way, the real controller's CreateRun is), rank 1
+    # waits for its groups
+    time.sleep(2.0)
     os.kill(doomed.procs[1].pid, signal.SIGKILL)
     t0 = time.monotonic()
     rc = doomed.wait(timeout_s=KILL_BOUND_S)
@@ -130,3 +133,25 @@ def test_rank_killed_mid_step_ends_the_job_and_it_resumes_exactly(
     assert pending(redis_url, key_prefix, cfg.stream) == set()  # nothing left behind
     rows = [json.loads(x) for x in cfg.metrics_file.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_world_size_1_checkpoint_resumes_at_world_size_2(
+        tmp_path: Path, small_model: Path, store: StoreClient, store_service: Any,
+        vocab: int) -> None:
+    """Two steps in one process, the third at world size 2: the result matches three steps in
+    one process within the sharded step's tolerance (a lost optimizer state would not). ~1-2
+    min on 2 cores."""
+    ref, _ = trainer(make_config(tmp_path, "ref1", small_model, steps=3), store,
+                     RecordingSink(), vocab)
+    train_sync(ref)
+    first, _ = trainer(make_config(tmp_path, "grow", small_model, steps=2), store,
+                       RecordingSink(), vocab)
+    train_sync(first)
+    assert not (ckpt.latest_checkpoint(tmp_path / "grow" / "checkpoints") / ckpt.DCP_DIR).exists()
+    out = run({"name": "grow", "steps": 3, "out": str(tmp_path / "grow.pt")},
+              store_service.address, tmp_path, small_model, vocab)
+    assert out["step"] == 3 and len(out["launched"]) == 1
+    mine = ref.model.state_dict()
+    for k, v in out["state"].items():
+        torch.testing.assert_close(v, mine[k], rtol=0, atol=1e-4, msg=k)
