@@ -55,19 +55,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
         yield s
 
 
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "two-ranks"])
 def test_reward_rises_on_the_calculator_example(
         stack: Stack, tmp_path: Path, tiny_model_dir: Path,
-        record_property: pytest.RecordProperty) -> None:
+        record_property: pytest.RecordProperty, nproc: int) -> None:
+    """`two-ranks`: the trainer as two processes (`--nproc 2`, FSDP2 over gloo): the same
+    learning, from the same flags."""
     started = time.monotonic()
     out = tmp_path / "out"
+    name = "learn" if nproc == 1 else f"learn-ws{nproc}"
     argv = procs.python_module(
         "services.trainer", "--bind", "127.0.0.1:0",
         "--store-address", stack.store_address,
         "--controller-address", stack.controller_address,
         "--gateway-admin-address", stack.gateway_admin_address,
         "--model-path", str(tiny_model_dir), "--output-dir", str(out),
-        "--served-model-name", "tiny", "--run-name", "learn", "--stream", "learn",
-        *[x for kv in TRAINER_FLAGS.items() for x in kv])
+        "--served-model-name", "tiny", "--run-name", name, "--stream", name,
+        "--nproc", str(nproc), *[x for kv in TRAINER_FLAGS.items() for x in kv])
     trainer = procs.ServiceProcess("trainer", argv, tmp_path).start()
     try:
         trainer.proc.wait(WALL_LIMIT_S)
@@ -84,7 +88,8 @@ def test_reward_rises_on_the_calculator_example(
                "gain": round(last - first, 3), "wall_s": round(wall, 1),
                "step_s_mean": round(statistics.fmean(r["step_time_s"] for r in rows), 1),
                "kl": [round(r["kl"], 4) if r["kl"] is not None else None for r in rows],
-               "policy_version": rows[-1]["policy_version"], "flags": TRAINER_FLAGS}
+               "policy_version": rows[-1]["policy_version"], "flags": TRAINER_FLAGS,
+               "nproc": nproc}
     print("LEARNING " + json.dumps(summary))
     record_property("learning", json.dumps(summary))
     assert len(rows) == int(TRAINER_FLAGS["--steps"])

@@ -198,3 +198,40 @@ def test_short_training_run_with_rollouts_as_kubernetes_jobs(
             assert '"reward"' in (workdir / "grader.stdout.log").read_text()
     finally:
         store.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_two_ranks_train_push_and_answer_as_one_service(
+        stack: Stack, tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`--nproc 2`: the service starts two ranks (FSDP2 over gloo); rank 0 alone serves gRPC and
+    talks to the stack, the engine gets the sharded model's weights each step. ~2-4 min."""
+    trainer = start_trainer(stack, tmp_path, tiny_model_dir, "--nproc", "2", "--steps", "2",
+                            "--tasks-per-step", "2", "--group-size", "4", "--concurrency", "4",
+                            "--lr", "1e-4", "--run-name", "loop2", "--stream", "loop2",
+                            "--no-filter-zero-variance")
+    ready = trainer.wait_ready(300)
+    assert ready["pid"] != trainer.proc.pid  # rank 0 serves; the launcher only watches
+    client = TrainerClient.connect(f"127.0.0.1:{ready['grpc_port']}", timeout=60)
+    try:
+        assert client.get_status().state in {"starting", "pushing", "generating", "training",
+                                             "checkpointing", "stopped"}
+        trainer.proc.wait(900)
+    finally:
+        client.close()
+        if trainer.alive:
+            trainer.stop()
+    assert trainer.proc.returncode == 0, trainer.log_tail(80)
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["trained"] for r in rows)
+    assert [r["behaviour_version"] for r in rows] == [0, 1]
+    assert all(r["version_mismatches"] == 0 for r in rows)
+    latest = tmp_path / "out" / "checkpoints" / "step-000002"
+    assert (latest / "dcp").is_dir() and (latest / "model.safetensors").exists()
+    admin = GatewayAdminClient.connect(stack.gateway_admin_address)
+    try:
+        engines = {e.name: e for e in admin.list_engines().engines}
+        assert all(e.policy_version == 2 and e.state == gpb.ENGINE_STATE_READY
+                   for e in engines.values())
+    finally:
+        admin.close()

@@ -5,6 +5,8 @@
   `NcclTransport` (GPU, vLLM's own helpers).
 - `gloo_engine` + `vllm_plugin`: the vLLM side of the gloo backend (loaded inside vLLM).
 - `buckets`: the bucket plan both sides derive from the per-round metadata.
+- `sharded`: the push from a model sharded over several trainer ranks (FSDP2): rank 0 pushes
+  `GatheredWeights` (full tensors gathered bucket by bucket), the others `follow_gathers`.
 """
 
 from harnessrl.weight_transfer.push import (

@@ -49,6 +49,7 @@ from harnessrl.weight_transfer.transports import (
     NamedTensors,
     WeightTransport,
     make_transport,
+    tensor_bytes,
     update_info,
 )
 
@@ -250,8 +251,14 @@ class WeightPusher:
         """Pushes `weights` (a module, or (name, tensor) pairs in the names vLLM's
         `load_weights` accepts) as policy `version` to every engine; raises `PushError` naming
         each engine that failed (all the others were updated)."""
-        params = weights_of(weights) if isinstance(weights, torch.nn.Module) else list(weights)
-        nbytes = sum(t.numel() * t.element_size() for _, t in params)
+        params: NamedTensors
+        if isinstance(weights, torch.nn.Module):
+            params = weights_of(weights)
+        elif hasattr(weights, "meta"):  # gathered lazily (sharded.GatheredWeights): no list()
+            params = weights
+        else:
+            params = list(weights)
+        nbytes = tensor_bytes(params)
         links = list(self._links.values())
         if not links:
             raise ValueError("no engines to push to")
@@ -312,7 +319,7 @@ class WeightPusher:
             if self.hooks is not None:
                 self.hooks.after_push(name, version)
             return EngineTiming(paused_s=t_resume - t_pause, transfer_s=t_finish - t_start,
-                                bytes=sum(t.numel() * t.element_size() for _, t in params))
+                                bytes=tensor_bytes(params))
         except BaseException as exc:
             failure = EngineFailure(name, stage, exc)
             log.error("%s", failure)

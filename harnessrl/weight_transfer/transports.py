@@ -19,6 +19,7 @@ request is in flight.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import time
 from abc import ABC, abstractmethod
@@ -36,12 +37,29 @@ log = logging.getLogger(__name__)
 NamedTensors = Sequence[tuple[str, torch.Tensor]]
 
 
+def tensor_meta(params: NamedTensors) -> tuple[list[str], list[torch.dtype], list[Any]]:
+    """Names, dtypes and shapes of `params`; from its `meta` when it has one (weights of a
+    sharded model, `sharded.GatheredWeights`: reading a tensor there gathers it)."""
+    meta = getattr(params, "meta", None)
+    if meta is not None:
+        names, dtypes, shapes = meta
+        return list(names), list(dtypes), [tuple(s) for s in shapes]
+    return ([n for n, _ in params], [t.dtype for _, t in params],
+            [tuple(t.shape) for _, t in params])
+
+
+def tensor_bytes(params: NamedTensors) -> int:
+    _, dtypes, shapes = tensor_meta(params)
+    return sum(math.prod(s) * d.itemsize for d, s in zip(dtypes, shapes))
+
+
 def update_info(params: NamedTensors) -> dict[str, Any]:
     """The per-round `/update_weights` payload, the same for every backend."""
+    names, dtypes, shapes = tensor_meta(params)
     return {
-        "names": [n for n, _ in params],
-        "dtype_names": [dtype_name(t.dtype) for _, t in params],
-        "shapes": [list(t.shape) for _, t in params],
+        "names": names,
+        "dtype_names": [dtype_name(d) for d in dtypes],
+        "shapes": [list(s) for s in shapes],
     }
 
 
@@ -127,8 +145,7 @@ class GlooTransport(WeightTransport):
         group = self._group
         if group is None:
             raise RuntimeError("gloo transport is not joined")
-        plan = plan_buckets([n for n, _ in params], [t.dtype for _, t in params],
-                            [t.shape for _, t in params], self.bucket_bytes, self.solo_bytes)
+        plan = plan_buckets(*tensor_meta(params), self.bucket_bytes, self.solo_bytes)
         in_flight: deque[Any] = deque()
         busy: dict[int, Any] = {}  # pool slot -> the broadcast still reading it
         next_slot = 0
@@ -219,7 +236,7 @@ class NcclTransport(WeightTransport):
         if self._group is None:
             raise RuntimeError("nccl transport is not joined")
         packed_nccl_broadcast_producer(
-            iterator=iter([(n, t.detach()) for n, t in params]), group=self._group, src=0,
+            iterator=((n, t.detach()) for n, t in params), group=self._group, src=0,
             post_iter_func=lambda item: item[1], buffer_size_bytes=self.bucket_bytes,
             num_buffers=self.num_buffers)
         torch.cuda.current_stream().synchronize()

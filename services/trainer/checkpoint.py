@@ -12,6 +12,21 @@ Layout, under `<output_dir>/checkpoints/`:
       state.json              step, policy version, the stream entry ids consumed, when
     latest                    text file naming the newest complete checkpoint ("step-000012")
 
+A checkpoint of a sharded trainer (world size N > 1) has the same layout, except:
+
+      dcp/                    model and optimizer, sharded, in `torch.distributed.checkpoint`
+                              format (each rank writes its own shards; the state dicts are keyed
+                              by parameter names, so any world size can load them)
+      rng-rank<R>.pt          each rank's RNG states
+      trainer_state.pt        rank 0's RNG states only (the optimizer is in dcp/)
+
+The Hugging Face export is the same full model (gathered to rank 0, which writes it), so
+transformers and vLLM load it as before. Resuming: at world size N > 1, all ranks load dcp/
+(model and optimizer, resharded to the current world size if it differs); at world size 1, the
+model from the export and the optimizer from dcp/ (no process group needed). A world-size-1
+checkpoint resumed sharded loads the model from the export and the optimizer from
+trainer_state.pt, mapped onto the shards. Checkpoints must be on a filesystem every rank sees.
+
 **Atomicity.** A checkpoint is written into a temporary folder (`.tmp-step-000012-<pid>`),
 every file and the folder are fsynced, the folder is renamed to its final name and the parent
 fsynced, and only then is `latest` replaced (written to a temporary file, fsynced, renamed). A
@@ -52,6 +67,7 @@ log = logging.getLogger("harnessrl.trainer")
 LATEST = "latest"
 STATE_FILE = "state.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
+DCP_DIR = "dcp"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -110,6 +126,66 @@ def set_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _finish_folder(root: Path, tmp: Path, name: str, keep: int) -> Path:
+    """fsyncs `tmp`, renames it to `name`, moves `latest` to it, prunes (rank 0 only)."""
+    final = root / name
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            _fsync_file(f)
+    for sub in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
+        _fsync_dir(sub)
+    if final.exists():  # left by a crash before `latest` moved on, or re-saved: replace it
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_dir(root)
+    _write_latest(root, name)
+    prune(root, keep)
+    return final
+
+
+def save_sharded_checkpoint(root: str | Path, model: Any, tokenizer: Any,
+                            optimizer: torch.optim.Optimizer, state: TrainState, dist: Any,
+                            keep: int = 3) -> Path:
+    """`save_checkpoint` for a sharded trainer: every rank calls it (collectives inside).
+    Model and optimizer shards go to dcp/ (`torch.distributed.checkpoint`), the gathered full
+    model to the Hugging Face export (written by rank 0), each rank's RNG states to
+    rng-rank<R>.pt. Atomic the same way: `latest` moves only once everything is written."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+    )
+
+    root = Path(root)
+    name = step_dir_name(state.step)
+    tmp = Path(dist.agree(str(root / f".tmp-{name}-{os.getpid()}")))
+    if dist.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    torch.save(rng_states(), tmp / f"rng-rank{dist.rank}.pt")
+    dist.barrier()
+    final = root / name
+    if dist.is_main:
+        model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"rng": rng_states(), "world_size": dist.world_size},
+                   tmp / TRAINER_STATE_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps(
+            {**asdict(state), "saved_at": time.time(), "world_size": dist.world_size},
+            indent=1) + "\n")
+        final = _finish_folder(root, tmp, name, keep)
+    del full
+    dist.barrier()  # no rank moves on before `latest` names the checkpoint
+    return final
 
 
 def save_checkpoint(root: str | Path, model: Any, tokenizer: Any,
@@ -186,10 +262,49 @@ def read_state(path: str | Path) -> TrainState:
                       run_prefix=str(data.get("run_prefix", "")))
 
 
-def load_trainer_state(path: str | Path, optimizer: torch.optim.Optimizer) -> TrainState:
+def load_trainer_state(path: str | Path, optimizer: torch.optim.Optimizer,
+                       model: Any = None, dist: Any = None) -> TrainState:
     """Loads the optimizer state and the RNG states of the checkpoint at `path` (the model is
-    loaded from the same folder with `from_pretrained`); returns its `TrainState`."""
-    blob = torch.load(Path(path) / TRAINER_STATE_FILE, weights_only=True, map_location="cpu")
-    optimizer.load_state_dict(blob["optimizer"])
-    set_rng_states(blob["rng"])
+    loaded from the same folder with `from_pretrained`); returns its `TrainState`.
+
+    With a sharded checkpoint (dcp/) or a sharded trainer (`dist.sharded`), `model` is needed:
+    the model and optimizer are loaded through `torch.distributed.checkpoint.state_dict`, which
+    maps names onto whatever sharding the current world has (see the module docstring)."""
+    path = Path(path)
+    blob = torch.load(path / TRAINER_STATE_FILE, weights_only=True, map_location="cpu")
+    sharded_ckpt = (path / DCP_DIR).is_dir()
+    sharded_now = dist is not None and dist.sharded
+    if not sharded_ckpt and not sharded_now:
+        optimizer.load_state_dict(blob["optimizer"])
+        set_rng_states(blob["rng"])
+        return read_state(path)
+    if model is None:
+        raise ValueError(f"{path} is a sharded checkpoint or the trainer is sharded: pass the "
+                         "model to load_trainer_state")
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_optimizer_state_dict,
+        set_state_dict,
+    )
+
+    if sharded_ckpt:
+        import torch.distributed.checkpoint as dcp
+
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        loaded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(loaded, checkpoint_id=str(path / DCP_DIR))
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])
+    else:  # a world-size-1 checkpoint, resumed sharded: the model came from the export
+        names = [n for n, _ in model.named_parameters()]
+        osd = blob["optimizer"]
+        full = {"state": {names[i]: v for i, v in osd["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
+                                 for g in osd["param_groups"]]}
+        set_optimizer_state_dict(model, optimizer, full,
+                                 options=StateDictOptions(full_state_dict=True))
+    rank_rng = path / f"rng-rank{dist.rank if sharded_now else 0}.pt"
+    set_rng_states(torch.load(rank_rng, weights_only=True) if rank_rng.exists()
+                   else blob["rng"])
     return read_state(path)

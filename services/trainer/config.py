@@ -58,6 +58,26 @@ class TrainerConfig(ServiceConfig):
         "float32", description="dtype of the trained weights (float32 on CPU: the engines run "
                                "float32 too, so logprobs agree)")
 
+    # -- several processes (sharding.py) -----------------------------------------------------
+    nproc: int = Field(
+        1, ge=1, description="trainer processes (ranks) to start on this node, the model "
+                             "sharded over them with FSDP2 (one per GPU; on CPU, gloo). Under "
+                             "torchrun (WORLD_SIZE set) torchrun starts the ranks and this is "
+                             "ignored; across nodes use torchrun (see README, Training)")
+    mixed_precision: bool = Field(
+        False, description="sharded on GPU: bfloat16 parameters in forward/backward, float32 "
+                           "gradient reduction (master weights and optimizer in `dtype`)")
+    activation_checkpointing: bool = Field(
+        False, description="sharded: recompute each decoder layer's activations in backward "
+                           "(less memory, about a third more compute)")
+    dist_timeout_s: float = Field(
+        600.0, gt=0, description="sharded: the longest any collective among the ranks may "
+                                 "wait (a hung rank fails the job after this); rank 0's waits "
+                                 "for a step's run get run_timeout_s + read_timeout_s on top")
+    rank_grace_s: float = Field(
+        30.0, gt=0, description="--nproc: after one rank ends (or dies), how long the others "
+                                "get to end before they are killed")
+
     # -- the controller's runs ---------------------------------------------------------------
     tasks_file: str = Field(str(EXAMPLE / "tasks.jsonl"),
                             description="JSONL task file, one JSON object per line ('id' names "

@@ -18,6 +18,13 @@ consumed (see `checkpoint` for why this loses nothing and trains nothing twice),
 weights into the engines as its policy version — fresh or resumed, the engines then serve
 exactly the trainer's weights before the first rollout.
 
+Several processes (world size N > 1, `sharding.py`): every rank runs `train_sync`. Rank 0 alone
+talks to the rest of the system — it launches the runs, reads and acknowledges the stream,
+pushes to the engines, writes metrics, serves the Trainer gRPC service — and hands the others
+what they need through collectives: the step's groups (each rank builds the same samples and
+trains on its share), its decisions (continue, checkpoint now), and the full weights for a push
+(gathered bucket by bucket). Checkpoints are written by all ranks together (`checkpoint`).
+
 Version check (`version_check`): in sync mode every call of step s must carry version v. A
 mismatch means the engines served other weights than the trainer's; "fail" (the default) stops
 the trainer with an error naming the calls, "warn" logs it and trains on them (the loss
@@ -82,6 +89,7 @@ from .config import TrainerConfig
 from .control import TrainerControl
 from .rollouts import RunLauncher, StreamReader, load_tasks, run_id_for, step_spec, step_tasks
 from .samples import group_samples
+from .sharding import Dist, ShardingConfig, device_for, shard_model, split_by_tokens
 from .step import StepMetrics, make_optimizer, train_step
 from .weights import WeightSink
 
@@ -93,11 +101,11 @@ RUN_FILE = "run.json"
 def train_sync(t: "Trainer") -> None:
     """The sync loop: generate a batch, train on it, push, checkpoint, repeat."""
     t.start()  # resume or initialise; the engines get the trainer's weights
-    while t.state.step < t.cfg.steps and not t.control.stop_requested:
+    while t.more_steps():  # steps left, no stop requested (rank 0 decides for every rank)
         step, version = t.state.step + 1, t.state.policy_version
         s = StepRecord(step=step, behaviour_version=version)
         run_id, tasks = t.generate(step, s)  # controller run of the step's tasks, until done
-        groups = t.read_groups(run_id, step, tasks)  # its groups, from the store's stream
+        groups = t.read_groups(run_id, step, tasks)  # its groups (rank 0 reads, all get them)
         t.check_versions(groups, version, s)  # every call served by version v
         metrics = t.train(groups, s)  # samples -> one optimizer step (None: no sample)
         if metrics is not None:
@@ -108,7 +116,7 @@ def train_sync(t: "Trainer") -> None:
         if due:
             t.commit()  # checkpoint, then acknowledge the entries it holds
         t.answer_checkpoint_requests()
-    if not t.control.skip_checkpoint:
+    if t.final_checkpoint_wanted():
         t.commit()  # no-op when the last step is checkpointed already
 
 
@@ -133,12 +141,16 @@ class Trainer:
 
     `launcher` runs a step's controller run, `store` reads and acknowledges the stream,
     `weights` receives the weights after each step: `ControllerRuns`, `StoreClient` and
-    `EngineWeights` in the service (`build_trainer`); tests may give their own.
+    `EngineWeights` in the service (`build_trainer`); tests may give their own. With `dist`
+    sharded, ranks other than 0 get None for all three (rank 0 alone uses them) and `weights`
+    on rank 0 receives the gathered weights (`sharded.GatheredWeights`) rather than the model.
     """
 
-    def __init__(self, cfg: TrainerConfig, launcher: RunLauncher, store: StoreClient,
-                 weights: WeightSink, control: TrainerControl | None = None) -> None:
+    def __init__(self, cfg: TrainerConfig, launcher: RunLauncher | None,
+                 store: StoreClient | None, weights: WeightSink | None,
+                 control: TrainerControl | None = None, dist: Dist | None = None) -> None:
         self.cfg = cfg
+        self.dist = dist or Dist.single()
         self.launcher = launcher
         self.store = store
         self.weights = weights
@@ -161,17 +173,23 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)
         random.seed(self.cfg.seed)
         np.random.seed(self.cfg.seed % 2**32)
-        found = ckpt.latest_checkpoint(self.cfg.checkpoints_dir) if self.cfg.resume else None
-        source = found if found is not None else Path(self._initial_model())
+        d = self.dist
+        found = d.agree(ckpt.latest_checkpoint(self.cfg.checkpoints_dir)
+                        if self.cfg.resume and d.is_main else None)
+        source = found if found is not None else Path(d.agree(
+            self._initial_model() if d.is_main else ""))
         self.model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=getattr(torch, self.cfg.dtype)).to(self.cfg.device)
+            source, dtype=getattr(torch, self.cfg.dtype)).to(device_for(self.cfg.device, d))
+        self.model = shard_model(self.model, d, ShardingConfig(
+            mixed_precision=self.cfg.mixed_precision,
+            activation_checkpointing=self.cfg.activation_checkpointing))
         self.tokenizer = AutoTokenizer.from_pretrained(source)
         self.optimizer = make_optimizer(self.model, lr=self.cfg.lr,
                                         betas=(self.cfg.beta1, self.cfg.beta2),
                                         weight_decay=self.cfg.weight_decay, eps=self.cfg.adam_eps)
-        run_prefix = self._run_prefix()
+        run_prefix = d.agree(self._run_prefix() if d.is_main else "")
         if found is not None:
-            self.state = ckpt.load_trainer_state(found, self.optimizer)
+            self.state = ckpt.load_trainer_state(found, self.optimizer, self.model, d)
             if self.state.run_prefix != run_prefix:
                 raise RuntimeError(f"{found} belongs to run {self.state.run_prefix!r}, but "
                                    f"{self.output / RUN_FILE} says {run_prefix!r}")
@@ -181,6 +199,16 @@ class Trainer:
         else:
             self.state = ckpt.TrainState(run_prefix=run_prefix)
             log.info("starting from %s", source)
+        self.control.update(step=self.state.step, policy_version=self.state.policy_version,
+                            last_checkpoint=str(self.last_checkpoint or ""))
+        if d.is_main:
+            self._attach_stream(run_prefix)
+        self.control.set_state("pushing")
+        self._push_weights(self.state.policy_version)
+
+    def _attach_stream(self, run_prefix: str) -> None:
+        """Rank 0: the stream reader; acknowledges what the resumed checkpoint consumed."""
+        assert self.store is not None
         self.reader = StreamReader(self.store, self.cfg.stream, self.cfg.consumer_group,
                                    self.cfg.consumer, run_prefix, self.cfg.read_timeout_s)
         if self.state.consumed_entries:  # in the checkpoint, so trained: acknowledge now
@@ -189,10 +217,34 @@ class Trainer:
                      len(self.state.consumed_entries))
             self.state.consumed_entries = []
         _trim_metrics(self.cfg.metrics_file, self.state.step)
-        self.control.update(step=self.state.step, policy_version=self.state.policy_version,
-                            last_checkpoint=str(self.last_checkpoint or ""))
-        self.control.set_state("pushing")
-        self.weights.push(self.model, self.state.policy_version)
+
+    def _push_weights(self, version: int) -> None:
+        """Every engine gets the weights as `version` (sharded: rank 0 pushes, bucket by bucket
+        gathered with the other ranks' help)."""
+        d = self.dist
+        if not d.sharded:
+            assert self.weights is not None
+            self.weights.push(self.model, version)
+            return
+        from harnessrl.weight_transfer.sharded import GatheredWeights, follow_gathers
+
+        from .sharding import object_group
+
+        bucket = self.cfg.push_config().bucket_bytes
+        if d.is_main:
+            assert self.weights is not None
+            with GatheredWeights(self.model, bucket, object_group()) as gathered:
+                self.weights.push(gathered, version)  # type: ignore[arg-type]
+        else:
+            follow_gathers(self.model, bucket, object_group())
+
+    # -- rank 0's decisions, shared ------------------------------------------------------------
+    def more_steps(self) -> bool:
+        return self.dist.agree(self.state.step < self.cfg.steps
+                               and not self.control.stop_requested)
+
+    def final_checkpoint_wanted(self) -> bool:
+        return self.dist.agree(not self.control.skip_checkpoint)
 
     def _initial_model(self) -> str:
         if self.cfg.model_path:
@@ -215,6 +267,9 @@ class Trainer:
     # -- one step ----------------------------------------------------------------------------
     def generate(self, step: int, s: StepRecord) -> tuple[str, list[str]]:
         self.control.set_state("generating")
+        if not self.dist.is_main:  # rank 0 runs the step; the others get its groups
+            return "", []
+        assert self.launcher is not None
         t0 = time.perf_counter()
         tasks = step_tasks(self.tasks, self.cfg.seed, step, self.cfg.tasks_per_step)
         s.run_id = run_id_for(self.state.run_prefix, step)
@@ -231,8 +286,11 @@ class Trainer:
         return s.run_id, [str(t["id"]) for t in tasks]
 
     def read_groups(self, run_id: str, step: int, tasks: list[str]) -> list[c.Group]:
+        if not self.dist.is_main:
+            return self.dist.agree([])
         assert self.reader is not None
-        return self.reader.read(run_id, step, tasks, set(self.state.consumed_entries))
+        return self.dist.agree(self.reader.read(run_id, step, tasks,
+                                                set(self.state.consumed_entries)))
 
     def check_versions(self, groups: list[c.Group], version: int, s: StepRecord) -> None:
         bad = [(r.rollout_id, call.seq, call.policy_version) for g in groups
@@ -260,7 +318,12 @@ class Trainer:
         if samples:
             assert self.optimizer is not None
             pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-            metrics = train_step(self.model, self.optimizer, samples, self.cfg.step_config(pad))
+            if self.dist.sharded:  # this rank's share, balanced by tokens
+                mine = split_by_tokens([len(x) for x in samples],
+                                       self.dist.world_size)[self.dist.rank]
+                samples = [samples[i] for i in mine]
+            metrics = train_step(self.model, self.optimizer, samples, self.cfg.step_config(pad),
+                                 self.dist)
         else:
             log.warning("step %d: no group gave a sample (all zero-variance or failed); no "
                         "optimizer step", s.step, extra={"step": s.step})
@@ -270,7 +333,7 @@ class Trainer:
     def push(self, version: int, s: StepRecord) -> None:
         self.control.set_state("pushing")
         t0 = time.perf_counter()
-        self.weights.push(self.model, version)
+        self._push_weights(version)
         self.state.policy_version = version
         self.control.update(policy_version=version)
         s.timed("push_s", t0)
@@ -281,9 +344,10 @@ class Trainer:
         self.control.update(step=step)
 
     def checkpoint_due(self) -> bool:
-        return (self.state.step % self.cfg.checkpoint_every == 0
-                or self.state.step >= self.cfg.steps
-                or (self.control.stop_requested and not self.control.skip_checkpoint))
+        return self.dist.agree(
+            self.state.step % self.cfg.checkpoint_every == 0
+            or self.state.step >= self.cfg.steps
+            or (self.control.stop_requested and not self.control.skip_checkpoint))
 
     def commit(self) -> Path:
         """Checkpoints the current state (unless this step is checkpointed already), then
@@ -293,12 +357,19 @@ class Trainer:
         self.control.set_state("checkpointing")
         t0 = time.perf_counter()
         assert self.optimizer is not None
-        path = ckpt.save_checkpoint(self.cfg.checkpoints_dir, self.model, self.tokenizer,
-                                    self.optimizer, self.state, keep=self.cfg.keep_checkpoints)
+        if self.dist.sharded:
+            path = ckpt.save_sharded_checkpoint(
+                self.cfg.checkpoints_dir, self.model, self.tokenizer, self.optimizer,
+                self.state, self.dist, keep=self.cfg.keep_checkpoints)
+        else:
+            path = ckpt.save_checkpoint(self.cfg.checkpoints_dir, self.model, self.tokenizer,
+                                        self.optimizer, self.state,
+                                        keep=self.cfg.keep_checkpoints)
         self.last_checkpoint, self.checkpointed_step = path, self.state.step
         self.control.update(last_checkpoint=str(path))
-        assert self.reader is not None
-        self.reader.ack(self.state.consumed_entries)
+        if self.dist.is_main:
+            assert self.reader is not None
+            self.reader.ack(self.state.consumed_entries)
         self.state.consumed_entries = []
         log.info("checkpoint %s (%.2fs)", path, time.perf_counter() - t0,
                  extra={"step": self.state.step})
@@ -306,12 +377,15 @@ class Trainer:
 
     def answer_checkpoint_requests(self) -> None:
         waiters = self.control.take_checkpoint_requests()
-        if waiters:
+        if self.dist.agree(bool(waiters)):
             path = self.commit()
             for w in waiters:
                 w.set_result((str(path), self.state.step))
 
-    def record(self, s: StepRecord, m: StepMetrics | None, checkpoint: bool) -> dict[str, Any]:
+    def record(self, s: StepRecord, m: StepMetrics | None, checkpoint: bool
+               ) -> dict[str, Any] | None:
+        if not self.dist.is_main:
+            return None
         rewards = s.rewards
         row: dict[str, Any] = {
             "step": s.step, "policy_version": self.state.policy_version,
@@ -346,7 +420,8 @@ class Trainer:
         return row
 
     def close(self) -> None:
-        self.weights.close()
+        if self.weights is not None:
+            self.weights.close()
 
 
 def _num(x: float | None) -> float:
@@ -373,17 +448,22 @@ def _trim_metrics(path: Path, step: int) -> None:
         tmp.replace(path)
 
 
-def build_trainer(cfg: TrainerConfig, control: TrainerControl | None = None) -> Trainer:
+def build_trainer(cfg: TrainerConfig, control: TrainerControl | None = None,
+                  dist: Dist | None = None) -> Trainer:
     """The service's trainer: the controller runs the steps, the store's stream feeds it, the
-    engines registered with the gateway get its weights."""
+    engines registered with the gateway get its weights. Sharded, only rank 0 connects to
+    them (one voice); the other ranks follow it through collectives."""
     from harnessrl.clients import ControllerClient, GatewayAdminClient
 
     from .rollouts import ControllerRuns
     from .weights import EngineWeights
+
+    if dist is not None and not dist.is_main:
+        return Trainer(cfg, None, None, None, control, dist)
 
     store = StoreClient.connect(cfg.store_address)
     launcher = ControllerRuns(ControllerClient.connect(cfg.controller_address),
                               cfg.run_timeout_s)
     weights = EngineWeights(GatewayAdminClient.connect(cfg.gateway_admin_address),
                             cfg.push_config(), cfg.push_attempts, cfg.push_retry_delay_s)
-    return Trainer(cfg, launcher, store, weights, control)
+    return Trainer(cfg, launcher, store, weights, control, dist)

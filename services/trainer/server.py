@@ -80,13 +80,24 @@ def _install_signal_handlers(control: TrainerControl) -> None:
 
 
 def serve(cfg: TrainerConfig) -> int:
-    """Runs the trainer until its steps are done or it is stopped; the exit code."""
+    """Runs the trainer until its steps are done or it is stopped; the exit code.
+
+    Sharded (WORLD_SIZE > 1): every rank runs this; rank 0 alone serves the Trainer gRPC
+    service, writes the ready file and handles SIGTERM/SIGINT gracefully (its stop reaches the
+    others through the loop's collectives); another rank ends at once on SIGTERM (the default
+    action: its launcher ends it only when the job is failing anyway)."""
+    from .sharding import close_distributed, init_distributed
+
+    dist = init_distributed(cfg.device, cfg.dist_timeout_s,
+                            cfg.run_timeout_s + cfg.read_timeout_s + cfg.dist_timeout_s)
     control = TrainerControl()
-    server = ServerThread(cfg.bind, control).start()
-    log.info("trainer gRPC service on port %d", server.port)
-    rpc.write_ready_file(cfg.ready_file, grpc_port=server.port)
-    _install_signal_handlers(control)
-    trainer = build_trainer(cfg, control)
+    server = None
+    if dist.is_main:
+        server = ServerThread(cfg.bind, control).start()
+        log.info("trainer gRPC service on port %d", server.port)
+        rpc.write_ready_file(cfg.ready_file, grpc_port=server.port)
+        _install_signal_handlers(control)
+    trainer = build_trainer(cfg, control, dist)
     try:
         train_sync(trainer)
         control.end()
@@ -99,4 +110,6 @@ def serve(cfg: TrainerConfig) -> int:
         return 1
     finally:
         trainer.close()
-        server.stop()
+        if server is not None:
+            server.stop()
+        close_distributed()

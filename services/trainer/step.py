@@ -8,6 +8,14 @@ Because every token's normalisation weight is computed over the whole batch befo
 micro-batch runs (`loss.sample_weights`), the accumulated gradient is the gradient of the one
 batch loss, whatever the micro-batch size: results differ only by float rounding.
 
+Sharded (world size N > 1, `sharding.py`): `samples` are this rank's share of the global batch
+(`sharding.split_by_tokens`). The ranks all-gather their samples' loss-token counts and rollout
+ids, so every token gets exactly the weight one process would give it over the global batch;
+each rank backpropagates its own part of the batch loss and FSDP2 sums the gradients over ranks.
+Every rank runs the same number of micro-batches (a rank with fewer runs empty passes that
+contribute zero: FSDP's collectives need every rank in every forward/backward). Loss and
+metric sums are all-reduced, the gradient norm is taken over the whole (sharded) gradient.
+
 Padding is on the right and attention is causal, so real tokens never attend to padding and no
 attention mask is needed (position ids count from 0 in every row, as in the unpadded sequence).
 Logprobs are log_softmax of the logits cast to float32, at temperature 1: they are comparable
@@ -24,6 +32,7 @@ import torch
 
 from .loss import LossConfig, LossTerms, policy_loss, sample_weights
 from .samples import Sample
+from .sharding import Dist
 
 
 @dataclass(frozen=True)
@@ -131,24 +140,27 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     samples: Sequence[Sample],
     config: StepConfig | None = None,
+    dist: Dist | None = None,
 ) -> StepMetrics:
-    """One optimizer step of `model` on `samples` (see the module docstring)."""
+    """One optimizer step of `model` on `samples` (this rank's share when `dist` is sharded;
+    see the module docstring)."""
     config = config or StepConfig()
+    d = dist or Dist.single()
     start = time.perf_counter()
-    if not samples or sum(s.num_loss_tokens for s in samples) == 0:
-        raise ValueError("train_step needs samples with at least one loss token")
+    weights = _token_weights(samples, config, d)
     device = next(model.parameters()).device
-    weights = sample_weights(
-        [s.num_loss_tokens for s in samples], [s.rollout_id for s in samples],
-        config.loss.normalization,
-    )
     batches = micro_batches([len(s) for s in samples], config.micro_batch_size,
                             config.micro_batch_max_tokens)
+    passes = d.max(len(batches))  # every rank runs as many (sharded: empty passes pad)
 
     model.train()
     optimizer.zero_grad(set_to_none=True)
     total: LossTerms | None = None
-    for batch in batches:
+    for k in range(passes):
+        if k >= len(batches):
+            _empty_pass(model, config.pad_token_id, device)
+            continue
+        batch = batches[k]
         rows = [samples[i] for i in batch]
         input_ids = _pad([s.input_ids for s in rows], config.pad_token_id, torch.long, device)
         # position i of the shifted tensors is token i + 1, predicted from position i
@@ -168,18 +180,68 @@ def train_step(
         del logits, logprobs, entropy, terms
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm,
-                                               error_if_nonfinite=True)
+    grad_norm = _clip_gradients(params, config.max_grad_norm, d)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-    assert total is not None
+    if total is None:  # a rank without samples (sharded only)
+        total = LossTerms(loss=torch.zeros(()), kl_sum=0.0, clipped=0, capped=0,
+                          entropy_sum=0.0, tokens=0)
+    if d.sharded:
+        loss, kl, clipped, capped, ent, tokens, input_tokens, n = d.sum([
+            float(total.loss), total.kl_sum, total.clipped, total.capped, total.entropy_sum,
+            total.tokens, sum(len(s) for s in samples), len(samples)])
+        total = LossTerms(loss=torch.tensor(loss), kl_sum=kl, clipped=int(clipped),
+                          capped=int(capped), entropy_sum=ent, tokens=int(tokens))
+        n_input, n_samples = int(input_tokens), int(n)
+    else:
+        n_input, n_samples = sum(len(s) for s in samples), len(samples)
     m = total.metrics()
     return StepMetrics(
         loss=m["loss"], kl=m["kl"], clip_frac=m["clip_frac"], capped_frac=m["capped_frac"],
-        entropy=m["entropy"], tokens=total.tokens, input_tokens=sum(len(s) for s in samples),
-        samples=len(samples), micro_batches=len(batches), grad_norm=float(grad_norm),
+        entropy=m["entropy"], tokens=total.tokens, input_tokens=n_input,
+        samples=n_samples, micro_batches=passes, grad_norm=float(grad_norm),
         step_time_s=time.perf_counter() - start,
     )
+
+
+def _token_weights(samples: Sequence[Sample], config: StepConfig, d: Dist) -> list[float]:
+    """The normalisation weight of each of `samples`, over the global batch: the ranks'
+    loss-token counts and rollout ids are all-gathered, so the weights are exactly those one
+    process computes over all samples."""
+    mine = [(s.num_loss_tokens, s.rollout_id) for s in samples]
+    parts = d.all_gather(mine)
+    everything = [x for part in parts for x in part]
+    if not everything or sum(n for n, _ in everything) == 0:
+        raise ValueError("train_step needs samples with at least one loss token")
+    weights = sample_weights([n for n, _ in everything], [k for _, k in everything],
+                             config.loss.normalization)
+    offset = sum(len(part) for part in parts[:d.rank])
+    return weights[offset:offset + len(samples)]
+
+
+def _empty_pass(model: torch.nn.Module, pad_token_id: int, device: torch.device) -> None:
+    """A forward and backward that changes no gradient: keeps a rank with fewer micro-batches
+    in step with FSDP's collectives."""
+    x = torch.full((1, 2), pad_token_id, dtype=torch.long, device=device)
+    (model(input_ids=x, use_cache=False).logits.sum() * 0.0).backward()
+
+
+def _clip_gradients(params: list[torch.Tensor], max_norm: float, d: Dist) -> torch.Tensor:
+    """Clips the total gradient L2 norm to `max_norm`; returns the norm before clipping (over
+    the whole model: sharded gradients' norms are reduced over ranks)."""
+    if not d.sharded:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, error_if_nonfinite=True)
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if not torch.isfinite(norm):
+        raise RuntimeError(f"the total norm of the gradients is {float(norm)}: a non-finite "
+                           "loss or gradient (lower the learning rate, or check the samples)")
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

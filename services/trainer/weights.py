@@ -32,14 +32,17 @@ from harnessrl.weight_transfer import (
     PushReport,
     WeightPusher,
 )
+from harnessrl.weight_transfer.transports import NamedTensors
 
 log = logging.getLogger("harnessrl.trainer")
 
 
 class WeightSink(Protocol):
-    """Where the trainer's weights go after each step."""
+    """Where the trainer's weights go after each step: the model itself, or (sharded, on rank
+    0) its full tensors gathered bucket by bucket (`weight_transfer.sharded.GatheredWeights`)."""
 
-    def push(self, model: torch.nn.Module, version: int) -> PushReport | None: ...
+    def push(self, model: torch.nn.Module | NamedTensors, version: int
+             ) -> PushReport | None: ...
 
     def close(self) -> None: ...
 
@@ -67,7 +70,7 @@ class EngineWeights:
             if name not in self.pusher.engines:
                 self.pusher.add_engine(EngineRef(name, url))
 
-    def push(self, model: torch.nn.Module, version: int) -> PushReport:
+    def push(self, model: torch.nn.Module | NamedTensors, version: int) -> PushReport:
         for attempt in range(1, self.attempts + 1):
             self._sync_engines()
             try:
