@@ -32,9 +32,11 @@ Contract every backend keeps:
 from __future__ import annotations
 
 import abc
+import asyncio
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,28 @@ class JobBackend(abc.ABC):
         """Why `argv` (with `env`) cannot run on this backend, or None; lets a run with a typo
         in its command be refused up front. Backends that cannot tell return None."""
         return None
+
+    # -- bookkeeping shared by backends that follow each job with one asyncio task, kept in
+    # `self._jobs[job_id]` (an object with `spec: JobSpec` and `task: Future[JobResult]`)
+    _jobs: dict[str, Any]
+
+    def _job(self, job_id: str) -> Any:
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise KeyError(f"unknown job {job_id}") from None
+
+    async def _wait_tracked(self, job_id: str) -> JobResult:
+        job = self._job(job_id)
+        assert job.task is not None
+        return await asyncio.shield(job.task)  # type: ignore[no-any-return]
+
+    def _list_tracked(self, labels: dict[str, str] | None) -> list[JobInfo]:
+        want = labels or {}
+        return [JobInfo(job_id, JobState.DONE if job.task is not None and job.task.done()
+                        else JobState.RUNNING, dict(job.spec.labels))
+                for job_id, job in self._jobs.items()
+                if all(job.spec.labels.get(k) == v for k, v in want.items())]
 
     async def close(self) -> None:
         """Controller shutdown: kills every running job (a backend whose jobs a next

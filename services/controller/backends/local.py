@@ -294,16 +294,9 @@ class LocalBackend(JobBackend):
             _signal_group(pgid, signal.SIGKILL)
             await asyncio.sleep(0.02)
 
-    def _job(self, job_id: str) -> _Job:
-        try:
-            return self._jobs[job_id]
-        except KeyError:
-            raise KeyError(f"unknown job {job_id}") from None
 
     async def wait(self, job_id: str) -> JobResult:
-        job = self._job(job_id)
-        assert job.task is not None
-        return await asyncio.shield(job.task)
+        return await self._wait_tracked(job_id)
 
     async def cancel(self, job_id: str, reason: str = "") -> None:
         job = self._jobs.get(job_id)
@@ -320,13 +313,7 @@ class LocalBackend(JobBackend):
                                for job_id in list(self._jobs)))
 
     async def list_jobs(self, labels: dict[str, str] | None = None) -> list[JobInfo]:
-        want = labels or {}
-        return [
-            JobInfo(job_id, JobState.DONE if job.task is not None and job.task.done()
-                    else JobState.RUNNING, dict(job.spec.labels))
-            for job_id, job in self._jobs.items()
-            if all(job.spec.labels.get(k) == v for k, v in want.items())
-        ]
+        return self._list_tracked(labels)
 
     async def cleanup(self, job_id: str) -> None:
         await self.cancel(job_id)
