@@ -5,13 +5,20 @@
   (`examples/calc`): with `--rollouts-only`, one run of tasks x n rollouts through the real
   harness; otherwise RL training (the trainer service) with live progress and a summary.
 - `harnessrl build-model`: builds the tiny local model (cached).
-- `harnessrl run`: creates a run on a running controller and follows it.
+- `harnessrl up --harness CMD [--grader CMD] --tasks FILE`: the same with your own harness.
+- `harnessrl up --detach`: leaves the stack running in the background under its supervisor
+  (which restarts what dies); `status`, `runs`, `rollouts RUN`, `show ROLLOUT`,
+  `logs SERVICE`, `run` and `down` find it through `--state-dir` (default `.harnessrl`).
+- `harnessrl run`: creates a run of your harness on a running stack and follows it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
+import signal
 import sys
 import time
 from collections import Counter
@@ -22,6 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harnessrl import log as hlog
+from harnessrl import operate, progress
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import controller_pb2 as cpb
 
@@ -90,37 +98,185 @@ def summarize_rollouts(store_address: str, run: c.Run) -> None:
     console.print(table)
 
 
+def user_spec(args: argparse.Namespace, name: str) -> c.RunSpec:
+    """The run of the user's own harness (`--harness`, `--grader`, `--tasks FILE`)."""
+    return c.RunSpec(name=name, tasks_file=str(Path(args.tasks).resolve()),
+                     group_size=args.group_size, harness_command=shlex.split(args.harness),
+                     grader_command=shlex.split(args.grader) if args.grader else [],
+                     reward_source=(c.REWARD_SOURCE_HARNESS if not args.grader
+                                    else c.REWARD_SOURCE_GRADER_JSON),
+                     concurrency=args.concurrency, timeout_s=args.timeout,
+                     max_attempts=args.attempts, model=args.model_name)
+
+
+def _load_config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
+    """`--config FILE` (YAML, TOML or JSON; keys are the flag names, `-` or `_`): its values
+    apply where no flag was given."""
+    if not getattr(args, "config", None):
+        return
+    from harnessrl.config import read_config_file
+
+    for key, value in read_config_file(args.config).items():
+        dest = key.replace("-", "_")
+        if not hasattr(args, dest):
+            raise SystemExit(f"{args.config}: unknown key {key!r}")
+        if getattr(args, dest) == ap.get_default(dest):
+            setattr(args, dest, value)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    if (args.harness is None) != (args.tasks is None):
+        console.print("[red]--harness and --tasks go together (your harness command and a JSONL "
+                      "file of its tasks); --grader is optional")
+        return 2
+    if args.harness and not args.grader and not args.rollouts_only:
+        console.print("[red]training your harness needs --grader (a command whose last stdout "
+                      "line is {\"reward\": x}); --rollouts-only runs it without one")
+        return 2
+    state = Path(args.state_dir).resolve()
+    try:
+        st = operate.load_state(state)
+        console.print(f"[red]a stack is running in {state} already (supervisor pid "
+                      f"{st['supervisor_pid']}); stop it with harnessrl down, or use another "
+                      "--state-dir")
+        return 1
+    except operate.NoStack:
+        pass
+    if args.detach and not args.daemon:
+        return _detach(args, state)
+    return _up(args, state)
+
+
+def _detach(args: argparse.Namespace, state: Path) -> int:
+    """Starts `harnessrl up ... --daemon` in a session of its own (it outlives this shell),
+    follows its log until the stack serves, and returns."""
+    import subprocess
+
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    (state / operate.STATE_FILE).unlink(missing_ok=True)
+    log_path = state / "logs" / "up.log"
+    given = sys.argv[1:] if args.argv is None else list(args.argv)
+    argv = [sys.executable, "-m", "harnessrl.cli", *given, "--daemon"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "HARNESSRL_UP_DAEMON": "1"})
+    console.print(f"starting the stack in the background (pid {proc.pid}, log {log_path})")
+    t0, pos = time.monotonic(), log_path.stat().st_size
+    while not (state / operate.STATE_FILE).exists():
+        with open(log_path, errors="replace") as f:  # its progress lines, as they come
+            f.seek(pos)
+            chunk = f.read()
+            pos = f.tell()
+        for line in chunk.splitlines():
+            if line.startswith("[harnessrl]") or "error" in line.lower():
+                console.print(line, markup=False, highlight=False)
+        if proc.poll() is not None:
+            console.print(f"[red]the stack did not start (exit {proc.returncode}); log "
+                          f"{log_path}:")
+            console.print(operate._tail(log_path, 30), markup=False)
+            return 1
+        if time.monotonic() - t0 > args.start_timeout:
+            console.print(f"[red]not up after {args.start_timeout:.0f}s; stopping it (log "
+                          f"{log_path})")
+            os.kill(proc.pid, signal.SIGTERM)
+            return 1
+        time.sleep(0.5)
+    st = json.loads((state / operate.STATE_FILE).read_text())
+    console.print(f"""stack running (supervisor pid {st['supervisor_pid']}, {time.monotonic() - t0:.0f}s):
+  gateway {st['gateway_url']}  store {st['store']}  controller {st['controller']}""" + (
+        f"  trainer {st['trainer']}" if st.get("trainer") else "") + f"""
+  runs: {', '.join(st.get('runs', [])) or '(the trainer creates one per step)'}
+  harnessrl status | runs | rollouts RUN | show ROLLOUT | logs SERVICE | down   (--state-dir {args.state_dir})""",
+                  markup=False, highlight=False)
+    return 0
+
+
+def _up(args: argparse.Namespace, state: Path) -> int:
     from harnessrl.model.build import build_tiny_model, default_model_dir
     from harnessrl.stack import Stack, StackConfig
 
-    state = Path(args.state_dir).resolve()
-    with console.status("building the tiny model (cached after the first time)"):
-        t0 = time.monotonic()
-        model_dir = build_tiny_model(args.model_dir or default_model_dir())
-    console.print(f"model: {model_dir} ({time.monotonic() - t0:.0f}s)")
-    cfg = StackConfig(state_dir=state, redis_url=args.redis_url, model_dir=model_dir,
-                      served_model_name="tiny")
-    with console.status("starting Redis, vLLM (about a minute), store, gateway, controller"):
-        stack = Stack(cfg).start()
+    daemon = args.daemon
+    if daemon:  # `harnessrl down` sends SIGTERM: stop everything on the way out
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    engines = tuple(args.engine_url or ())
+    t0 = time.monotonic()
+    if args.model_dir and engines:
+        model_dir: Path | None = Path(args.model_dir).resolve()
+    else:
+        with progress.phase(console, "building the tiny model (cached after the first time)",
+                            None if args.model_dir else 240):
+            model_dir = build_tiny_model(args.model_dir or default_model_dir())
+        console.print(f"model: {model_dir} ({time.monotonic() - t0:.0f}s)")
+    cfg = StackConfig(state_dir=state, redis_url=args.redis_url,
+                      model_dir=None if engines else model_dir,
+                      served_model_name=args.model_name, external_engines=engines,
+                      key_prefix=args.key_prefix)
+    what = "starting Redis, store, gateway, controller" + (
+        "" if engines else " and vLLM (about a minute)")
+    stack = Stack(cfg)
+    stack.cfg.model_dir = None if engines else model_dir
     try:
+        with progress.phase(console, what, None if engines else 90):
+            stack.start()
+        stack.supervise(on_event=lambda ev: console.print(f"[harnessrl] supervisor: {ev.line()}",
+                                                          markup=False, highlight=False))
         console.print(f"gateway {stack.gateway_url}  store {stack.store_address}  "
                       f"controller {stack.controller_address}  logs {stack.logs}")
         if args.rollouts_only:
-            return _rollouts(stack, args)
-        from harnessrl.train_job import run_training
+            return _rollouts(stack, args, state, model_dir)
+        from harnessrl.train_job import run_training, start_trainer
+        if daemon:
+            start_trainer(stack, model_dir, args, console)
+            _write_state(stack, args, state, model_dir)
+            return _serve_until_down(stack)
         return run_training(stack, model_dir, args, console)
     finally:
-        with console.status("stopping services"):
+        with progress.phase(console, "stopping services"):
             stack.stop()
+        if daemon:
+            (state / operate.STATE_FILE).unlink(missing_ok=True)
 
 
-def _rollouts(stack: "object", args: argparse.Namespace) -> int:
+def _write_state(stack: "object", args: argparse.Namespace, state: Path,
+                 model_dir: Path | None, runs: tuple[str, ...] = ()) -> None:
+    st = stack.addresses()  # type: ignore[attr-defined]
+    st.update(state_dir=str(state), supervisor_pid=os.getpid(), started_at=time.time(),
+              steps=args.steps, runs=list(runs), model_dir=str(model_dir or ""),
+              procs={n: {"pid": p.proc.pid if p.proc else None, "log": str(p.log_path)}
+                     for n, p in stack.procs.items()})  # type: ignore[attr-defined]
+    operate.write_state(state, st)
+
+
+def _serve_until_down(stack: "object") -> int:
+    """The detached supervisor's life after start-up: keeps stack.json's pids current until
+    `harnessrl down` (SIGTERM)."""
+    state = stack.state  # type: ignore[attr-defined]
+    path = state / operate.STATE_FILE
+    while True:
+        time.sleep(1.0)
+        st = json.loads(path.read_text())
+        for n, p in list(stack.procs.items()):  # type: ignore[attr-defined]
+            info = st["procs"].setdefault(n, {"log": str(p.log_path)})
+            info["pid"] = p.proc.pid if p.proc else None
+            sup = stack.supervisor  # type: ignore[attr-defined]
+            if sup is not None and n in sup._done:
+                info["exited"] = p.proc.returncode if p.proc else "?"
+        operate.write_state(state, st)
+
+
+def _rollouts(stack: "object", args: argparse.Namespace, state: Path,
+              model_dir: Path | None) -> int:
     from harnessrl.clients import ControllerClient
 
     ctl = ControllerClient.connect(stack.controller_address)  # type: ignore[attr-defined]
-    run = ctl.create_run(example_spec(args.tasks, args.group_size, args.concurrency, "tiny"))
+    spec = user_spec(args, "rollouts") if args.harness else \
+        example_spec(args.num_tasks, args.group_size, args.concurrency, args.model_name)
+    run = ctl.create_run(spec)
     ctl.close()
+    if args.daemon:
+        _write_state(stack, args, state, model_dir, runs=(run.run_id,))
+        return _serve_until_down(stack)
     run = follow_run(stack.controller_address, run.run_id)  # type: ignore[attr-defined]
     summarize_rollouts(stack.store_address, run)  # type: ignore[attr-defined]
     console.print(f"rollout workdirs (harness stdout/stderr, transcripts): "
@@ -140,42 +296,92 @@ def cmd_build_model(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from harnessrl.clients import ControllerClient
 
-    spec = c.RunSpec(name=args.name, tasks_file=str(Path(args.tasks).resolve()),
-                     group_size=args.group_size, harness_command=args.harness.split(),
-                     grader_command=args.grader.split() if args.grader else [],
-                     reward_source=(c.REWARD_SOURCE_HARNESS if not args.grader
-                                    else c.REWARD_SOURCE_GRADER_JSON),
-                     concurrency=args.concurrency, timeout_s=args.timeout,
-                     max_attempts=args.attempts, model=args.model)
-    ctl = ControllerClient.connect(args.controller)
+    controller = args.controller
+    if not controller:
+        try:
+            controller = operate.load_state(Path(args.state_dir))["controller"]
+        except operate.NoStack as exc:
+            console.print(f"[red]{exc} (or pass --controller HOST:PORT)")
+            return 1
+    spec = user_spec(args, args.name)
+    ctl = ControllerClient.connect(controller)
     run = ctl.create_run(spec)
     ctl.close()
     console.print(f"run {run.run_id}")
-    run = follow_run(args.controller, run.run_id)
+    run = follow_run(controller, run.run_id)
     console.print(f"{c.RunStatus.Name(run.status)}: {run.num_succeeded} succeeded, "
                   f"{run.num_failed} failed, mean reward {run.mean_reward:.3f}")
     return 0 if run.status == c.RUN_STATUS_SUCCEEDED else 1
+
+
+def _on_stack(fn):  # type: ignore[no-untyped-def]
+    """A verb that needs the detached stack of --state-dir."""
+    def run(args: argparse.Namespace) -> int:
+        try:
+            st = operate.load_state(Path(args.state_dir))
+        except operate.NoStack as exc:
+            console.print(f"[red]{exc}", markup=True)
+            return 1
+        return int(fn(st, args))
+    return run
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    try:
+        return operate.down(Path(args.state_dir), console)
+    except operate.NoStack as exc:
+        console.print(f"[red]{exc}")
+        return 1
+
+
+def _harness_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--harness", default=None, help="your harness command line (run once per "
+                   "rollout with OPENAI_BASE_URL/OPENAI_API_KEY set; see README)")
+    p.add_argument("--grader", default="", help="grader command line, run after the harness; "
+                   "its last stdout line is {\"reward\": x} (default: the harness reports its "
+                   "reward through the gateway)")
+    p.add_argument("--tasks", default=None, help="JSONL file of tasks (one JSON object with an "
+                   "\"id\" per line)")
+    p.add_argument("--group-size", type=int, default=4, help="rollouts per task")
+    p.add_argument("--concurrency", type=int, default=8, help="harness runs at once")
+    p.add_argument("--timeout", type=float, default=300, help="per-attempt harness timeout (s)")
+    p.add_argument("--attempts", type=int, default=1, help="attempts per rollout")
+    p.add_argument("--model-name", default="tiny", help="model name the engines serve")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="harnessrl", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
+    state_help = "state directory of the stack (logs, addresses, rollouts, Redis data)"
 
-    up = sub.add_parser("up", help="run the main job on this machine (see README)")
-    up.add_argument("--state-dir", default=".harnessrl", help="logs, secret, rollouts, Redis data")
+    up = sub.add_parser("up", help="start everything on this machine and train (see README)")
+    up.add_argument("--config", default=None, help="YAML/TOML/JSON file with any of these "
+                    "flags as keys (flags given on the command line win)")
+    up.add_argument("--state-dir", default=".harnessrl", help=state_help)
     up.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
                     help="Redis to use; one is started (AOF on) there when none answers")
+    up.add_argument("--key-prefix", default="hrl:", help="prefix of this stack's Redis keys")
     up.add_argument("--model-dir", default=None, help="model to serve and train (default: the "
                     "tiny model, built on first use)")
+    up.add_argument("--engine-url", action="append", default=None, help="use this running "
+                    "OpenAI-compatible engine (vLLM) instead of starting one (repeatable; "
+                    "--rollouts-only, since the trainer cannot push into it)")
+    _harness_flags(up)
     up.add_argument("--rollouts-only", action="store_true",
-                    help="one run of the example through the harness, no training")
-    up.add_argument("--tasks", type=int, default=4, help="tasks (--rollouts-only)")
-    up.add_argument("--group-size", type=int, default=4, help="rollouts per task")
-    up.add_argument("--concurrency", type=int, default=8, help="harness runs at once")
+                    help="one run of tasks x group-size rollouts through the harness, no "
+                    "training")
+    up.add_argument("--num-tasks", type=int, default=4, help="example tasks (--rollouts-only "
+                    "without --harness)")
+    up.add_argument("--tasks-per-step", type=int, default=None, help="tasks per training step")
     up.add_argument("--steps", type=int, default=None, help="training steps")
     up.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
     up.add_argument("--output-dir", default=None, help="checkpoints, metrics, reward curve")
+    up.add_argument("--detach", action="store_true", help="leave the stack running in the "
+                    "background, supervised; the other verbs find it through --state-dir")
+    up.add_argument("--start-timeout", type=float, default=900, help="--detach: give up when "
+                    "the stack does not serve within this many seconds")
+    up.add_argument("--daemon", action="store_true", help=argparse.SUPPRESS)
     up.set_defaults(fn=cmd_up)
 
     bm = sub.add_parser("build-model", help="build the tiny local model (cached)")
@@ -183,21 +389,45 @@ def main(argv: list[str] | None = None) -> int:
     bm.add_argument("--untied", action="store_true")
     bm.set_defaults(fn=cmd_build_model)
 
-    run = sub.add_parser("run", help="create a run on a running controller and follow it")
-    run.add_argument("--controller", default="127.0.0.1:50053")
-    run.add_argument("--tasks", required=True, help="JSONL file of tasks")
-    run.add_argument("--harness", required=True, help="harness command line")
-    run.add_argument("--grader", default="", help="grader command line (default: the harness "
-                     "reports its reward through the gateway)")
-    run.add_argument("--group-size", type=int, default=4)
-    run.add_argument("--concurrency", type=int, default=4)
-    run.add_argument("--timeout", type=float, default=300)
-    run.add_argument("--attempts", type=int, default=1)
-    run.add_argument("--model", default="tiny")
+    run = sub.add_parser("run", help="create a run of your harness on a running stack and "
+                         "follow it")
+    run.add_argument("--controller", default="", help="controller address (default: the "
+                     "detached stack's, from --state-dir)")
+    run.add_argument("--state-dir", default=".harnessrl", help=state_help)
+    _harness_flags(run)
     run.add_argument("--name", default="run")
     run.set_defaults(fn=cmd_run)
 
+    def verb(name: str, help: str, fn) -> argparse.ArgumentParser:  # type: ignore[no-untyped-def]
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--state-dir", default=".harnessrl", help=state_help)
+        p.set_defaults(fn=fn)
+        return p
+
+    verb("status", "services, engines and versions, runs, trainer step",
+         _on_stack(lambda st, a: operate.status(st, console)))
+    p = verb("runs", "runs in the store", _on_stack(lambda st, a: operate.runs(st, console,
+                                                                               a.limit)))
+    p.add_argument("--limit", type=int, default=50)
+    p = verb("rollouts", "a run's rollouts: rewards, attempts, errors",
+             _on_stack(lambda st, a: operate.rollouts(st, console, a.run)))
+    p.add_argument("run")
+    p = verb("show", "one rollout: each call's prompt and completion (from the recorded "
+             "tokens), token counts, policy version, the harness's stdout and stderr",
+             _on_stack(lambda st, a: operate.show(st, console, a.rollout)))
+    p.add_argument("rollout")
+    p = verb("logs", "a service's log (store, gateway, controller, trainer, engine0, redis, "
+             "supervisor)", _on_stack(lambda st, a: operate.logs(st, console, a.service,
+                                                                 a.lines, a.follow)))
+    p.add_argument("service")
+    p.add_argument("-n", "--lines", type=int, default=50)
+    p.add_argument("-f", "--follow", action="store_true")
+    verb("down", "stop the detached stack", cmd_down)
+
     args = ap.parse_args(argv)
+    args.argv = argv
+    if args.cmd == "up":
+        _load_config(args, up)
     hlog.setup("cli", "WARNING")
     return int(args.fn(args))
 

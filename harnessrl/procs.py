@@ -4,6 +4,7 @@ a ready file, and Redis started on demand. Used by `harnessrl up`, the benchmark
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -38,6 +39,11 @@ class ServiceProcess:
         self.ready_file = ready_file
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
+        self.restart = "always"
+        """Supervisor policy: "always" (any exit), "on-failure" (non-zero exit), "no"."""
+        self.restart_argv: list[str] | None = None
+        """argv of a restart when it differs (the trainer restarts with --resume)."""
+        self.started_at = 0.0
 
     def start(self) -> "ServiceProcess":
         if self.ready_file is not None and self.ready_file.exists():
@@ -48,7 +54,15 @@ class ServiceProcess:
             cwd=self.workdir, start_new_session=True,
         )
         log.close()
+        self.started_at = time.time()
         return self
+
+    def respawn(self) -> "ServiceProcess":
+        """A new process with the same flags (ports included), log and ready file."""
+        new = copy.copy(self)
+        new.proc = None
+        new.argv = list(self.restart_argv or self.argv)
+        return new.start()
 
     def log_tail(self, n: int = 40) -> str:
         try:

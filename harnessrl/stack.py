@@ -1,7 +1,9 @@
 """The whole system on one machine: Redis, store, engine(s), gateway, controller.
 
-`Stack` starts each piece as a child process (services on port 0, announcing their ports
-through ready files) in a state directory, and stops them in reverse order. `harnessrl up`,
+`Stack` starts each piece as a child process in a state directory and stops them in reverse
+order. Ports are chosen once, at start (free ones), and passed to each service explicitly, so a
+service restarted (by `restart`, or by the `Supervisor` that `supervise` starts) comes back on
+the same address and its clients simply reconnect. `harnessrl up`,
 the end-to-end tests and the benchmarks use it; in production each service runs on its own
 (docker compose, Kubernetes) with the same flags.
 """
@@ -10,11 +12,18 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from harnessrl import procs
 from harnessrl.credentials import load_secret
+
+if TYPE_CHECKING:
+    from harnessrl.supervisor import Event, Supervisor
 
 log = logging.getLogger("harnessrl.stack")
 
@@ -63,8 +72,11 @@ class Stack:
         self.procs: dict[str, procs.ServiceProcess] = {}
         self.redis_url = cfg.redis_url
         self.store_address = self.gateway_url = self.gateway_admin_address = ""
-        self.controller_address = ""
+        self.controller_address = self.trainer_address = ""
         self.engines: list = []  # harnessrl.engine.EngineProcess
+        self.lock = threading.RLock()  # guards procs against the supervisor's restarts
+        self.stopping = False
+        self.supervisor: "Supervisor | None" = None
 
     # lifecycle ------------------------------------------------------------------------------
     def start(self) -> "Stack":
@@ -92,46 +104,80 @@ class Stack:
         if redis_proc is not None:
             log.info("started redis-server with AOF at %s", self.redis_url)
             self.procs["redis"] = redis_proc
-        info = self._service("store", "services.store", "--bind", "127.0.0.1:0",
-                             "--redis-url", self.redis_url, "--key-prefix", self.cfg.key_prefix)
-        self.store_address = f"127.0.0.1:{info['grpc_port']}"
+        self._service("store", "services.store", "--bind", f"127.0.0.1:{procs.free_port()}",
+                      "--redis-url", self.redis_url, "--key-prefix", self.cfg.key_prefix)
+        self.store_address = self._address("store", "--bind")
         for eng in self.engines:
             eng.wait_healthy(600)
         urls = [e.base_url for e in self.engines] + list(self.cfg.external_engines)
         engines = [{"name": f"engine{i}", "base_url": url, "model": self.cfg.served_model_name}
                    for i, url in enumerate(urls)]
-        info = self._service("gateway", "services.gateway", "--http-port", "0",
-                             "--grpc-bind", "127.0.0.1:0", "--store-address", self.store_address,
+        info = self._service("gateway", "services.gateway", "--http-port",
+                             str(procs.free_port()),
+                             "--grpc-bind", f"127.0.0.1:{procs.free_port()}",
+                             "--store-address", self.store_address,
                              "--secret-file", str(self.secret_file),
                              "--engines", json.dumps(engines), *self.cfg.gateway_flags)
         self.gateway_url = f"http://127.0.0.1:{info['http_port']}/v1"
         self.gateway_admin_address = f"127.0.0.1:{info['grpc_port']}"
-        info = self._service("controller", "services.controller", "--bind", "127.0.0.1:0",
+        self._service("controller", "services.controller", "--bind",
+                             f"127.0.0.1:{procs.free_port()}",
                              "--store-address", self.store_address,
                              "--gateway-url", self.gateway_url,
                              "--secret-file", str(self.secret_file),
                              "--workdir-root", str(self.state / "rollouts"),
                              *self.cfg.controller_flags)
-        self.controller_address = f"127.0.0.1:{info['grpc_port']}"
+        self.controller_address = self._address("controller", "--bind")
 
     def _service(self, name: str, module: str, *args: str) -> dict:  # type: ignore[type-arg]
         self.procs[name], info = procs.start_service(name, module, list(args), self.logs)
         return info
 
+    def _address(self, name: str, flag: str) -> str:
+        argv = self.procs[name].argv
+        return argv[argv.index(flag) + 1]
+
+    def add(self, proc: procs.ServiceProcess) -> None:
+        """Puts a process the caller started (the trainer) under the stack (and supervisor)."""
+        with self.lock:
+            self.procs[proc.name] = proc
+            if proc.name == "trainer" and "--bind" in proc.argv:
+                self.trainer_address = proc.argv[proc.argv.index("--bind") + 1]
+
+    def supervise(self, on_event: "Callable[[Event], None] | None" = None) -> "Supervisor":
+        """Starts restarting what dies (see `harnessrl.supervisor`); events go to
+        `<state>/events.jsonl` and `on_event`."""
+        from harnessrl.supervisor import Supervisor
+
+        self.supervisor = Supervisor(self, self.state / "events.jsonl", on_event=on_event)
+        return self.supervisor.start()
+
     def restart(self, name: str, kill: bool = True) -> None:
         """kill -9 (or stop) a service and start it again with the same flags and port."""
-        proc = self.procs[name]
-        proc.kill() if kill else proc.stop()
-        argv = list(proc.argv)
-        if "--bind" in argv:  # come back on the same port, so clients reconnect
-            port = {"store": self.store_address, "controller": self.controller_address
-                    }[name].rsplit(":", 1)[1]
-            argv[argv.index("--bind") + 1] = f"127.0.0.1:{port}"
-        new = procs.ServiceProcess(name, argv, self.logs, ready_file=proc.ready_file).start()
-        self.procs[name] = new
+        with self.lock:
+            proc = self.procs[name]
+            proc.kill() if kill else proc.stop()
+            new = proc.respawn()
+            self.procs[name] = new
         new.wait_ready(60)
 
+    def addresses(self) -> dict[str, object]:
+        """What another process needs to find this stack (written to `<state>/stack.json`)."""
+        return {"store": self.store_address, "gateway_url": self.gateway_url,
+                "gateway_admin": self.gateway_admin_address,
+                "controller": self.controller_address, "trainer": self.trainer_address,
+                "redis_url": self.redis_url, "key_prefix": self.cfg.key_prefix,
+                "served_model_name": self.cfg.served_model_name,
+                "model_dir": str(self.cfg.model_dir or ""),
+                "engines": [e.base_url for e in self.engines] + list(self.cfg.external_engines),
+                "logs": str(self.logs),
+                "pids": {n: p.proc.pid for n, p in self.procs.items() if p.proc is not None}}
+
     def stop(self) -> None:
+        with self.lock:  # no restart starts after this (the supervisor checks it under the lock)
+            self.stopping = True
+        if self.supervisor is not None:
+            self.supervisor.stop()
         for name in reversed(list(self.procs)):
             try:
                 self.procs[name].stop(timeout=20)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from rich.live import Live
 from rich.table import Table
 
 from harnessrl import procs
+from harnessrl.progress import fmt_s
 from harnessrl.stack import Stack
 
 
@@ -45,6 +47,16 @@ def _progress_table(rows: list[dict], steps: int, started: float) -> Table:  # t
                       f(r.get("clip_fraction"), ".3f"), f(r.get("entropy"), ".3f"),
                       str(r.get("tokens", "-")), f(r.get("step_time_s"), ".1f"))
     return table
+
+
+def step_line(r: dict, steps: int, started: float, rows: list[dict]) -> str:  # type: ignore[type-arg]
+    """A training step as one plain log line, with elapsed time and ETA."""
+    el = time.monotonic() - started
+    left = (steps - r["step"]) * el / max(1, len(rows))
+    rew = r.get("reward_mean")
+    return (f"[harnessrl] training: step {r['step']}/{steps}, reward "
+            f"{'-' if rew is None else format(rew, '.3f')}, version {r['policy_version']}, "
+            f"{r.get('step_time_s', 0):.1f}s; {fmt_s(el)} elapsed, ETA {fmt_s(left)}")
 
 
 def plot_rewards(rows: list[dict], png: Path) -> None:  # type: ignore[type-arg]
@@ -80,8 +92,10 @@ def terminal_plot(rows: list[dict]) -> str:  # type: ignore[type-arg]
     return str(plt.uncolorize(str(fig.build())))  # plain text: rich would garble ANSI codes
 
 
-def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
-                 console: Console) -> int:
+def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
+                  console: Console) -> procs.ServiceProcess:
+    """Starts the trainer service against the stack, under its supervisor (restarted with
+    --resume when it fails), on a port chosen once."""
     out = Path(args.output_dir or (stack.state / "train")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     ready = stack.logs / "trainer.ready"
@@ -89,29 +103,75 @@ def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
         "services.trainer", "--model-path", str(model_dir), "--output-dir", str(out),
         "--store-address", stack.store_address, "--controller-address",
         stack.controller_address, "--gateway-admin-address", stack.gateway_admin_address,
-        "--served-model-name", stack.cfg.served_model_name, "--bind", "127.0.0.1:0",
+        "--served-model-name", stack.cfg.served_model_name,
+        "--bind", f"127.0.0.1:{procs.free_port()}",
         "--ready-file", str(ready), "--resume" if args.resume else "--no-resume",
         "--push-backend", stack.cfg.weight_transfer_backend or "gloo",
         "--device", "cuda" if stack.cfg.weight_transfer_backend == "nccl" else "cpu")
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
+    if getattr(args, "harness", None):  # the user's own harness, grader and tasks
+        argv += ["--harness-command", json.dumps(shlex.split(args.harness)),
+                 "--grader-command", json.dumps(shlex.split(args.grader or "")),
+                 "--tasks-file", str(Path(args.tasks).resolve()),
+                 "--group-size", str(args.group_size), "--concurrency", str(args.concurrency),
+                 "--rollout-timeout-s", str(args.timeout), "--max-attempts", str(args.attempts)]
+    if getattr(args, "tasks_per_step", None):
+        argv += ["--tasks-per-step", str(args.tasks_per_step)]
+    argv += list(getattr(args, "trainer_flags", None) or ())
     if not args.resume and (out / "checkpoints").exists():
         console.print(f"[yellow]{out}/checkpoints exists; starting over (pass --resume to "
                       "continue from it)")
         import shutil
         shutil.rmtree(out / "checkpoints")
         (out / "metrics.jsonl").unlink(missing_ok=True)
-    trainer = procs.ServiceProcess("trainer", argv, stack.logs, ready_file=ready).start()
-    stack.procs["trainer"] = trainer
+    trainer = procs.ServiceProcess("trainer", argv, stack.logs, ready_file=ready)
+    trainer.restart = "on-failure"  # exit 0: its steps are done
+    trainer.restart_argv = [a if a != "--no-resume" else "--resume" for a in argv]
+    trainer.start()
+    stack.add(trainer)
+    trainer.wait_ready(300)
+    return trainer
+
+
+def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
+                 console: Console) -> int:
+    out = Path(args.output_dir or (stack.state / "train")).resolve()
+    start_trainer(stack, model_dir, args, console)
     metrics = out / "metrics.jsonl"
     started = time.monotonic()
     steps = args.steps or _default_steps()
-    with Live(_progress_table([], steps, started), console=console, refresh_per_second=2) as live:
-        while trainer.alive:
+    sup = stack.supervisor
+
+    def finished() -> bool:
+        tr = stack.procs["trainer"]
+        if sup is None:
+            return not tr.alive
+        return "trainer" in sup._done
+
+    if console.is_terminal:
+        with Live(_progress_table([], steps, started), console=console,
+                  refresh_per_second=2) as live:
+            while not finished():
+                live.update(_progress_table(_read_metrics(metrics), steps, started))
+                time.sleep(1.0)
             live.update(_progress_table(_read_metrics(metrics), steps, started))
+    else:  # a log: one plain line per step, and a heartbeat while a step runs
+        seen, beat = 0, time.monotonic()
+        while not finished():
+            rows = _read_metrics(metrics)
+            for r in rows[seen:]:
+                console.print(step_line(r, steps, started, rows), markup=False,
+                              highlight=False)
+            if len(rows) > seen or time.monotonic() - beat > 30:
+                if len(rows) == seen:
+                    console.print(f"[harnessrl] training: step {seen + 1}/{steps} running, "
+                                  f"{fmt_s(time.monotonic() - started)} elapsed",
+                                  markup=False, highlight=False)
+                seen, beat = len(rows), time.monotonic()
             time.sleep(1.0)
-        live.update(_progress_table(_read_metrics(metrics), steps, started))
     rows = _read_metrics(metrics)
+    trainer = stack.procs["trainer"]
     assert trainer.proc is not None
     if trainer.proc.returncode != 0:
         console.print(f"[red]trainer exited with {trainer.proc.returncode}; log "

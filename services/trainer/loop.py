@@ -54,6 +54,9 @@ resume, lines of steps after the checkpoint are dropped, so each step appears on
                        float  from `step.StepMetrics` (null when not trained): kl is the k3
                               estimate of KL(behaviour || policy) over loss tokens
     version_mismatches int    calls served by another version than behaviour_version
+    trained_rollouts   list   ids of the rollouts the step's samples came from
+    dropped_rollouts   dict   rollout id -> why it gave no sample ("failed", "group
+                              zero_variance", "group too_few_rollouts", "no tokens")
     generate_s, train_s, push_s, step_time_s
                        float  wall time of each phase and of the step (without its checkpoint)
     checkpoint         str    checkpoint written after this step, or null
@@ -131,6 +134,8 @@ class StepRecord:
     phases: dict[str, float] = field(default_factory=dict)
     rewards: list[float] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    trained_rollouts: list[str] = field(default_factory=list)
+    dropped_rollouts: dict[str, str] = field(default_factory=dict)
 
     def timed(self, phase: str, since: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
@@ -310,6 +315,13 @@ class Trainer:
                    for g in groups]
         samples = [x for r in results for x in r.samples]
         s.rewards = [rw for r in results for rw in r.rewards]
+        s.trained_rollouts = sorted({x.rollout_id for x in samples})
+        for g, r in zip(groups, results, strict=True):
+            for ro in g.rollouts:
+                if ro.rollout_id not in s.trained_rollouts:
+                    s.dropped_rollouts[ro.rollout_id] = (
+                        "failed" if ro.rollout_id in r.dropped_rollouts
+                        else f"group {r.skipped}" if r.skipped else "no tokens")
         s.counts.update(
             groups=len(groups), groups_trained=sum(1 for r in results if r.samples),
             groups_zero_variance=sum(1 for r in results if r.skipped == "zero_variance"),
@@ -405,6 +417,7 @@ class Trainer:
             "step_time_s": time.perf_counter() - s.started,
             "checkpoint": str(self.cfg.checkpoints_dir / ckpt.step_dir_name(s.step))
             if checkpoint else None,
+            "trained_rollouts": s.trained_rollouts, "dropped_rollouts": s.dropped_rollouts,
         }
         _append_jsonl(self.cfg.metrics_file, row)
         self.control.add_step(tpb.StepMetrics(

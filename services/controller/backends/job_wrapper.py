@@ -2,11 +2,17 @@
 ended to a file, so that a controller restarted after a crash can still learn the exit status
 of a job it did not start itself (a process can only wait for its own children).
 
-Usage: `python -I -S job_wrapper.py EXIT_FILE ARGV...`. The exit file gets
+Usage: `python -I -S job_wrapper.py EXIT_FILE [--deadline=UNIX_TIME] ARGV...`. The exit file gets
 `{"exit_code": N, "error": ""}` (N negative: killed by that signal; 127 with `error` set: the
 command could not be executed) once the command has ended; the wrapper exits with the same
 status. SIGTERM reaches the whole process group: the wrapper outlives it long enough to record
 how its child ended (SIGKILL ends it regardless). It imports only the standard library.
+
+`--deadline`: a last resort for a job no controller watches any more (its controller was killed
+and not restarted): past that time the wrapper records the job as killed, then ends its whole
+process group (SIGTERM, SIGKILL 2 s later, itself included). The controller sets it a little
+after its own timeout and grace period, so a watching controller always acts first; the
+harness cannot outlive its attempt either way.
 """
 
 import json
@@ -14,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 EXEC_FAILED = 127
 
@@ -27,6 +34,9 @@ def _record(exit_file: str, exit_code: int, error: str = "") -> None:
 
 def main() -> int:
     exit_file, argv = sys.argv[1], sys.argv[2:]
+    deadline = None
+    if argv and argv[0].startswith("--deadline="):
+        deadline, argv = float(argv[0].split("=", 1)[1]), argv[1:]
     # A handler, not SIG_IGN: handlers are reset by exec, so the child gets the default action.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
@@ -38,8 +48,14 @@ def main() -> int:
         return EXEC_FAILED
     while True:
         try:
-            code = child.wait()
+            code = child.wait(None if deadline is None else max(0.0, deadline - time.time()))
             break
+        except subprocess.TimeoutExpired:  # nobody ended it in time: end the whole group
+            _record(exit_file, -signal.SIGKILL, "killed by its job wrapper: past its deadline "
+                    "(no controller watched it)")
+            os.killpg(0, signal.SIGTERM)
+            time.sleep(2.0)
+            os.killpg(0, signal.SIGKILL)
         except InterruptedError:  # pragma: no cover - PEP 475 retries for us
             continue
     _record(exit_file, code)

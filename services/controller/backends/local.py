@@ -15,7 +15,9 @@ and writes how it ended to `<workdir>/.<job_id>.exit.json`; the backend records 
 (`<workdir>/.<job_id>.job.json`: leader pid, its start time, launch time, timeout) before the
 job can run long. A controller restarted after a kill -9 `adopt`s the job from that record:
 a group still running is supervised again (its timeout counted from the original launch), an
-ended one reports the exit status its wrapper wrote. A job is never started twice.
+ended one reports the exit status its wrapper wrote. A job is never started twice. A job whose
+controller never comes back ends anyway: its wrapper kills its group a few seconds after the
+timeout (`--deadline`), so no harness outlives its attempt.
 """
 
 from __future__ import annotations
@@ -179,7 +181,9 @@ class LocalBackend(JobBackend):
                 open(workdir / spec.stderr_name, "wb") as err:
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-I", "-S", _WRAPPER, str(job.exit_path), *spec.argv,
+                    sys.executable, "-I", "-S", _WRAPPER, str(job.exit_path),
+                    f"--deadline={job.started_at + spec.timeout_s + self.kill_grace_s + 5:.3f}",
+                    *spec.argv,
                     stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                     cwd=workdir, env=env, start_new_session=True,
                 )
