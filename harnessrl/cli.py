@@ -59,18 +59,33 @@ def follow_run(controller_address: str, run_id: str) -> c.Run:
     ctl = ControllerClient.connect(controller_address)
     total = ctl.get_run(run_id).num_rollouts or None
     states: dict[str, int] = {}
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
-                  console=console) as progress:
-        bar = progress.add_task("rollouts", total=total, detail="")
+    if not console.is_terminal:  # a log: a plain line every 10 s and at the end
+        t0 = last = time.monotonic()
         for event in ctl.watch_run(run_id):
             if event.kind == cpb.RunEvent.KIND_RUN_DONE:
                 break
             states[event.rollout.rollout_id] = event.rollout.status
-            counts = Counter(states.values())
-            progress.update(bar, completed=sum(counts[s] for s in TERMINAL),
-                            detail=f"running {counts[c.ROLLOUT_STATUS_RUNNING]}  "
-                                   f"failed {counts[c.ROLLOUT_STATUS_FAILED]}")
+            if time.monotonic() - last > 10:
+                last = time.monotonic()
+                counts = Counter(states.values())
+                console.print(f"[harnessrl] rollouts: {sum(counts[s] for s in TERMINAL)}/"
+                              f"{total or '?'} done, running {counts[c.ROLLOUT_STATUS_RUNNING]}, "
+                              f"failed {counts[c.ROLLOUT_STATUS_FAILED]}; "
+                              f"{progress.fmt_s(last - t0)} elapsed", markup=False,
+                              highlight=False)
+    else:
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                      MofNCompleteColumn(), TextColumn("{task.fields[detail]}"),
+                      TimeElapsedColumn(), console=console) as bar_progress:
+            bar = bar_progress.add_task("rollouts", total=total, detail="")
+            for event in ctl.watch_run(run_id):
+                if event.kind == cpb.RunEvent.KIND_RUN_DONE:
+                    break
+                states[event.rollout.rollout_id] = event.rollout.status
+                counts = Counter(states.values())
+                bar_progress.update(bar, completed=sum(counts[s] for s in TERMINAL),
+                                    detail=f"running {counts[c.ROLLOUT_STATUS_RUNNING]}  "
+                                           f"failed {counts[c.ROLLOUT_STATUS_FAILED]}")
     run = ctl.get_run(run_id)
     ctl.close()
     return run
@@ -161,7 +176,8 @@ def _detach(args: argparse.Namespace, state: Path) -> int:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 env={**os.environ, "HARNESSRL_UP_DAEMON": "1"})
-    console.print(f"starting the stack in the background (pid {proc.pid}, log {log_path})")
+    console.print(f"starting the stack in the background (pid {proc.pid}, log {log_path})",
+                  soft_wrap=True)
     t0, pos = time.monotonic(), log_path.stat().st_size
     while not (state / operate.STATE_FILE).exists():
         with open(log_path, errors="replace") as f:  # its progress lines, as they come
@@ -188,7 +204,7 @@ def _detach(args: argparse.Namespace, state: Path) -> int:
         f"  trainer {st['trainer']}" if st.get("trainer") else "") + f"""
   runs: {', '.join(st.get('runs', [])) or '(the trainer creates one per step)'}
   harnessrl status | runs | rollouts RUN | show ROLLOUT | logs SERVICE | down   (--state-dir {args.state_dir})""",
-                  markup=False, highlight=False)
+                  markup=False, highlight=False, soft_wrap=True)
     return 0
 
 

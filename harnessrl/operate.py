@@ -85,14 +85,14 @@ def status(st: dict[str, Any], console: Console) -> int:
     for col in ("service", "pid", "address", "health"):
         t.add_column(col)
     procs = st.get("procs", {})
-    addresses = {"store": st["store"], "gateway": st["gateway_admin"],
+    addresses = {"store": st["store"], "gateway": st["gateway_admin"], "redis": st["redis_url"],
                  "controller": st["controller"], "trainer": st.get("trainer", "")}
     for name, info in procs.items():
         pid = info.get("pid")
         addr = addresses.get(name) or info.get("address", "")
         live = pid is not None and pid_alive(int(pid))
-        if name in ("store", "gateway", "controller", "trainer") and addr:
-            health = _health(addr) if live else "down"
+        if name in ("store", "gateway", "controller", "trainer") and addr and live:
+            health = _health(addr)
         else:
             health = "running" if live else "down"
         if info.get("exited"):
@@ -196,7 +196,12 @@ def _tokenizer(model_dir: str) -> Any:
 
         return AutoTokenizer.from_pretrained(model_dir)
     except Exception:  # noqa: BLE001 - shown as ids instead
-        return None
+        try:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(model_dir)
+        except Exception:  # noqa: BLE001
+            return None
 
 
 def _render(tok: Any, ids: list[int]) -> str:
