@@ -29,4 +29,4 @@ def test_a_training_step_is_one_line_with_elapsed_and_eta() -> None:
             {"step": 2, "policy_version": 2, "reward_mean": None, "step_time_s": 30.0}]
     line = step_line(rows[1], 10, started, rows)
     assert line == ("[harnessrl] training: step 2/10, reward -, version 2, 30.0s; "
-                    "1m00s elapsed, ETA 4m00s")
+                    "60s elapsed, ETA 4m00s")
