@@ -312,13 +312,19 @@ def cmd_build_model(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from harnessrl.clients import ControllerClient
 
+    if not args.harness or not args.tasks:
+        console.print("[red]--harness and --tasks are required")
+        return 2
     controller = args.controller
     if not controller:
         try:
-            controller = operate.load_state(Path(args.state_dir))["controller"]
+            st = operate.load_state(Path(args.state_dir))
         except operate.NoStack as exc:
             console.print(f"[red]{exc} (or pass --controller HOST:PORT)")
             return 1
+        controller = st["controller"]
+        if args.model_name == "tiny":  # the default: the stack's own model name
+            args.model_name = st.get("served_model_name", "tiny")
     spec = user_spec(args, args.name)
     ctl = ControllerClient.connect(controller)
     run = ctl.create_run(spec)
