@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harnessrl.model import build_tiny_model, default_model_dir  # noqa: E402
-from harnessrl.testing.chaos import run_chaos  # noqa: E402
+from harnessrl.model import build_tiny_model, default_model_dir
+from harnessrl.testing.chaos import run_chaos
 
 
 def main() -> int:

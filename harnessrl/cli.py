@@ -254,7 +254,7 @@ def _up(args: argparse.Namespace, state: Path) -> int:
             (state / operate.STATE_FILE).unlink(missing_ok=True)
 
 
-def _write_state(stack: "object", args: argparse.Namespace, state: Path,
+def _write_state(stack: object, args: argparse.Namespace, state: Path,
                  model_dir: Path | None, runs: tuple[str, ...] = ()) -> None:
     st = stack.addresses()  # type: ignore[attr-defined]
     st.update(state_dir=str(state), supervisor_pid=os.getpid(), started_at=time.time(),
@@ -264,7 +264,7 @@ def _write_state(stack: "object", args: argparse.Namespace, state: Path,
     operate.write_state(state, st)
 
 
-def _serve_until_down(stack: "object") -> int:
+def _serve_until_down(stack: object) -> int:
     """The detached supervisor's life after start-up: keeps stack.json's pids current until
     `harnessrl down` (SIGTERM)."""
     state = stack.state  # type: ignore[attr-defined]
@@ -281,7 +281,7 @@ def _serve_until_down(stack: "object") -> int:
         operate.write_state(state, st)
 
 
-def _rollouts(stack: "object", args: argparse.Namespace, state: Path,
+def _rollouts(stack: object, args: argparse.Namespace, state: Path,
               model_dir: Path | None) -> int:
     from harnessrl.clients import ControllerClient
 

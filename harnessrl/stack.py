@@ -13,10 +13,9 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from harnessrl import procs

@@ -57,7 +57,7 @@ class Event:
 
 
 class Supervisor:
-    def __init__(self, stack: "Stack", events_file: Path, poll_s: float = 0.25,
+    def __init__(self, stack: Stack, events_file: Path, poll_s: float = 0.25,
                  on_event: Callable[[Event], None] | None = None,
                  crash_window_s: float = 10.0, ready_timeout_s: float = 600.0,
                  max_crash_restarts: int = 5) -> None:
@@ -78,7 +78,7 @@ class Supervisor:
         self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
         self._lock = threading.Lock()
 
-    def start(self) -> "Supervisor":
+    def start(self) -> Supervisor:
         self._thread.start()
         return self
 
@@ -100,7 +100,7 @@ class Supervisor:
         if self.on_event is not None:
             try:
                 self.on_event(ev)
-            except Exception:  # noqa: BLE001 - a display problem must not stop supervision
+            except Exception:
                 log.exception("event callback")
 
     def _loop(self) -> None:
@@ -202,8 +202,8 @@ class Supervisor:
                     self._engine_versions[e.name] = e.policy_version
             finally:
                 admin.close()
-        except Exception:  # noqa: BLE001 - the gateway may be down right now
-            pass
+        except Exception as exc:  # noqa: BLE001 - the gateway may be down right now
+            log.debug("engine versions not polled: %s", exc)
 
     def _gateway_argv(self, old: procs.ServiceProcess) -> list[str]:
         argv = list(old.argv)

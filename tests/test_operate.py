@@ -42,7 +42,7 @@ def cli(state: Path, *args: str, timeout: float = 120) -> subprocess.CompletedPr
     env = {**os.environ, "COLUMNS": "250", "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "harnessrl.cli", *args, "--state-dir",
                            str(state)], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=state.parent)
+                          env=env, cwd=state.parent, check=False)
 
 
 @pytest.mark.vllm
@@ -71,7 +71,7 @@ def test_detached_stack_with_own_harness_status_rollouts_show_down(
          "--engine-url", vllm_engine.base_url, "--model-dir", str(tiny_model_dir),
          "--model-name", vllm_engine.model_name, "--redis-url", redis_url,
          "--key-prefix", key_prefix, "--state-dir", str(state)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "stack running" in r.stdout

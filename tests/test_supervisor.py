@@ -50,7 +50,8 @@ def test_each_service_killed_comes_back_on_its_port_with_the_event_recorded(
         for name in ("store", "gateway", "controller", "redis"):
             old = stack.procs[name]
             old.kill()
-            took = _wait(lambda: stack.procs[name] is not old and f"{name} restarted" in seen)
+            took = _wait(lambda name=name, old=old: stack.procs[name] is not old
+                         and f"{name} restarted" in seen)
             print(f"{name}: back in {took:.2f}s")
             assert stack.procs[name].alive
         assert (stack.store_address, stack.gateway_admin_address, stack.controller_address,
