@@ -131,7 +131,7 @@ def run_chaos(workdir: Path, model_dir: Path, *, seed: int = 0, steps: int = 3,
               kill_order: tuple[str, ...] = ("store", "gateway", "controller", "redis",
                                              "trainer"),
               gap_s: tuple[float, float] = (3.0, 10.0), timeout_s: float = 900.0,
-              log: Any = print) -> ChaosResult:
+              trainer_flags: tuple[str, ...] = (), log: Any = print) -> ChaosResult:
     """Trains `steps` steps on the example while killing each service of `kill_order` in turn,
     `gap_s` (seeded uniform) after the previous one is back; then accounts for every rollout."""
     from harnessrl.train_job import start_trainer
@@ -151,7 +151,8 @@ def run_chaos(workdir: Path, model_dir: Path, *, seed: int = 0, steps: int = 3,
             output_dir=str(out), resume=False, steps=steps, harness=None,
             tasks_per_step=tasks_per_step, trainer_flags=[
                 "--group-size", str(group_size), "--concurrency", str(group_size),
-                "--max-attempts", "2", "--rollout-timeout-s", "60", "--seed", str(seed)])
+                "--max-attempts", "2", "--rollout-timeout-s", "60", "--seed", str(seed),
+                *trainer_flags])
         import io
 
         from rich.console import Console
