@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harnessrl.model import build_tiny_model, default_model_dir
+from harnessrl.model import build_tiny_model
 from harnessrl.testing.chaos import run_chaos
 
 
@@ -28,13 +28,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="times each service is killed")
     ap.add_argument("--no-engine", action="store_true", help="do not kill vLLM")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--model-dir", default=None, help="default: an un-warmed tiny model built "
+                    "in seconds (the accounting is measured, not learning); every group is "
+                    "then trained, equal rewards included")
     a = ap.parse_args()
     order = ("store", "gateway", "controller", "redis", "trainer") + \
         (() if a.no_engine else ("engine0",))
-    model = build_tiny_model(default_model_dir())
     work = Path(a.workdir or tempfile.mkdtemp(prefix="chaos-"))
+    model = Path(a.model_dir) if a.model_dir else \
+        build_tiny_model(work / "model", warmup_steps=0)
     res = run_chaos(work, model, seed=a.seed, steps=a.steps, kill_order=order * a.rounds,
                     gap_s=(3.0, 15.0), timeout_s=3600,
+                    trainer_flags=() if a.model_dir else ("--no-filter-zero-variance",),
                     log=lambda m: print(m, file=sys.stderr, flush=True))
     for e in res.events:
         print("supervisor:", e, file=sys.stderr)

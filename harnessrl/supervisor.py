@@ -15,7 +15,8 @@ What a restart needs besides the process itself:
   them READY again); with no trainer it is marked READY at the version the gateway had.
 - gateway: its engine registry is in memory; it restarts with the engines' last policy versions
   seen through GatewayAdmin (polled every `poll_s`), so calls carry the right version.
-- trainer: restarts with `--resume` (`restart_argv`).
+- trainer: restarts with `--resume` (`restart_argv`), after any engine being restarted is
+  healthy again (its start pushes into every engine).
 - controller: adopts the jobs of its earlier life itself (`RunManager.recover`).
 """
 
@@ -149,6 +150,11 @@ class Supervisor:
             else:
                 self._backoff.pop(name, None)
                 self._crashes.pop(name, None)
+            if name == "trainer":  # its start pushes into every engine: not while one restarts
+                deadline = time.monotonic() + self.ready_timeout_s
+                while any(n.startswith("engine") for n in self.restarting) and \
+                        time.monotonic() < deadline and not self._stop.wait(0.5):
+                    pass
             is_engine = name.startswith("engine")
             if is_engine:
                 self._mark_engine(name, "restarted: serves its start-up weights until a push")
