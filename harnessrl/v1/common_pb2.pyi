@@ -131,6 +131,10 @@ class _SegmentStartEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SegmentS
     """API, echo, continue_final_message, non-text content)
     the chat template's output could not be split into turns
     """
+    SEGMENT_START_NO_STATE: _SegmentStart.ValueType  # 7
+    """(or the engine rendered the prompt itself): engine-rendered
+    the gateway holds no tokens of the attempt's earlier calls
+    """
 
 class SegmentStart(_SegmentStart, metaclass=_SegmentStartEnumTypeWrapper):
     """Why a call starts a new token segment, or that it continues one."""
@@ -150,6 +154,10 @@ SEGMENT_START_UNTRACKED: SegmentStart.ValueType  # 5
 SEGMENT_START_TEMPLATE: SegmentStart.ValueType  # 6
 """API, echo, continue_final_message, non-text content)
 the chat template's output could not be split into turns
+"""
+SEGMENT_START_NO_STATE: SegmentStart.ValueType  # 7
+"""(or the engine rendered the prompt itself): engine-rendered
+the gateway holds no tokens of the attempt's earlier calls
 """
 Global___SegmentStart: _TypeAlias = SegmentStart  # noqa: Y015
 
@@ -241,7 +249,8 @@ class Call(_message.Message):
     segment: _builtins.int
     """Token in, token out. Calls of one segment share one growing token sequence: each call's
     prompt_token_ids begin with the prompt + completion ids of the call it extends (the
-    gateway reused them and tokenized only the messages added since). 0-based, per attempt.
+    gateway reused them and tokenized only the messages added since). The segment is named
+    by the seq of the call that started it.
     """
     segment_start: Global___SegmentStart.ValueType
     """Whether this call continues its segment or starts a new one, and why
@@ -249,8 +258,8 @@ class Call(_message.Message):
     """
     reused_prompt_tokens: _builtins.int
     """Leading prompt tokens taken unchanged from the call it extends (its prompt + completion
-    ids, plus the end of that assistant turn as the chat template closes it); 0 when the
-    segment starts here.
+    ids); 0 when the segment starts here. After them come the tokens that close that
+    assistant turn as the chat template does, then the new messages, tokenized.
     """
     extends_seq: _builtins.int
     """seq of the call this one extends (set when segment_start is CONTINUED)."""
