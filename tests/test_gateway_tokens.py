@@ -177,3 +177,77 @@ def test_closing_tail_overlaps_a_completion_that_stopped_on_the_end_token() -> N
     assert closing_tail([5, 6, 7], closing) == [2, 1010]  # cut at max_tokens
     assert closing_tail([], closing) == [2, 1010]
     assert closing_tail([2, 1010], closing) == []
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.tokens = None
+        self.next_seq = 0
+
+
+async def _toy_tokenize(request: dict[str, object]) -> list[int]:
+    return toy_tokens(render_chat(request["messages"], request.get("tools"),  # type: ignore[arg-type]
+                                  bool(request["add_generation_prompt"])))
+
+
+def _turn(reuse: "object", session: _Session, messages: list[dict[str, object]],
+          **extra: object) -> c.Call:
+    """One call through `TokenReuse` as the gateway makes it: plan, engine (prompt = ids sent,
+    else the fixed prompt), record."""
+    import asyncio
+
+    forward: dict[str, object] = {"model": "tiny", "messages": messages, **extra}
+    plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))  # type: ignore[attr-defined]
+    sent = (forward.get("kv_transfer_params") or {}).get("prompt_token_ids")  # type: ignore[union-attr]
+    call = c.Call(seq=session.next_seq, prompt_token_ids=sent or PROMPT_IDS,
+                  completion_token_ids=HELLO)
+    session.next_seq += 1
+    reuse.check(plan, list(call.prompt_token_ids))  # type: ignore[attr-defined]
+    reuse.fields(plan, call)  # type: ignore[attr-defined]
+    reuse.recorded(session, plan, call, {"role": "assistant", "content": "Hello, world!"})  # type: ignore[attr-defined]
+    return call
+
+
+def test_segment_starts_side_conversations_and_eviction() -> None:
+    from services.gateway.tokens import TokenReuse
+
+    reuse = TokenReuse(max_rollouts=1, per_rollout=2)
+    a, b = _Session(), _Session()
+    main = [{"role": "user", "content": "main"}]
+    side = [{"role": "user", "content": "summarise"}]
+    said = {"role": "assistant", "content": "Hello, world!"}
+    assert _turn(reuse, a, main).segment_start == c.SEGMENT_START_FIRST
+    assert _turn(reuse, a, side).segment_start == c.SEGMENT_START_EDITED  # a side conversation
+    # the main conversation goes on from its own last turn
+    call = _turn(reuse, a, main + [said, {"role": "user", "content": "go on"}])
+    assert (call.segment_start, call.segment, call.extends_seq) == (
+        c.SEGMENT_START_CONTINUED, 0, 0)
+    # non-text content and continue_final_message: the engine renders
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert _turn(reuse, a, image).segment_start == c.SEGMENT_START_UNTRACKED
+    assert _turn(reuse, a, main + [said], continue_final_message=True,
+                 add_generation_prompt=False).segment_start == c.SEGMENT_START_UNTRACKED
+    # arguments compare as JSON values; tool-call ids are ignored
+    tc = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    session = _Session()
+    forward_tools: dict[str, object] = {"tools": tools}
+    import asyncio
+    plan = asyncio.run(reuse.plan(session, {"model": "tiny", "messages": main, **forward_tools},
+                                  "tiny", _toy_tokenize))
+    first = c.Call(seq=0, prompt_token_ids=PROMPT_IDS, completion_token_ids=[7])
+    reuse.fields(plan, first)
+    reuse.recorded(session, plan, first, tc)
+    session.next_seq = 1
+    resent = dict(tc, tool_calls=[{"id": "other", "type": "function",
+                                   "function": {"name": "f", "arguments": '{"a":1}'}}])
+    turn = main + [resent, {"role": "tool", "tool_call_id": "other", "content": "1"}]
+    assert _turn(reuse, session, turn, tools=tools).segment_start == c.SEGMENT_START_CONTINUED
+    assert _turn(reuse, session, turn + [said, {"role": "user", "content": "u"}]
+                 ).segment_start == c.SEGMENT_START_SETTINGS_CHANGED
+    # one rollout's state at most (max_rollouts=1): `a`'s was dropped for `session`'s
+    assert a.tokens is None
+    assert _turn(reuse, a, main + [said, {"role": "user", "content": "go on"}]
+                 ).segment_start == c.SEGMENT_START_NO_STATE
+    assert _turn(reuse, b, main).segment_start == c.SEGMENT_START_FIRST
