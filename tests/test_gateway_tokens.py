@@ -7,6 +7,8 @@ re-tokenizing the conversation would change the earlier turn's tokens."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 from collections.abc import Iterator
 
@@ -15,7 +17,7 @@ import pytest
 
 from harnessrl.testing.stub_engine import PROMPT_IDS, render_chat, toy_tokens
 from harnessrl.v1 import common_pb2 as c
-from services.gateway.tokens import closing_tail
+from services.gateway.tokens import TokenReuse, closing_tail
 from services.trainer.samples import rollout_samples
 from test_gateway import SIGNER, World, shared_world
 
@@ -59,7 +61,7 @@ def test_turns_reuse_recorded_tokens_and_merge_into_one_sample(world: World) -> 
     assert [call.segment for call in calls] == [0, 0, 0]
     assert calls[0].reused_prompt_tokens == 0 and not calls[0].HasField("extends_seq")
     assert list(calls[0].prompt_token_ids) == PROMPT_IDS
-    for prev, call in zip(calls, calls[1:]):
+    for prev, call in itertools.pairwise(calls):
         earlier = list(prev.prompt_token_ids) + list(prev.completion_token_ids)
         assert call.extends_seq == prev.seq and call.reused_prompt_tokens == len(earlier)
         user = json.loads(call.request_json)["messages"][-1]
@@ -190,27 +192,24 @@ async def _toy_tokenize(request: dict[str, object]) -> list[int]:
                                   bool(request["add_generation_prompt"])))
 
 
-def _turn(reuse: "object", session: _Session, messages: list[dict[str, object]],
+def _turn(reuse: "TokenReuse", session: _Session, messages: list[dict[str, object]],
           **extra: object) -> c.Call:
     """One call through `TokenReuse` as the gateway makes it: plan, engine (prompt = ids sent,
     else the fixed prompt), record."""
-    import asyncio
 
     forward: dict[str, object] = {"model": "tiny", "messages": messages, **extra}
-    plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))  # type: ignore[attr-defined]
+    plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
     sent = (forward.get("kv_transfer_params") or {}).get("prompt_token_ids")  # type: ignore[union-attr]
     call = c.Call(seq=session.next_seq, prompt_token_ids=sent or PROMPT_IDS,
                   completion_token_ids=HELLO)
     session.next_seq += 1
-    reuse.check(plan, list(call.prompt_token_ids))  # type: ignore[attr-defined]
-    reuse.fields(plan, call)  # type: ignore[attr-defined]
-    reuse.recorded(session, plan, call, {"role": "assistant", "content": "Hello, world!"})  # type: ignore[attr-defined]
+    reuse.check(plan, list(call.prompt_token_ids))
+    reuse.fields(plan, call)
+    reuse.recorded(session, plan, call, {"role": "assistant", "content": "Hello, world!"})
     return call
 
 
 def test_segment_starts_side_conversations_and_eviction() -> None:
-    from services.gateway.tokens import TokenReuse
-
     reuse = TokenReuse(max_rollouts=1, per_rollout=2)
     a, b = _Session(), _Session()
     main = [{"role": "user", "content": "main"}]
@@ -233,7 +232,6 @@ def test_segment_starts_side_conversations_and_eviction() -> None:
     tools = [{"type": "function", "function": {"name": "f"}}]
     session = _Session()
     forward_tools: dict[str, object] = {"tools": tools}
-    import asyncio
     plan = asyncio.run(reuse.plan(session, {"model": "tiny", "messages": main, **forward_tools},
                                   "tiny", _toy_tokenize))
     first = c.Call(seq=0, prompt_token_ids=PROMPT_IDS, completion_token_ids=[7])
