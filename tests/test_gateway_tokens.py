@@ -205,7 +205,8 @@ def _turn(reuse: "TokenReuse", session: _Session, messages: list[dict[str, objec
     session.next_seq += 1
     reuse.check(plan, list(call.prompt_token_ids))
     reuse.fields(plan, call)
-    reuse.recorded(session, plan, call, {"role": "assistant", "content": "Hello, world!"})
+    reuse.recorded(session, plan, call, {"role": "assistant", "content": "Hello, world!"},
+                   list(call.prompt_token_ids), HELLO)
     return call
 
 
@@ -236,7 +237,7 @@ def test_segment_starts_side_conversations_and_eviction() -> None:
                                   "tiny", _toy_tokenize))
     first = c.Call(seq=0, prompt_token_ids=PROMPT_IDS, completion_token_ids=[7])
     reuse.fields(plan, first)
-    reuse.recorded(session, plan, first, tc)
+    reuse.recorded(session, plan, first, tc, PROMPT_IDS, [7])
     session.next_seq = 1
     resent = dict(tc, tool_calls=[{"id": "other", "type": "function",
                                    "function": {"name": "f", "arguments": '{"a":1}'}}])

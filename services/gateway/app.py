@@ -112,7 +112,7 @@ class Exchange:
     started: float = field(default_factory=time.time)
     override: bytes = b""  # the run's sampling policy as applied (Call.sampling_override_json)
     plan: Plan | None = None  # how a chat prompt's tokens were made (token in, token out)
-    assistant: dict[str, Any] | None = None  # the assistant message returned (chat)
+    generated: Generated | None = None  # what the engine generated (set with `plan`)
 
     def __post_init__(self) -> None:
         """Imposes the run's sampling policy on the engine request."""
@@ -459,7 +459,7 @@ class GatewayApp:
         if ex.plan is not None:
             self.tokens.check(ex.plan, gen.prompt_ids)
             self.tokens.fields(ex.plan, call)
-            ex.assistant = gen.message()
+            ex.generated = gen
         return call
 
     async def record(self, ex: Exchange, call: c.Call) -> None:
@@ -467,8 +467,10 @@ class GatewayApp:
         past `hold_timeout_s`) otherwise."""
         try:
             await self.recorder.record(call)
-            if ex.plan is not None and ex.assistant is not None and not call.aborted:
-                self.tokens.recorded(ex.session, ex.plan, call, ex.assistant)
+            if ex.plan is not None and ex.generated is not None and not call.aborted:
+                gen = ex.generated
+                self.tokens.recorded(ex.session, ex.plan, call, gen.message(),
+                                     gen.prompt_ids or [], gen.ids)
         except RecordRejected as err:
             self.sessions.close(ex.session, f"rollout {call.rollout_id} attempt {call.attempt}: "
                                             f"{err}")

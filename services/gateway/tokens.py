@@ -94,12 +94,16 @@ def digest(canon: list[dict[str, Any]]) -> bytes:
 
 
 _SETTINGS = ("tools", "chat_template", "chat_template_kwargs")
-_UNTRACKED = ("echo", "continue_final_message", "documents", "kv_transfer_params",
-              "prompt_embeds")
+_UNTRACKED = frozenset(("echo", "continue_final_message", "documents", "kv_transfer_params",
+                        "prompt_embeds"))
+_NO_SETTINGS = digest([None, None, None])  # type: ignore[list-item]
 
 
 def settings_digest(forward: dict[str, Any]) -> bytes:
-    return digest([forward.get(k) for k in _SETTINGS])  # type: ignore[misc]
+    values = [forward.get(k) for k in _SETTINGS]
+    if values == [None, None, None]:
+        return _NO_SETTINGS
+    return digest(values)  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -177,8 +181,8 @@ class TokenReuse:
                    tokenize: Tokenize) -> Plan:
         """Decides how the prompt of a chat request is made; when it extends the attempt's
         last call, sets `forward["kv_transfer_params"]` to the reused + new ids."""
-        if any(forward.get(k) for k in _UNTRACKED) or \
-                forward.get("add_generation_prompt", True) is not True:
+        if not _UNTRACKED.isdisjoint(forward) and any(forward.get(k) for k in _UNTRACKED) \
+                or forward.get("add_generation_prompt", True) is not True:
             return Plan(c.SEGMENT_START_UNTRACKED)
         messages = forward.get("messages") or []
         try:
@@ -255,8 +259,8 @@ class TokenReuse:
         else:
             call.segment = call.seq
 
-    def recorded(self, session: Any, plan: Plan, call: c.Call, assistant: dict[str, Any]
-                 ) -> None:
+    def recorded(self, session: Any, plan: Plan, call: c.Call, assistant: dict[str, Any],
+                 prompt_ids: list[int], completion_ids: list[int]) -> None:
         """The call is in the store (and complete): a later turn may extend it. The attempt
         keeps its `per_rollout` most recent calls' states (a harness may interleave side
         conversations, or branch), the one this call extended replaced."""
@@ -266,8 +270,8 @@ class TokenReuse:
             canon = plan.canon + [canonical(assistant)]
         except NotText:
             return
-        ids = array("i", call.prompt_token_ids)
-        ids.extend(call.completion_token_ids)
+        ids = array("i", prompt_ids)  # == the call's (lists: faster than the proto's)
+        ids.extend(completion_ids)
         new = SegmentState(call.segment, call.seq, ids, len(canon), digest(canon),
                            plan.settings)
         states = [s for s in session.tokens or () if s is not plan.state]
