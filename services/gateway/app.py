@@ -10,7 +10,9 @@ Routes:
 - `GET /health`.
 
 Every completion takes the same path: validation (per API) -> an `Exchange` (the run's
-sampling policy imposed) -> `_to_engine` (the rollout's engine, asked for `return_token_ids`
+sampling policy imposed) -> for chat, the token plan (`tokens.py`: a turn that extends the
+attempt's earlier one gets that one's exact tokens + the new messages' tokens: token in, token
+out) -> `_to_engine` (the rollout's engine, asked for `return_token_ids`
 and logprobs; held while engines are paused or unreachable) -> the output accumulated into a
 `Generated` -> `record` (the call is in the store *before* the harness sees the response as
 complete: for a stream, before its final event) -> the response in the API's own shape, the
