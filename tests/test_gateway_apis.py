@@ -273,8 +273,9 @@ def test_turns_keep_the_tokens_sampled_where_retokenizing_would_merge_them(env: 
         assert list(call.prompt_token_ids) == earlier + new
         # what rendering + tokenizing the conversation again gives: one token per turn's digits
         request = json.loads(call.request_json)
-        again = env.tok.apply_chat_template(request["messages"], tools=request["tools"],
-                                            add_generation_prompt=True, tokenize=True)
+        again = env.tok(env.tok.apply_chat_template(
+            request["messages"], tools=request["tools"], add_generation_prompt=True,
+            tokenize=False), add_special_tokens=False)["input_ids"]
         assert len(again) == len(call.prompt_token_ids) - 2 * (call.seq)
         assert again != list(call.prompt_token_ids)
         assert env.tok.decode(again) == env.tok.decode(call.prompt_token_ids)
