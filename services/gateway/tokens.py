@@ -211,7 +211,7 @@ class TokenReuse:
         except TemplateError:
             plan.start = c.SEGMENT_START_TEMPLATE
             return plan
-        prompt = list(state.ids)
+        prompt = state.ids.tolist()
         prompt += closing_tail(state.ids, split.closing)
         prompt += rendered[len(split.dummy_ids):]
         plan.start, plan.state, plan.prompt = c.SEGMENT_START_CONTINUED, state, prompt
@@ -270,7 +270,12 @@ class TokenReuse:
             canon = plan.canon + [canonical(assistant)]
         except NotText:
             return
-        ids = array("i", prompt_ids)  # == the call's (lists: faster than the proto's)
+        reused = plan.state.ids if plan.state is not None and not plan.engine_rendered \
+            else None
+        if reused is not None:  # only the tokens added since are converted
+            ids = reused + array("i", prompt_ids[len(reused):])
+        else:
+            ids = array("i", prompt_ids)  # == the call's (lists: faster than the proto's)
         ids.extend(completion_ids)
         new = SegmentState(call.segment, call.seq, ids, len(canon), digest(canon),
                            plan.settings)
