@@ -250,3 +250,30 @@ def test_segment_starts_side_conversations_and_eviction() -> None:
     assert _turn(reuse, a, main + [said, {"role": "user", "content": "go on"}]
                  ).segment_start == c.SEGMENT_START_NO_STATE
     assert _turn(reuse, b, main).segment_start == c.SEGMENT_START_FIRST
+
+
+def test_a_template_that_does_not_split_into_turns_is_rendered_by_the_engine() -> None:
+    """A template that renders an assistant turn's end differently each time: the turn is
+    recorded as a TEMPLATE segment start, and the template is asked only once."""
+    asked = []
+
+    async def odd_tokenize(request: dict[str, object]) -> list[int]:
+        asked.append(request)
+        ids = await _toy_tokenize(request)
+        return ids + [len(asked)]  # a trailing token that changes from render to render
+
+    reuse = TokenReuse()
+    session = _Session()
+    main = [{"role": "user", "content": "main"}]
+    said = {"role": "assistant", "content": "Hello, world!"}
+    plan = asyncio.run(reuse.plan(session, {"model": "tiny", "messages": main}, "tiny",
+                                  odd_tokenize))
+    first = c.Call(seq=0, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
+    reuse.fields(plan, first)
+    reuse.recorded(session, plan, first, said, PROMPT_IDS, HELLO)
+    session.next_seq = 1
+    for turn in range(2):
+        forward = {"model": "tiny", "messages": main + [said, {"role": "user", "content": "x"}]}
+        plan = asyncio.run(reuse.plan(session, forward, "tiny", odd_tokenize))
+        assert plan.start == c.SEGMENT_START_TEMPLATE and "kv_transfer_params" not in forward
+    assert len(asked) == 3  # the dummy renders, once

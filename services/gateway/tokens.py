@@ -175,7 +175,8 @@ class TokenReuse:
         self.per_rollout = max(1, per_rollout)
         self.max_splits = max_splits
         self._holders: OrderedDict[int, Any] = OrderedDict()  # id(session) -> session
-        self._splits: OrderedDict[tuple[str, bytes], TemplateSplit] = OrderedDict()
+        # (model, settings) -> how its template frames turns (None: it does not split)
+        self._splits: OrderedDict[tuple[str, bytes], TemplateSplit | None] = OrderedDict()
 
     async def plan(self, session: Any, forward: dict[str, Any], model: str,
                    tokenize: Tokenize) -> Plan:
@@ -221,23 +222,29 @@ class TokenReuse:
     async def _split(self, forward: dict[str, Any], model: str, tokenize: Tokenize
                      ) -> TemplateSplit:
         key = (model, settings_digest(forward))
-        split = self._splits.get(key)
-        if split is not None:
+        if key in self._splits:
             self._splits.move_to_end(key)
-            return split
+            found = self._splits[key]
+            if found is None:
+                raise TemplateError("this template's renders do not split into turns")
+            return found
         fields = _template_fields(forward)
         dummy = await tokenize(dict(fields, messages=DUMMY, add_generation_prompt=False))
         head = await tokenize(dict(fields, messages=DUMMY_HEAD, add_generation_prompt=True))
         empty = await tokenize(dict(fields, add_generation_prompt=False, messages=DUMMY_HEAD + [
             {"role": "assistant", "content": ""}]))
-        if not _startswith(empty, head):
-            raise TemplateError("an empty assistant turn does not extend the generation prompt")
         closing = empty[len(head):]
-        if not closing or dummy[len(dummy) - len(closing):] != closing:
-            raise TemplateError("assistant turns do not end with the same tokens")
-        split = self._splits[key] = TemplateSplit(dummy, closing)
+        split: TemplateSplit | None = TemplateSplit(dummy, closing)
+        if not _startswith(empty, head) or not closing or \
+                dummy[len(dummy) - len(closing):] != closing:
+            split = None  # remembered: not asked again for every turn
+        self._splits[key] = split
         while len(self._splits) > self.max_splits:
             self._splits.popitem(last=False)
+        if split is None:
+            raise TemplateError("this template's renders do not split into turns (an empty "
+                                "assistant turn must extend the generation prompt, and "
+                                "assistant turns end with the same tokens)")
         return split
 
     def check(self, plan: Plan, prompt_ids: list[int] | None) -> None:
