@@ -10,7 +10,9 @@ Routes:
 - `GET /health`.
 
 Every completion takes the same path: validation (per API) -> an `Exchange` (the run's
-sampling policy imposed) -> `_to_engine` (the rollout's engine, asked for `return_token_ids`
+sampling policy imposed) -> for chat, the token plan (`tokens.py`: a turn that extends the
+attempt's earlier one gets that one's exact tokens + the new messages' tokens: token in, token
+out) -> `_to_engine` (the rollout's engine, asked for `return_token_ids`
 and logprobs; held while engines are paused or unreachable) -> the output accumulated into a
 `Generated` -> `record` (the call is in the store *before* the harness sees the response as
 complete: for a stream, before its final event) -> the response in the API's own shape, the
@@ -41,6 +43,7 @@ from services.gateway.engines import EngineRegistry, EngineState
 from services.gateway.recorder import CallRecorder, HoldTimeout, RecordRejected
 from services.gateway.sessions import Session, Sessions
 from services.gateway.streaming import DONE, Generated, SSEDecoder, strip_chunk
+from services.gateway.tokens import Plan, TemplateError, TokenReuse
 from services.gateway.upstream import ConnectFailed, UpstreamError, UpstreamStream
 
 log = logging.getLogger("harnessrl.gateway")
@@ -110,6 +113,8 @@ class Exchange:
     forward: dict[str, Any]  # the engine request
     started: float = field(default_factory=time.time)
     override: bytes = b""  # the run's sampling policy as applied (Call.sampling_override_json)
+    plan: Plan | None = None  # how a chat prompt's tokens were made (token in, token out)
+    generated: Generated | None = None  # what the engine generated (set with `plan`)
 
     def __post_init__(self) -> None:
         """Imposes the run's sampling policy on the engine request."""
@@ -136,6 +141,7 @@ class GatewayApp:
         self.store = store
         self._background: set[asyncio.Task[None]] = set()
         self.chains = responses.Chains()
+        self.tokens = TokenReuse(cfg.tokens_max_rollouts, cfg.tokens_per_rollout)
         # (method, path) -> (handler, error style)
         self.routes: dict[tuple[str, str], tuple[Route, str]] = {
             ("POST", "/v1/chat/completions"): (self.chat_completions, "openai"),
@@ -273,23 +279,43 @@ class GatewayApp:
             request["max_tokens"] = 1  # not part of count_tokens requests
             body = orjson.dumps(request)
         session, _, model, forward = await self._anthropic_request(headers, body)
-        tokenize = {"model": None, "messages": forward["messages"],
-                    "add_generation_prompt": True}
+        tokenize: dict[str, Any] = {"messages": forward["messages"],
+                                    "add_generation_prompt": True}
         if forward.get("tools"):
             tokenize["tools"] = forward["tools"]
+        name, status, raw = await self._tokenize(session, model, tokenize)
+        if status != 200:
+            raise _engine_refused(name, status, raw)
+        return orjson.dumps({"input_tokens": orjson.loads(raw)["count"]})
+
+    async def _tokenize(self, session: Session, model: str, request: dict[str, Any]
+                        ) -> tuple[str, int, bytes]:
+        """The rollout's engine's `/tokenize`: (engine name, status, body)."""
         deadline = time.monotonic() + self.cfg.hold_timeout_s
         engine = await self.registry.acquire(session.cred.rollout_id, model, deadline)
         try:
-            tokenize["model"] = engine.model or model
-            status, raw = await engine.pool.post("/tokenize", orjson.dumps(tokenize),
+            request["model"] = engine.model or model
+            status, raw = await engine.pool.post("/tokenize", orjson.dumps(request),
                                                  self.cfg.request_timeout_s)
         except (UpstreamError, asyncio.TimeoutError) as err:
             raise HTTPError(502, f"engine {engine.name} failed: {err}", "server_error") from err
         finally:
             self.registry.release(engine, False)
-        if status != 200:
-            raise _engine_refused(engine.name, status, raw)
-        return orjson.dumps({"input_tokens": orjson.loads(raw)["count"]})
+        return engine.name, status, raw
+
+    async def _plan_tokens(self, ex: Exchange) -> None:
+        """Token in, token out (`tokens.py`): a chat turn that extends the attempt's earlier
+        one is sent as the earlier tokens + the new messages' tokens."""
+        if not ex.chat:
+            return
+
+        async def tokenize(request: dict[str, Any]) -> list[int]:
+            _, status, raw = await self._tokenize(ex.session, ex.model, request)
+            if status != 200:
+                raise TemplateError(f"/tokenize answered {status}: {raw[:200]!r}")
+            return orjson.loads(raw)["tokens"]  # type: ignore[no-any-return]
+
+        ex.plan = await self.tokens.plan(ex.session, ex.forward, ex.model, tokenize)
 
     # OpenAI Responses, translated to chat completions (services/gateway/responses.py) -------
     async def responses(self, headers: Headers, body: bytes) -> tuple[int, Any]:
@@ -343,6 +369,7 @@ class GatewayApp:
     async def generate(self, ex: Exchange) -> tuple[dict[str, Any], Generated]:
         """Forwards `ex` to an engine (whole response), records the call; returns the
         engine's response and what it generated."""
+        await self._plan_tokens(ex)
         engine, version, t0, (status, raw) = await self._to_engine(ex, stream=False)
         latency = time.perf_counter() - t0
         if status != 200:
@@ -367,6 +394,7 @@ class GatewayApp:
         """Opens a streamed engine request; the returned body relays its events to the
         harness through `events` and records the call before the final event."""
         ex.forward["stream"] = True
+        await self._plan_tokens(ex)
         engine, version, t0, upstream = await self._to_engine(ex, stream=True)
         if upstream.status != 200:
             try:
@@ -419,9 +447,8 @@ class GatewayApp:
                 self.registry.release(engine, served)
             return engine, version, t0, result
 
-    @staticmethod
-    def _call(ex: Exchange, gen: Generated, engine: EngineState, version: int, latency: float,
-              aborted: bool = False) -> c.Call:
+    def _call(self, ex: Exchange, gen: Generated, engine: EngineState, version: int,
+              latency: float, aborted: bool = False) -> c.Call:
         call = gen.call(ex.api, ex.asked, ex.request_json, aborted)
         call.sampling_override_json = ex.override
         call.rollout_id = ex.session.cred.rollout_id
@@ -431,6 +458,10 @@ class GatewayApp:
         call.started_at = ex.started
         call.latency_s = latency
         call.seq = ex.session.take_seq()
+        if ex.plan is not None:
+            self.tokens.check(ex.plan, gen.prompt_ids)
+            self.tokens.fields(ex.plan, call)
+            ex.generated = gen
         return call
 
     async def record(self, ex: Exchange, call: c.Call) -> None:
@@ -438,6 +469,10 @@ class GatewayApp:
         past `hold_timeout_s`) otherwise."""
         try:
             await self.recorder.record(call)
+            if ex.plan is not None and ex.generated is not None and not call.aborted:
+                gen = ex.generated
+                self.tokens.recorded(ex.session, ex.plan, call, gen.message(),
+                                     gen.prompt_ids or [], gen.ids)
         except RecordRejected as err:
             self.sessions.close(ex.session, f"rollout {call.rollout_id} attempt {call.attempt}: "
                                             f"{err}")
