@@ -1,4 +1,5 @@
-"""The gateway's HTTP surface under generated bad input, slow clients and load.
+"""The gateway's HTTP surface under generated bad input (slow clients and load:
+`test_gateway_load.py`).
 
 Real gateway process, real store on Redis, the stub engine. The fuzz inputs come from
 `harnessrl.testing.http_fuzz` (hypothesis, a fixed seed, a bounded count here; 10,000+ in
@@ -8,14 +9,10 @@ own, checked in the store.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import socket
-import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from conftest import StoreService, StubEngineService
 from harnessrl.testing import http_fuzz
@@ -50,5 +47,9 @@ def test_fuzzed_requests_neither_crash_nor_write_elsewhere(
         assert not any(at.has_reported_reward for r in (b, done)
                        for at in w.store.get_rollout(r).attempts)
         assert w.store.get_rollout(a).attempts[0].has_reported_reward  # its own: allowed
+        # a request head over 64 KiB is refused, not buffered without bound
+        huge = http_fuzz.request_bytes("POST", "/v1/chat/completions",
+                                       [(b"X-Huge", b"h" * 70_000)], b"{}")
+        assert http_fuzz.exchange(w.gateway.http_port, huge).statuses == [431]
     finally:
         w.close()
