@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import httpx
+import pytest
 
 from conftest import StoreService, StubEngineService
 from harnessrl.testing import http_fuzz
@@ -53,3 +54,13 @@ def test_fuzzed_requests_neither_crash_nor_write_elsewhere(
         assert http_fuzz.exchange(w.gateway.http_port, huge).statuses == [431]
     finally:
         w.close()
+
+
+def test_keys_with_non_ascii_bytes_are_refused_not_crashed() -> None:
+    """Found by the fuzzer: a key like `hrl1.<non-ASCII>.<sig>` made the signature comparison
+    raise TypeError (answered 500); it is an invalid key (401)."""
+    from harnessrl.errors import Unauthenticated
+
+    for token in ("hrl1.\u00e9.abc", "hrl1.eyJ9.\u00ff\u00fe", SIGNER.mint("r", 1, 60) + "\u00e9"):
+        with pytest.raises(Unauthenticated):
+            SIGNER.verify(token)
