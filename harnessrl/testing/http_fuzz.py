@@ -212,8 +212,9 @@ def _auth(route: str, key: bytes | None) -> list[tuple[bytes, bytes]]:
 
 
 def fuzz_inputs(keys: Keys) -> st.SearchStrategy[FuzzInput]:
-    """Inputs of all four kinds: about 55% `mutated`, 10% `bad_key`, 15% `malformed_json`,
-    20% `framing`."""
+    """Inputs of all four kinds, chosen by a drawn number 0-99: under 55 `mutated`, under 65
+    `bad_key`, under 80 `malformed_json`, else `framing` (hypothesis favours small numbers:
+    about 73%, 11%, 6%, 10% in practice)."""
 
     @st.composite
     def build(draw: st.DrawFn) -> FuzzInput:
