@@ -25,7 +25,13 @@ upstream, 32 connections), and the raw figures.
    `stream_added_ttft_p50_ms` (stub, 1 connection) and `stream_throughput_ratio` (gateway
    streams/s / direct streams/s, stub, 32 connections) join the JSON line.
 
-    python bench/gateway_overhead.py [--duration 10] [--no-vllm] [--engine-cpus 0|'']
+4. the HTTP layer's arms (`--arms`, `bench/_gateway_variants.py`): the same gateway served by
+   uvicorn or granian (raw ASGI, no framework), or calling the stub with httpx or aiohttp
+   instead of its own pool; each measured like the gateway (32 connections, 1, streaming).
+   The JSON line's `arms` holds, per arm, the four figures above and the gateway's CPU per
+   call (docs/http.md: the decision they informed).
+
+    python bench/gateway_overhead.py [--duration 10] [--no-vllm] [--engine-cpus 0|''] [--arms ...]
 """
 
 from __future__ import annotations
