@@ -210,7 +210,10 @@ class _Connection(asyncio.Protocol):
             elif self.transport.is_closing():
                 return
             else:
-                self.transport.write(_response(status, payload, keep_alive))
+                response = _response(status, payload, keep_alive)
+                if method == "HEAD":  # the head alone: a body would be read as the next response
+                    response = response[:len(response) - len(payload)]
+                self.transport.write(response)
             if self.transport.is_closing():
                 return
             if not keep_alive:
