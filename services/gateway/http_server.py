@@ -39,7 +39,7 @@ Handler = Callable[[str, str, Headers, bytes | None],
                    Awaitable[tuple[int, "bytes | StreamBody"]]]
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found",
-            408: b"Request Timeout",
+            408: b"Request Timeout", 431: b"Request Header Fields Too Large",
             405: b"Method Not Allowed", 409: b"Conflict", 413: b"Payload Too Large",
             500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
 
@@ -59,11 +59,20 @@ def _stream_head(status: int, keep_alive: bool) -> bytes:
         b"\r\n\r\n"))
 
 
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers, together
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, handler: Handler, max_body_bytes: int, idle_timeout_s: float,
-                 read_timeout_s: float) -> None:
+                 read_timeout_s: float, max_head_bytes: int = MAX_HEAD_BYTES) -> None:
         self.handler = handler
         self.max_body = max_body_bytes
+        self.max_head = max_head_bytes
+        self._head_size = 0
         self.idle_timeout_s = idle_timeout_s
         self.read_timeout_s = read_timeout_s
         self._timer: asyncio.TimerHandle | None = None
@@ -99,11 +108,17 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return  # rejected: the rest is not read
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._reject(400, b'{"error": {"message": "protocol upgrade not supported"}}')
         except httptools.HttpParserError as err:
+            if isinstance(err.__context__, _HeadTooLarge):
+                self._reject(431, b'{"error": {"message": "request line and headers over %d '
+                                  b'bytes"}}' % self.max_head)
+                return
             msg = str(err).replace('"', "'")
             self._reject(400, b'{"error": {"message": "malformed HTTP request: %s"}}'
                          % msg.encode())
@@ -129,14 +144,22 @@ class _Connection(asyncio.Protocol):
     # httptools callbacks ----------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", [], [], 0
+        self._head_size = 0
         self._reading = True
         self._arm(self.read_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
+        self._count_head(len(name) + len(value) + 4)
+
+    def _count_head(self, n: int) -> None:
+        self._head_size += n
+        if self._head_size > self.max_head:
+            raise _HeadTooLarge  # ends feed_data: answered 431 there
 
     def on_headers_complete(self) -> None:
         if (b"expect", b"100-continue") not in [(n, v.lower()) for n, v in self._headers
@@ -187,7 +210,10 @@ class _Connection(asyncio.Protocol):
             elif self.transport.is_closing():
                 return
             else:
-                self.transport.write(_response(status, payload, keep_alive))
+                response = _response(status, payload, keep_alive)
+                if method == "HEAD":  # the head alone: a body would be read as the next response
+                    response = response[:len(response) - len(payload)]
+                self.transport.write(response)
             if self.transport.is_closing():
                 return
             if not keep_alive:
