@@ -269,7 +269,7 @@ def fuzz_inputs(keys: Keys) -> st.SearchStrategy[FuzzInput]:
             "no_colon", "obs_fold", "pipelined", "bad_length", "upgrade", "empty_header"]))
         method, path, version = "POST", route, b"HTTP/1.1"
         hdrs = _auth(route, key) + headers
-        body, chunks, n = good, None, 1
+        body, chunks = good, None
         if how == "method":
             method = draw(st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "OPTIONS", "FOO",
                                            "post", "CONNECT"]))
