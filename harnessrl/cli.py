@@ -22,14 +22,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harnessrl import log as hlog
+from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import controller_pb2 as cpb
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "calc"
 console = Console()
-
-TERMINAL = (c.ROLLOUT_STATUS_SUCCEEDED, c.ROLLOUT_STATUS_FAILED, c.ROLLOUT_STATUS_CANCELLED)
 
 
 def example_spec(tasks: int, group_size: int, concurrency: int, model: str) -> c.RunSpec:

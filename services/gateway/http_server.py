@@ -7,7 +7,7 @@ chunked request bodies (bounded by `max_body_bytes`), pipelined requests answere
 one write per response. A client that disconnects cancels its request (nothing is recorded
 for a response nobody received). Handlers are `async (method, path, headers, body) -> (status,
 body)`, headers a list of (lower-case name, value) byte pairs. A body is bytes (sent whole,
-JSON) or a `StreamBody`: server-sent events, sent chunked piece by piece as the handler yields
+JSON; a `TextBody` for another content type) or a `StreamBody`: server-sent events, sent chunked piece by piece as the handler yields
 them (each piece written at once, waiting only while the client's socket buffer is full); its
 `aclose()` is always awaited, also when the client went away mid-stream.
 """
@@ -44,10 +44,22 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Fo
             500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
 
 
-def _response(status: int, body: bytes, keep_alive: bool) -> bytes:
+class TextBody(bytes):
+    """A whole response body of another content type than JSON (e.g. /metrics)."""
+
+    content_type: bytes
+
+    def __new__(cls, data: bytes, content_type: str) -> "TextBody":
+        self = super().__new__(cls, data)
+        self.content_type = content_type.encode("latin-1")
+        return self
+
+
+def _response(status: int, body: bytes, keep_alive: bool,
+              content_type: bytes = b"application/json") -> bytes:
     return b"".join((
         b"HTTP/1.1 ", str(status).encode(), b" ", _REASONS.get(status, b"Status"),
-        b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+        b"\r\ncontent-type: ", content_type, b"\r\ncontent-length: ", str(len(body)).encode(),
         b"" if keep_alive else b"\r\nconnection: close", b"\r\n\r\n", body))
 
 
@@ -187,7 +199,9 @@ class _Connection(asyncio.Protocol):
             elif self.transport.is_closing():
                 return
             else:
-                self.transport.write(_response(status, payload, keep_alive))
+                self.transport.write(
+                    _response(status, payload, keep_alive, payload.content_type)
+                    if isinstance(payload, TextBody) else _response(status, payload, keep_alive))
             if self.transport.is_closing():
                 return
             if not keep_alive:

@@ -16,6 +16,7 @@ from harnessrl.rpc import map_errors
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 from harnessrl.v1 import store_pb2_grpc
+from services.store.metrics import count_appended
 from services.store.redis_store import RolloutStore
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -67,6 +68,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     async def AppendCalls(self, request: spb.AppendCallsRequest,
                           context: grpc.aio.ServicerContext) -> spb.AppendCallsResponse:
         results, reasons = await self.store.append_calls(request.calls)
+        count_appended(results)
         return spb.AppendCallsResponse(results=results, reasons=reasons)
 
     async def RecordCalls(self, request_iterator: AsyncIterator[spb.AppendCallsRequest],
@@ -77,6 +79,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                 results, reasons = await self.store.append_calls(request.calls)
             except _REDIS_DOWN as exc:
                 raise Unavailable(f"redis unavailable: {exc}") from exc
+            count_appended(results)
             yield spb.AppendCallsResponse(results=results, reasons=reasons)
 
     @_redis_unavailable
