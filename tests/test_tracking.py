@@ -8,6 +8,7 @@ read back."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import struct
 import subprocess
@@ -178,3 +179,71 @@ def test_trainer_metrics_endpoint_moves_with_the_steps(run: dict[str, Any]) -> N
     assert after["harnessrl_trainer_tokens_per_second"] > 0
     assert after["harnessrl_trainer_staleness"] == 0
     assert after["harnessrl_trainer_policy_version"] == STEPS
+
+
+def _near(pixel: tuple[int, ...], color: str, tol: int = 40) -> bool:
+    want = [int(color[i:i + 2], 16) for i in (1, 3, 5)]
+    return all(abs(p - w) <= tol for p, w in zip(pixel[:3], want))
+
+
+def _runs(flags: list[bool], max_gap: int = 4) -> list[tuple[int, int]]:
+    """[start, end) of each run of True, gaps of up to `max_gap` (grid lines) bridged."""
+    out: list[tuple[int, int]] = []
+    start = None
+    for i, f in enumerate([*flags, False]):
+        if f and start is None:
+            start = i
+        elif not f and start is not None:
+            if out and start - out[-1][1] <= max_gap:
+                start = out.pop()[0]
+            out.append((start, i))
+            start = None
+    return out
+
+
+def test_report_page_shows_the_reward_curve_in_its_plot_area_in_headless_chromium(
+        run: dict[str, Any], tmp_path: Path) -> None:
+    """`harnessrl report` as a command; the page loads nothing from elsewhere; Chromium's
+    screenshot has the reward colour inside the first chart's plot area (its background colour
+    is `PLOT_BG`), spread over most of its width (a curve, not a legend swatch)."""
+    from PIL import Image
+
+    from harnessrl.report import COLORS, PLOT_BG
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "chromium is missing: scripts/setup.sh installs it (apt-get install chromium)"
+    page = tmp_path / "report.html"
+    done = subprocess.run([sys.executable, "-m", "harnessrl.cli", "report", str(run["out"]),
+                           "--out", str(page)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = page.read_text()
+    # self-contained: no script, stylesheet link or reference to anything but itself
+    assert "<script" not in text and "<link" not in text and "<img" not in text
+    assert not re.search(r'(?:src|href)\s*=\s*"(?!#)', text), \
+        re.search(r'(?:src|href)\s*=\s*"(?!#)[^"]*"', text)
+    assert text.count("<svg") == 5 and "Rollouts" in text
+    first = json.loads((run["out"] / "rollouts.jsonl").read_text().splitlines()[-1])
+    assert first["rollout_id"] in text
+
+    shot = tmp_path / "shot.png"
+    subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    "--force-device-scale-factor=1", "--window-size=1400,1200",
+                    f"--screenshot={shot}", page.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    img = Image.open(shot).convert("RGB")
+    width, height = img.size
+    px = img.load()
+    bg_rows = [any(_near(px[x, y], PLOT_BG, 2) for x in range(0, width, 3))
+               for y in range(height)]
+    top, bottom = _runs(bg_rows)[0]  # the first row of charts: reward (left) and KL
+    left, right = _runs([any(_near(px[x, y], PLOT_BG, 2) for y in range(top, bottom, 3))
+                         for x in range(width)])[0]  # the reward chart's plot area
+    red = [(x, y) for y in range(top, bottom) for x in range(left, right)
+           if _near(px[x, y], COLORS["reward"])]
+    assert len(red) > 100, (top, bottom, left, right, len(red))
+    xs = [x for x, _ in red]
+    assert max(xs) - min(xs) > 0.6 * (right - left), (min(xs), max(xs), left, right)
+    outside = [(x, y) for y in range(height) for x in range(0, width, 2)
+               if not (top <= y < bottom and left <= x < right) and _near(px[x, y],
+                                                                          COLORS["reward"])]
+    assert not outside, outside[:5]

@@ -21,8 +21,8 @@ JOB_LAUNCH = Histogram("harnessrl_controller_job_launch_seconds",
                        buckets=LATENCY_BUCKETS)
 JOB_LAUNCHES = Counter("harnessrl_controller_job_launches", "Harness job launches",
                        ["backend", "outcome"])
-_STATES = {v: c.RolloutStatus.Name(v).removeprefix("ROLLOUT_STATUS_")
-           for v in c.RolloutStatus.values()}
+_STATES: dict[int, str] = {v: c.RolloutStatus.Name(v).removeprefix("ROLLOUT_STATUS_")
+                           for v in c.RolloutStatus.values()}
 
 
 def rollout_state_changed(old: int | None, new: int | None) -> None:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from harnessrl.credentials import CredentialSigner
 from harnessrl.errors import HarnessRLError
-from harnessrl.statuses import RUN_TERMINAL, TERMINAL
+from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as spb
 from services.controller import grading, metrics
 from services.controller.backends import GraderStep, JobBackend, JobResult, JobSpec
@@ -295,7 +295,8 @@ class RunExecution:
         will_retry = (status == c.ROLLOUT_STATUS_FAILED and may_retry and not self.cancelled
                       and attempt < self.spec.max_attempts)
         ro = await self.ctx.store.finish_attempt(spb.FinishAttemptRequest(
-            rollout_id=rid, attempt=attempt, status=status, reward=reward, error=error,
+            rollout_id=rid, attempt=attempt, status=status,  # type: ignore[arg-type]
+            reward=reward, error=error,
             exit_code=exit_code, timed_out=timed_out, will_retry=will_retry))
         if status == c.ROLLOUT_STATUS_FAILED:
             log.warning("attempt %d failed%s: %s", attempt,

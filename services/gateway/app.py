@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import grpc
 import orjson
 
-from harnessrl.clients import StoreClient
+from harnessrl.clients import AsyncStoreClient
 from harnessrl.errors import HarnessRLError, Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.metrics import exposition
@@ -134,7 +134,7 @@ class GatewayApp:
     path): `handle(method, path, headers, body)` -> (status, JSON body or event stream)."""
 
     def __init__(self, cfg: GatewayConfig, registry: EngineRegistry, sessions: Sessions,
-                 recorder: CallRecorder, store: StoreClient) -> None:
+                 recorder: CallRecorder, store: AsyncStoreClient) -> None:
         self.cfg = cfg
         self.registry = registry
         self.sessions = sessions

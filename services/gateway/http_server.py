@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -235,11 +236,11 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-async def serve_http(handler: Handler, sock: "object", max_body_bytes: int,
+async def serve_http(handler: Handler, sock: socket.socket, max_body_bytes: int,
                      idle_timeout_s: float = 75.0, read_timeout_s: float = 30.0
                      ) -> asyncio.AbstractServer:
     """Serves `handler` on an already bound socket; returns the started server."""
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: _Connection(handler, max_body_bytes,
                                                         idle_timeout_s, read_timeout_s),
-                                    sock=sock, backlog=2048)  # type: ignore[arg-type]
+                                    sock=sock, backlog=2048)

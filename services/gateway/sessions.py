@@ -14,7 +14,7 @@ import time
 
 import grpc
 
-from harnessrl.clients import StoreClient
+from harnessrl.clients import AsyncStoreClient
 from harnessrl.credentials import CredentialSigner, RolloutCredential
 from harnessrl.errors import Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
@@ -39,7 +39,8 @@ class Session:
 
 
 class Sessions:
-    def __init__(self, signer: CredentialSigner, store: StoreClient, max_sessions: int = 100_000
+    def __init__(self, signer: CredentialSigner, store: AsyncStoreClient,
+                 max_sessions: int = 100_000
                  ) -> None:
         self.signer = signer
         self.store = store

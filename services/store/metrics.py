@@ -23,14 +23,14 @@ log = logging.getLogger("harnessrl.store")
 
 APPENDED = Counter("harnessrl_store_calls_appended", "Calls given to the store, by outcome",
                    ["result"])
-STREAM_ENTRIES = Gauge("harnessrl_store_stream_entries", "Entries in a completed-group stream",
-                       ["stream"])
+STREAM_ENTRIES = Gauge("harnessrl_store_stream_entries",
+                       "Entries in a completed-group stream", ["stream"])
 STREAM_LAG = Gauge("harnessrl_store_stream_lag",
                    "Entries of a stream a consumer group has not read yet", ["stream", "group"])
 STREAM_PENDING = Gauge("harnessrl_store_stream_pending",
                        "Entries of a stream read by a consumer group and not acknowledged",
                        ["stream", "group"])
-_RESULTS = {spb.APPEND_RESULT_STORED: "stored", spb.APPEND_RESULT_DUPLICATE: "duplicate",
+_RESULTS: dict[int, str] = {spb.APPEND_RESULT_STORED: "stored", spb.APPEND_RESULT_DUPLICATE: "duplicate",
             spb.APPEND_RESULT_REJECTED: "rejected"}
 
 

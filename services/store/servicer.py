@@ -69,7 +69,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                           context: grpc.aio.ServicerContext) -> spb.AppendCallsResponse:
         results, reasons = await self.store.append_calls(request.calls)
         count_appended(results)
-        return spb.AppendCallsResponse(results=results, reasons=reasons)
+        return spb.AppendCallsResponse(results=results,  # type: ignore[arg-type]
+                                       reasons=reasons)
 
     async def RecordCalls(self, request_iterator: AsyncIterator[spb.AppendCallsRequest],
                           context: grpc.aio.ServicerContext
@@ -80,7 +81,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             except _REDIS_DOWN as exc:
                 raise Unavailable(f"redis unavailable: {exc}") from exc
             count_appended(results)
-            yield spb.AppendCallsResponse(results=results, reasons=reasons)
+            yield spb.AppendCallsResponse(results=results,  # type: ignore[arg-type]
+                                          reasons=reasons)
 
     @_redis_unavailable
     async def ReportReward(self, request: spb.ReportRewardRequest,

@@ -68,14 +68,14 @@ class Trackers:
 
     def log_step(self, row: dict[str, Any], rollouts: list[dict[str, Any]]) -> None:
         step = int(row["step"])
-        numbers = {k: float(v) for k, v in row.items()
+        numbers: dict[str, float] = {k: float(v) for k, v in row.items()
                    if isinstance(v, (int, float)) and k != "step"}
-        texts = {k: v for k, v in row.items() if isinstance(v, str)}
+        texts: dict[str, str] = {k: v for k, v in row.items() if isinstance(v, str)}
         if self._tb is not None:
-            for k, v in numbers.items():
-                self._tb.add_scalar(f"train/{k}", v, step)
-            for k, v in texts.items():
-                self._tb.add_text(f"train/{k}", v, step)
+            for k, number in numbers.items():
+                self._tb.add_scalar(f"train/{k}", number, step)
+            for k, text in texts.items():
+                self._tb.add_text(f"train/{k}", text, step)
             if rollouts:
                 self._tb.add_text("rollouts", render_markdown(rollouts), step)
             self._tb.flush()
