@@ -142,3 +142,38 @@ def test_metrics_of_store_gateway_and_controller_move_with_a_run(
     finally:
         for p in reversed(procs_started):
             p.stop()
+
+
+def test_dashboard_and_prometheus_config_name_only_series_and_ports_that_exist() -> None:
+    """Every series the Grafana dashboard queries is one a service declares, every declared
+    harnessrl series is on the dashboard, and Prometheus scrapes the compose file's ports."""
+    import re
+
+    import yaml
+    from prometheus_client import REGISTRY
+
+    import services.controller.metrics
+    import services.gateway.metrics
+    import services.store.metrics
+    import services.trainer.metrics  # noqa: F401 - they register their series
+
+    repo = Path(__file__).resolve().parent.parent
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                "gauge": ("",)}
+    declared = {m.name + s for m in REGISTRY.collect() if m.name.startswith("harnessrl_")
+                for s in suffixes[m.type]}
+    dash = json.loads((repo / "deploy/monitoring/grafana/dashboards/harnessrl.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    used = {n for e in exprs for n in re.findall(r"harnessrl_[a-z_]+", e)}
+    assert used <= declared, used - declared
+    families = {m.name for m in REGISTRY.collect() if m.name.startswith("harnessrl_")}
+    assert all(any(u.startswith(f) for u in used) for f in families), \
+        {f for f in families if not any(u.startswith(f) for u in used)}
+    prom = yaml.safe_load((repo / "deploy/monitoring/prometheus.yml").read_text())
+    targets = {j["job_name"]: j["static_configs"][0]["targets"][0]
+               for j in prom["scrape_configs"]}
+    compose = (repo / "docker-compose.yml").read_text()
+    for job, var in (("store", "STORE_METRICS_PORT"), ("controller", "CONTROLLER_METRICS_PORT"),
+                     ("trainer", "TRAINER_METRICS_PORT"), ("gateway", "GATEWAY_HTTP_PORT")):
+        port = re.search(rf"\${{{var}:-(\d+)}}", compose)
+        assert port and targets[job] == f"{job}:{port[1]}", (job, targets[job])
