@@ -14,14 +14,16 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prometheus_client import Counter, Gauge
+from collections import Counter
+
+from prometheus_client import Counter as PromCounter, Gauge
 
 from harnessrl.v1 import store_pb2 as spb
 from services.store.redis_store import RolloutStore
 
 log = logging.getLogger("harnessrl.store")
 
-APPENDED = Counter("harnessrl_store_calls_appended", "Calls given to the store, by outcome",
+APPENDED = PromCounter("harnessrl_store_calls_appended", "Calls given to the store, by outcome",
                    ["result"])
 STREAM_ENTRIES = Gauge("harnessrl_store_stream_entries",
                        "Entries in a completed-group stream", ["stream"])
@@ -30,13 +32,20 @@ STREAM_LAG = Gauge("harnessrl_store_stream_lag",
 STREAM_PENDING = Gauge("harnessrl_store_stream_pending",
                        "Entries of a stream read by a consumer group and not acknowledged",
                        ["stream", "group"])
-_RESULTS: dict[int, str] = {spb.APPEND_RESULT_STORED: "stored", spb.APPEND_RESULT_DUPLICATE: "duplicate",
-            spb.APPEND_RESULT_REJECTED: "rejected"}
+_BY_RESULT: dict[int, PromCounter] = {
+    spb.APPEND_RESULT_STORED: APPENDED.labels("stored"),
+    spb.APPEND_RESULT_DUPLICATE: APPENDED.labels("duplicate"),
+    spb.APPEND_RESULT_REJECTED: APPENDED.labels("rejected"),
+    spb.APPEND_RESULT_UNSPECIFIED: APPENDED.labels("unspecified")}
 
 
 def count_appended(results: list[int]) -> None:
-    for r in results:
-        APPENDED.labels(_RESULTS.get(r, "unspecified")).inc()
+    """Counts a batch's outcomes (one increment per distinct outcome)."""
+    if len(results) == 1:
+        _BY_RESULT[results[0]].inc()
+        return
+    for result, n in Counter(results).items():
+        _BY_RESULT[result].inc(n)
 
 
 async def refresh_streams(store: RolloutStore, every_s: float) -> None:
