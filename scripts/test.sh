@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the whole test suite (sets up first when needed), after ruff and mypy. Extra arguments go to pytest, e.g.
-# `bash scripts/test.sh -m "not slow"` or `bash scripts/test.sh tests/test_store.py`.
+# Runs ruff and mypy, then the whole test suite (sets up first when needed). Extra arguments go
+# to pytest, e.g. `bash scripts/test.sh -m "not slow"` or `bash scripts/test.sh tests/test_store.py`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
