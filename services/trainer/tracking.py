@@ -6,7 +6,7 @@ TensorBoard and Weights & Biases when the config switches them on (rank 0 only).
   checkpoint) and the rendered rollouts as text. A resumed trainer purges the events of steps
   after its checkpoint (they are redone).
 - W&B (`wandb_project`): one run whose id is the trainer's run prefix (a resumed trainer goes on
-  with it), the config as its config, every field of the row under `train/<field>` at the
+  with it), the config as its config (harness_env values masked), every field of the row under `train/<field>` at the
   step, the rollouts as a table. `WANDB_MODE=offline` writes it under `<output_dir>/wandb`
   without an account (`wandb sync` uploads it later).
 
@@ -57,9 +57,12 @@ class Trackers:
                 raise RuntimeError("wandb_project needs the wandb package: pip install "
                                    f"'harnessrl[tracking]' ({exc})") from exc
             (output / "wandb").mkdir(parents=True, exist_ok=True)
+            config = cfg.model_dump(mode="json")
+            # the harness's environment may carry its own credentials: names only
+            config["harness_env"] = {k: "***" for k in config.get("harness_env", {})}
             self._wandb = wandb.init(project=cfg.wandb_project, id=run_prefix, resume="allow",
                                      name=cfg.wandb_run_name or run_prefix, dir=str(output),
-                                     config=cfg.model_dump(mode="json"))
+                                     config=config)
             log.info("W&B run %s (%s)", self._wandb.id, self._wandb.dir)
 
     @property
