@@ -356,6 +356,7 @@ def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:
 
 PROFILE = "cpu"
 PORT_VARS = ("REDIS_PORT", "STORE_PORT", "GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT",
+             "STORE_METRICS_PORT", "CONTROLLER_METRICS_PORT", "TRAINER_METRICS_PORT",
              "CONTROLLER_PORT", "TRAINER_PORT", "ENGINE_PORT")
 NOT_STARTED = {"trainer-cpu"}
 # Where the images put the example harness and its venv (services/controller/Dockerfile).

@@ -34,12 +34,15 @@ from typing import Any, Protocol
 import grpc
 import orjson
 
-from harnessrl.clients import StoreClient
+from harnessrl.clients import AsyncStoreClient
 from harnessrl.errors import HarnessRLError, Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
+from harnessrl.metrics import exposition
 from services.gateway import anthropic, responses, sampling
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry, EngineState
+from services.gateway.http_server import TextBody
+from services.gateway.metrics import HELD_RECORDS, RouteMetrics
 from services.gateway.recorder import CallRecorder, HoldTimeout, RecordRejected
 from services.gateway.sessions import Session, Sessions
 from services.gateway.streaming import DONE, Generated, SSEDecoder, strip_chunk
@@ -126,6 +129,9 @@ class Exchange:
 
 
 Route = Callable[[Headers, bytes], Awaitable[Any]]
+# Exchange.api -> the route it came in on
+API_ROUTES = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
+              "messages": "/v1/messages", "responses": "/v1/responses"}
 
 
 class GatewayApp:
@@ -133,7 +139,7 @@ class GatewayApp:
     path): `handle(method, path, headers, body)` -> (status, JSON body or event stream)."""
 
     def __init__(self, cfg: GatewayConfig, registry: EngineRegistry, sessions: Sessions,
-                 recorder: CallRecorder, store: StoreClient) -> None:
+                 recorder: CallRecorder, store: AsyncStoreClient) -> None:
         self.cfg = cfg
         self.registry = registry
         self.sessions = sessions
@@ -152,10 +158,23 @@ class GatewayApp:
             ("GET", "/v1/models"): (self.list_models, "openai"),
             ("POST", "/v1/harnessrl/reward"): (self.report_reward, "openai"),
             ("GET", "/health"): (self.health, "openai"),
+            ("GET", "/metrics"): (self.metrics, "openai"),
         }
+        self.route_metrics = {path: RouteMetrics(path) for _, path in self.routes}
+        self._other_route = RouteMetrics("other")
+        HELD_RECORDS.set_function(lambda: self.recorder.held)
 
     async def handle(self, method: str, path: str, headers: Headers, body: bytes | None
                      ) -> tuple[int, Any]:
+        """`_handle`, counted and timed by route (`metrics.py`)."""
+        t0 = time.perf_counter()
+        status, payload = await self._handle(method, path, headers, body)
+        (self.route_metrics.get(path) or self._other_route).observe(
+            status, time.perf_counter() - t0)
+        return status, payload
+
+    async def _handle(self, method: str, path: str, headers: Headers, body: bytes | None
+                      ) -> tuple[int, Any]:
         """`body` is None when it was over `max_body_bytes`."""
         style = "openai"
         try:
@@ -192,6 +211,12 @@ class GatewayApp:
     # routes ---------------------------------------------------------------------------------
     async def health(self, headers: Headers, body: bytes) -> bytes:
         return b'{"status":"ok"}'
+
+    async def metrics(self, headers: Headers, body: bytes) -> TextBody:
+        """Prometheus metrics of this gateway (no credential: serve the data plane on a
+        network only harnesses and the metrics scraper reach)."""
+        data, content_type = exposition()
+        return TextBody(data, content_type)
 
     async def list_models(self, headers: Headers, body: bytes) -> bytes:
         await self._auth(headers)
@@ -292,7 +317,8 @@ class GatewayApp:
                         ) -> tuple[str, int, bytes]:
         """The rollout's engine's `/tokenize`: (engine name, status, body)."""
         deadline = time.monotonic() + self.cfg.hold_timeout_s
-        engine = await self.registry.acquire(session.cred.rollout_id, model, deadline)
+        engine = await self._acquire("/v1/messages/count_tokens", session.cred.rollout_id,
+                                     model, deadline)
         try:
             request["model"] = engine.model or model
             status, raw = await engine.pool.post("/tokenize", orjson.dumps(request),
@@ -407,6 +433,19 @@ class GatewayApp:
             raise _engine_refused(engine.name, upstream.status, raw)
         return StreamedCall(self, ex, engine, version, t0, upstream, events)
 
+    async def _acquire(self, route: str, rollout_id: str, model: str, deadline: float
+                       ) -> EngineState:
+        """`registry.acquire`, counted in `held_requests{route}` while it waits."""
+        engine = self.registry.try_acquire(rollout_id, model)
+        if engine is not None:
+            return engine
+        held = self.route_metrics[route].held
+        held.inc()
+        try:
+            return await self.registry.acquire(rollout_id, model, deadline)
+        finally:
+            held.dec()
+
     async def _to_engine(self, ex: Exchange, stream: bool) -> tuple[EngineState, int, float, Any]:
         """Sends `ex.forward` to the rollout's engine (waiting while engines are paused or
         unreachable, up to `hold_timeout_s`): (engine, policy version, start, result). A
@@ -415,7 +454,7 @@ class GatewayApp:
         deadline = time.monotonic() + self.cfg.hold_timeout_s
         path = "/v1/chat/completions" if ex.chat else "/v1/completions"
         while True:
-            engine = await self.registry.acquire(rollout_id, ex.model, deadline)
+            engine = await self._acquire(API_ROUTES[ex.api], rollout_id, ex.model, deadline)
             # The version when generation starts: a call that spans a weight push (engine
             # paused with mode=keep) is attributed to the older policy, so staleness is never
             # under-counted.

@@ -7,7 +7,7 @@ chunked request bodies (bounded by `max_body_bytes`), pipelined requests answere
 one write per response. A client that disconnects cancels its request (nothing is recorded
 for a response nobody received). Handlers are `async (method, path, headers, body) -> (status,
 body)`, headers a list of (lower-case name, value) byte pairs. A body is bytes (sent whole,
-JSON) or a `StreamBody`: server-sent events, sent chunked piece by piece as the handler yields
+JSON; a `TextBody` for another content type) or a `StreamBody`: server-sent events, sent chunked piece by piece as the handler yields
 them (each piece written at once, waiting only while the client's socket buffer is full); its
 `aclose()` is always awaited, also when the client went away mid-stream.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -44,10 +45,22 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Fo
             500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
 
 
-def _response(status: int, body: bytes, keep_alive: bool) -> bytes:
+class TextBody(bytes):
+    """A whole response body of another content type than JSON (e.g. /metrics)."""
+
+    content_type: bytes
+
+    def __new__(cls, data: bytes, content_type: str) -> "TextBody":
+        self = super().__new__(cls, data)
+        self.content_type = content_type.encode("latin-1")
+        return self
+
+
+def _response(status: int, body: bytes, keep_alive: bool,
+              content_type: bytes = b"application/json") -> bytes:
     return b"".join((
         b"HTTP/1.1 ", str(status).encode(), b" ", _REASONS.get(status, b"Status"),
-        b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+        b"\r\ncontent-type: ", content_type, b"\r\ncontent-length: ", str(len(body)).encode(),
         b"" if keep_alive else b"\r\nconnection: close", b"\r\n\r\n", body))
 
 
@@ -210,7 +223,9 @@ class _Connection(asyncio.Protocol):
             elif self.transport.is_closing():
                 return
             else:
-                response = _response(status, payload, keep_alive)
+                response = (_response(status, payload, keep_alive, payload.content_type)
+                            if isinstance(payload, TextBody)
+                            else _response(status, payload, keep_alive))
                 if method == "HEAD":  # the head alone: a body would be read as the next response
                     response = response[:len(response) - len(payload)]
                 self.transport.write(response)
@@ -247,11 +262,11 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-async def serve_http(handler: Handler, sock: "object", max_body_bytes: int,
+async def serve_http(handler: Handler, sock: socket.socket, max_body_bytes: int,
                      idle_timeout_s: float = 75.0, read_timeout_s: float = 30.0
                      ) -> asyncio.AbstractServer:
     """Serves `handler` on an already bound socket; returns the started server."""
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: _Connection(handler, max_body_bytes,
                                                         idle_timeout_s, read_timeout_s),
-                                    sock=sock, backlog=2048)  # type: ignore[arg-type]
+                                    sock=sock, backlog=2048)

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from harnessrl.clients import StoreClient
+from harnessrl.clients import AsyncStoreClient
 from harnessrl.credentials import CredentialSigner, RolloutCredential
 from harnessrl.errors import Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
@@ -42,7 +42,8 @@ class Session:
 
 
 class Sessions:
-    def __init__(self, signer: CredentialSigner, store: StoreClient, max_sessions: int = 100_000
+    def __init__(self, signer: CredentialSigner, store: AsyncStoreClient,
+                 max_sessions: int = 100_000
                  ) -> None:
         self.signer = signer
         self.store = store
