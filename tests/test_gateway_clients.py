@@ -108,8 +108,8 @@ def test_openai_completions_not_streamed(world: World) -> None:
     resp = env.openai(key).completions.create(model=env.model, prompt="What is 3 + 4?",
                                               max_tokens=24, temperature=1.0)
     [call] = env.calls(rid)
-    assert env.tok.decode(call.completion_token_ids) == resp.choices[0].text
-    assert len(call.logprobs) == len(call.completion_token_ids) == resp.usage.completion_tokens  # type: ignore[union-attr]
+    env.check(call, resp.choices[0].text, [])  # the end-of-text id is recorded, not returned
+    assert len(call.completion_token_ids) == resp.usage.completion_tokens  # type: ignore[union-attr]
     assert env.tok.decode(call.prompt_token_ids) == "What is 3 + 4?"
 
 
@@ -225,6 +225,9 @@ def test_openai_agents_sdk_runs_unchanged_under_the_controller(world: World) -> 
             assert json.loads(call.sampling_override_json)["imposed"]["max_tokens"] == 64
             turns += 1
             tool_turns += bool(got["function_calls"])
+            print(ro.rollout_id, got)
         if len(ro.calls) > 1:  # later turns resend the conversation: the prompt grows
             assert len(ro.calls[1].prompt_token_ids) > len(ro.calls[0].prompt_token_ids)
-    assert turns >= 4
+        assert ro.has_reward and ro.reward in (0.0, 1.0)  # graded by examples/calc/grader.py
+    # the SDK ran its tool and sent the result back (the warmed-up model calls it most turns)
+    assert tool_turns >= 1 and turns >= 4

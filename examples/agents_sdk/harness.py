@@ -11,7 +11,8 @@ Nothing here knows about harnessrl: the SDK is configured by the environment onl
 - `HARNESSRL_TASK_JSON`: the task, e.g. `{"question": "What is 3 + 4?", "answer": 7, ...}`.
 
 The SDK speaks the Responses API (`POST /v1/responses`, the full conversation each turn,
-function tools). The agent has one function tool, `calculator`, and at most 4 turns. Writes
+function tools). The agent has one function tool, `calculator` (the calc example's tool and
+evaluator), and at most 4 turns. Writes
 `answer.txt` (the final output, read by `examples/calc/grader.py`) and `transcript.jsonl`: one
 line per model response as the SDK received it (a run hook), with its text and function calls.
 A model that answers badly (too many turns, a call to an unknown tool, broken arguments) still
@@ -26,19 +27,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agents import Agent, AgentsException, RunHooks, Runner, function_tool
+from agents import Agent, AgentsException, FunctionTool, RunHooks, Runner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from examples.calc.harness import SYSTEM_PROMPT  # noqa: E402
-from examples.calc.harness import calculator as evaluate  # noqa: E402
+from examples.calc.harness import SYSTEM_PROMPT, TOOLS, run_tool  # noqa: E402
 
 MAX_TURNS = 4
+SPEC = TOOLS[0]["function"]
 
 
-@function_tool
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression with integers and + - *."""
-    return evaluate(expression)
+async def _invoke(context: Any, arguments: str) -> str:
+    return run_tool(SPEC["name"], arguments)
+
+
+# The calculator harness's own tool declaration, as an Agents SDK function tool. (The SDK's
+# `@function_tool` would derive the schema from a Python signature, adding "title" fields and
+# "additionalProperties": false; the tiny model was warmed up on exactly this declaration and
+# rarely calls a tool declared otherwise.)
+calculator = FunctionTool(name=SPEC["name"], description=SPEC["description"],
+                          params_json_schema=SPEC["parameters"], on_invoke_tool=_invoke,
+                          strict_json_schema=False)
 
 
 class Transcript(RunHooks):  # type: ignore[type-arg]
