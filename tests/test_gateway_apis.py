@@ -113,7 +113,7 @@ def test_openai_streamed_completions_are_recorded_token_for_token(env: Env) -> N
         stream_options={"include_usage": True}))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     [call] = env.calls(rid)
-    assert env.tok.decode(call.completion_token_ids) == text
+    assert env.tok.decode(call.completion_token_ids, skip_special_tokens=True) == text
     assert len(call.logprobs) == len(call.completion_token_ids) == chunks[-1].usage.completion_tokens
     assert env.tok.decode(call.prompt_token_ids) == "What is 3 + 4?"
 

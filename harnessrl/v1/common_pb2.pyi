@@ -557,8 +557,9 @@ Global___RunSpec: _TypeAlias = RunSpec  # noqa: Y015
 @_typing.final
 class SamplingPolicy(_message.Message):
     """Unset fields leave the harness's setting as it is. The trainer computes logprobs at
-    temperature 1 without truncation, as vLLM reports them (raw logprobs): the gateway refuses
-    the calls of a run whose policy it cannot match (temperature or top_p other than 1).
+    temperature 1 without truncation, as vLLM reports them (raw logprobs): a policy it cannot
+    match (temperature or top_p other than 1; harnessrl.sampling) is refused by the controller's
+    CreateRun (INVALID_ARGUMENT), and by the gateway for the calls of a run stored otherwise.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

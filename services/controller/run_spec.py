@@ -14,6 +14,7 @@ import math
 import re
 
 from harnessrl.errors import InvalidArgument
+from harnessrl.sampling import unmatched
 from harnessrl.tasks import check_task_ids, load_task_file, task_id, task_object
 from harnessrl.v1 import common_pb2 as c
 
@@ -70,6 +71,8 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
     for k, v in s.env.items():
         if not k or "=" in k or "\0" in k or "\0" in v:
             raise InvalidArgument(f"invalid environment variable {k!r}")
+    if s.HasField("sampling") and (problem := unmatched(s.sampling)):
+        raise InvalidArgument(problem)
     if s.tasks and s.tasks_file:
         raise InvalidArgument("give tasks inline or as tasks_file, not both")
     if not s.tasks and not s.tasks_file:

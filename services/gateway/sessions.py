@@ -18,8 +18,8 @@ import grpc
 from harnessrl.clients import AsyncStoreClient
 from harnessrl.credentials import CredentialSigner, RolloutCredential
 from harnessrl.errors import Unauthenticated, Unavailable
+from harnessrl.sampling import unmatched
 from harnessrl.v1 import common_pb2 as c
-from services.gateway.sampling import unmatched
 
 
 class Session:
