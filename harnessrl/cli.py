@@ -10,6 +10,7 @@
   (which restarts what dies); `status`, `runs`, `rollouts RUN`, `show ROLLOUT`,
   `logs SERVICE`, `run` and `down` find it through `--state-dir` (default `.harnessrl`).
 - `harnessrl run`: creates a run of your harness on a running stack and follows it.
+- `harnessrl report RUN_DIR`: an HTML page of a training run (`harnessrl/report.py`).
 """
 
 from __future__ import annotations
@@ -30,14 +31,13 @@ from rich.table import Table
 
 from harnessrl import log as hlog
 from harnessrl import operate, progress
+from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import controller_pb2 as cpb
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "calc"
 console = Console()
-
-TERMINAL = (c.ROLLOUT_STATUS_SUCCEEDED, c.ROLLOUT_STATUS_FAILED, c.ROLLOUT_STATUS_CANCELLED)
 
 
 def example_spec(tasks: int, group_size: int, concurrency: int, model: str) -> c.RunSpec:
@@ -371,6 +371,18 @@ def _harness_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default="tiny", help="model name the engines serve")
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from harnessrl.report import write_report
+
+    try:
+        out = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 1
+    print(out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="harnessrl", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -445,6 +457,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--lines", type=int, default=50)
     p.add_argument("-f", "--follow", action="store_true")
     verb("down", "stop the detached stack", cmd_down)
+
+    report = sub.add_parser("report", help="write an HTML report of a training run "
+                            "(curves, step times, rendered rollouts)")
+    report.add_argument("run_dir", help="the trainer's output dir (holds metrics.jsonl)")
+    report.add_argument("--out", default=None, help="HTML file (default: RUN_DIR/report.html)")
+    report.set_defaults(fn=cmd_report)
 
     args = ap.parse_args(argv)
     args.argv = argv

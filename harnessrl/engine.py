@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+import httpx
 
 from harnessrl import procs
 
@@ -68,9 +68,8 @@ class EngineProcess(procs.ServiceProcess):
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
+            return httpx.get(self.base_url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
             return False
 
     def wait_healthy(self, timeout: float = 300.0) -> "EngineProcess":
@@ -114,12 +113,15 @@ def engine_argv(model_dir: Path, port: int, served_model_name: str, max_model_le
 def start_engine(model_dir: str | Path, port: int | None = None,
                  workdir: str | Path = ".harnessrl/engine", extra_args: Sequence[str] = (),
                  env: dict[str, str] | None = None, weight_transfer_backend: str | None = None,
-                 served_model_name: str | None = None, max_model_len: int = 1024,
+                 served_model_name: str | None = None, max_model_len: int = 32768,
                  kv_cache_gib: int = 1) -> EngineProcess:
     """Starts vLLM on `model_dir` (not yet healthy: call `wait_healthy`).
 
     The server's log and working directory are `workdir/vllm-PORT/`. `served_model_name`
-    defaults to the model folder's name. `weight_transfer_backend` (e.g. "gloo" on CPU,
+    defaults to the model folder's name. `max_model_len` defaults to the tiny model's 32,768
+    positions (a 40,000-character prompt fits); on CPU the KV cache is sized in bytes
+    (`kv_cache_gib`), not tokens, so the context length costs neither memory nor start time
+    (docs/gateway-apis.md). `weight_transfer_backend` (e.g. "gloo" on CPU,
     "nccl" on GPU) enables vLLM's weight-transfer protocol with that backend. `env` is added to
     this process's environment; `VLLM_CPU_KVCACHE_SPACE` (GiB), `HF_HUB_OFFLINE=1` and
     `VLLM_SERVER_DEV_MODE=1` (the pause/weight-update endpoints) are set unless given there."""

@@ -52,8 +52,8 @@ class StackConfig:
     """Base URLs of engines already running (registered with the gateway as well)."""
     weight_transfer_backend: str | None = field(default_factory=default_weight_backend)
     """Enables vLLM's weight-transfer protocol with this backend (gloo on CPU, nccl on GPU)."""
-    max_model_len: int = 1024
-    """Engine context length."""
+    max_model_len: int = 32768
+    """Engine context length (the tiny model's positions: room for a 40,000-character prompt)."""
     engine_extra_args: tuple[str, ...] = ()
     """Extra vLLM server flags."""
     gateway_flags: tuple[str, ...] = ()

@@ -326,6 +326,8 @@ def test_invalid_specs_are_refused_and_store_nothing(svc: Services, tmp_path: Pa
                 field = getattr(s, k)
                 del field[:]
                 field.extend(v)
+            elif isinstance(v, c.SamplingPolicy):
+                getattr(s, k).CopyFrom(v)
             else:
                 setattr(s, k, v)
         return s
@@ -347,6 +349,11 @@ def test_invalid_specs_are_refused_and_store_nothing(svc: Services, tmp_path: Pa
         "not used with REWARD_SOURCE_HARNESS": variant(reward_source=c.REWARD_SOURCE_HARNESS),
         "unknown backend": variant(backend="k8s"),
         "timeout_s": variant(timeout_s=-1),
+        # the trainer's loss uses temperature 1 and no nucleus (harnessrl.sampling)
+        "sampling temperature=0.7 cannot be matched by the trainer":
+            variant(sampling=c.SamplingPolicy(temperature=0.7, max_tokens=64)),
+        "sampling top_p=0.9 cannot be matched": variant(sampling=c.SamplingPolicy(top_p=0.9)),
+        "max_tokens must be >= 1": variant(sampling=c.SamplingPolicy(max_tokens=0)),
     }
     for expected, spec in cases.items():
         with pytest.raises(grpc.RpcError) as err:
@@ -360,6 +367,10 @@ def test_invalid_specs_are_refused_and_store_nothing(svc: Services, tmp_path: Pa
     with pytest.raises(grpc.RpcError) as err:
         svc.ctl.get_run("no-such-run")
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    # a policy the trainer matches is accepted and kept with the run
+    matched = c.SamplingPolicy(temperature=1.0, top_p=1.0, max_tokens=16)
+    run, _ = svc.run_to_end(variant(sampling=matched))
+    assert run.status == c.RUN_STATUS_SUCCEEDED and run.spec.sampling == matched
 
 
 def test_tasks_file_ids_and_idempotent_create(svc: Services, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from harnessrl.model import build_tiny_model, calc_task, load_tokenizer
 from harnessrl.model.build import tokenizer_corpus
@@ -142,3 +142,23 @@ def test_untied_build_has_its_own_output_head(tmp_path: Path) -> None:
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
     tied = _weights(build_tiny_model(tmp_path / "t", warmup_steps=2))
     assert "lm_head.weight" not in tied
+
+
+def test_positions_change_no_weight_and_an_old_build_is_relabelled(tmp_path: Path) -> None:
+    """32,768 positions (room for a 40,000-character prompt) cost no weight: a build with the
+    old 1,024 has the same bytes, and is relabelled in place instead of trained again."""
+    fresh = build_tiny_model(tmp_path / "fresh", warmup_steps=2)
+    old = build_tiny_model(tmp_path / "old", warmup_steps=2, max_position_embeddings=1024)
+    assert (old / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+    stamp = (old / "model.safetensors").stat().st_mtime_ns
+    t0 = time.monotonic()
+    assert build_tiny_model(tmp_path / "old", warmup_steps=2) == old
+    assert time.monotonic() - t0 < 1.0 and (old / "model.safetensors").stat().st_mtime_ns == stamp
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json",
+                 "generation_config.json"):
+        assert json.loads((old / name).read_text()) == json.loads((fresh / name).read_text())
+    recipe = json.loads((old / "recipe.json").read_text())
+    assert recipe["digest"] == json.loads((fresh / "recipe.json").read_text())["digest"]
+    assert recipe["recipe"]["max_position_embeddings"] == 32768
+    assert AutoConfig.from_pretrained(old).max_position_embeddings == 32768
+    assert load_tokenizer(old).model_max_length == 32768

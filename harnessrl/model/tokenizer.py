@@ -76,7 +76,8 @@ def numbers_corpus(repeat: int = 4) -> list[str]:
     return [" ".join(str(n) for n in range(1000))] * repeat
 
 
-def train_tokenizer(corpus: Iterable[str], vocab_size: int = 2048) -> PreTrainedTokenizerFast:
+def train_tokenizer(corpus: Iterable[str], vocab_size: int = 2048,
+                    model_max_length: int = 32768) -> PreTrainedTokenizerFast:
     """Trains the byte-level BPE on `corpus` (plus the numbers 0..999) and wraps it."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -92,7 +93,7 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 2048) -> PreTrained
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT, bos_token=None,
-        unk_token=None, model_max_length=1024, clean_up_tokenization_spaces=False,
+        unk_token=None, model_max_length=model_max_length, clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
     missing = [n for n in range(1000) if len(fast.encode(str(n))) != 1]

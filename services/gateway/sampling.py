@@ -6,7 +6,8 @@ reports raw logprobs, temperature 1, before any truncation) and the trainer uses
 1, untruncated). A run's `RunSpec.sampling` fixes temperature, top_p and max_tokens; with a
 policy in force the settings that reshape the distribution (top_k, min_p, penalties, logit
 bias) are removed too. What was overridden is recorded with the call
-(`Call.sampling_override_json`: `{"imposed": {...}, "harness": {...}}`).
+(`Call.sampling_override_json`: `{"imposed": {...}, "harness": {...}}`). Which policies the
+trainer can match at all is decided in one place, `harnessrl.sampling`.
 """
 
 from __future__ import annotations
@@ -18,19 +19,6 @@ from harnessrl.v1 import common_pb2 as c
 # Request fields that change the sampled distribution beyond temperature/top_p.
 _RESHAPING = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
               "logit_bias", "bad_words", "allowed_token_ids")
-_TRAINER = {"temperature": 1.0, "top_p": 1.0}
-
-
-def unmatched(policy: c.SamplingPolicy) -> str:
-    """Why the trainer cannot match `policy` ("" when it can)."""
-    for name, value in _TRAINER.items():
-        if policy.HasField(name) and getattr(policy, name) != value:
-            return (f"the run's sampling {name}={getattr(policy, name):g} cannot be matched by "
-                    f"the trainer, which computes logprobs at {name}={value:g} (as the engine "
-                    "reports them); refusing rather than skewing the importance ratios")
-    if policy.HasField("max_tokens") and policy.max_tokens < 1:
-        return "the run's sampling max_tokens must be >= 1"
-    return ""
 
 
 def impose(forward: dict[str, Any], policy: c.SamplingPolicy | None) -> dict[str, Any] | None:

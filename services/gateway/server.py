@@ -7,7 +7,7 @@ import contextlib
 import logging
 import socket
 
-import aiohttp
+import httpx
 
 from harnessrl import rpc
 from harnessrl.clients import StoreClient
@@ -24,7 +24,7 @@ from services.gateway.sessions import Sessions
 log = logging.getLogger("harnessrl.gateway")
 
 
-async def _probe_engines(registry: EngineRegistry, http: aiohttp.ClientSession,
+async def _probe_engines(registry: EngineRegistry, http: httpx.AsyncClient,
                          interval: float) -> None:
     """Marks unreachable engines reachable again once their /health answers."""
     while True:
@@ -32,11 +32,10 @@ async def _probe_engines(registry: EngineRegistry, http: aiohttp.ClientSession,
         for eng in list(registry.engines.values()):
             if eng.reachable:
                 continue
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with http.get(f"{eng.base_url}/health",
-                                    timeout=aiohttp.ClientTimeout(total=interval)) as resp:
-                    if resp.status == 200:
-                        registry.mark_reachable(eng)
+            with contextlib.suppress(httpx.HTTPError):
+                resp = await http.get(f"{eng.base_url}/health", timeout=interval)
+                if resp.status_code == 200:
+                    registry.mark_reachable(eng)
 
 
 async def serve(cfg: GatewayConfig) -> None:
@@ -45,7 +44,7 @@ async def serve(cfg: GatewayConfig) -> None:
     registry = EngineRegistry()
     for e in cfg.engines:
         registry.register(e.name, e.base_url, e.model, e.policy_version)
-    http = aiohttp.ClientSession()  # health probes of unreachable engines only
+    http = httpx.AsyncClient()  # health probes of unreachable engines only
     recorder = CallRecorder(store, cfg.hold_timeout_s, cfg.record_batch_max,
                             cfg.record_writers, cfg.record_batch_timeout_s)
     app = GatewayApp(cfg, registry, Sessions(signer, store), recorder, store)
@@ -69,7 +68,7 @@ async def serve(cfg: GatewayConfig) -> None:
         http_server.close()
         probe.cancel()
         await recorder.close()
-        await http.close()
+        await http.aclose()
         await store.close()
 
     await rpc.wait_for_termination(grpc_server, on_stop=shutdown)
