@@ -148,6 +148,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         console.print("[red]training your harness needs --grader (a command whose last stdout "
                       "line is {\"reward\": x}); --rollouts-only runs it without one")
         return 2
+    if args.engine_url and not args.rollouts_only:
+        console.print("[red]--engine-url is for --rollouts-only: the trainer pushes weights only "
+                      "into engines harnessrl starts (with its weight-transfer backend)")
+        return 2
     state = Path(args.state_dir).resolve()
     try:
         st = operate.load_state(state)
@@ -242,6 +246,7 @@ def _up(args: argparse.Namespace, state: Path) -> int:
         if args.rollouts_only:
             return _rollouts(stack, args, state, model_dir)
         from harnessrl.train_job import run_training, start_trainer
+        assert model_dir is not None  # training starts its own engines (cmd_up checks)
         if daemon:
             start_trainer(stack, model_dir, args, console)
             _write_state(stack, args, state, model_dir)
