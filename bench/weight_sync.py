@@ -19,8 +19,15 @@ The engine runs on jemalloc with page purging off (`--allocator jemalloc`, the d
 `harnessrl.engine.jemalloc_env`): with glibc every model-sized buffer of the update is a fresh mmap.
 `--allocator system` measures without it.
 
-Ends with one JSON line: `push_gbps`, `raw_gbps`, `ratio` (push / raw) and `paused_ms` for the
-largest model, plus the per-size figures.
+The floor of a push: the raw broadcast of the same bytes (1.) plus the engine's own time to
+apply the same tensors from memory through its load path (layerwise-reload set-up,
+`load_weights`, finalisation), measured inside the engine on the buckets of one push kept in
+memory (`engine_apply`). A push that overlaps transfer and applying perfectly can beat it.
+
+Ends with one JSON line: `push_gbps`, `raw_gbps`, `ratio` (raw / push time), `ratio_vs_floor`
+(floor / push time) with the floor's two parts (`floor_raw_ms`, `floor_apply_ms`) and
+`paused_ms` for the largest model, plus the per-size figures (with the engine's own timings of
+each push: `engine_ms`).
 
     python bench/weight_sync.py                       # 10M and 100M parameters
     python bench/weight_sync.py --sizes 10m --pushes 3
@@ -149,6 +156,25 @@ class StreamingClient:
         return statistics.median([b - x for x, b in zip(a, a[1:])]) if len(a) > 2 else float("nan")
 
 
+# -- the engine's share of the floor -------------------------------------------------------
+
+
+def engine_apply(server: VllmServer, pusher: WeightPusher, params: Any, reps: int
+                 ) -> dict[str, float]:
+    """The engine's own time to apply the pushed tensors from memory: our gloo engine keeps
+    the buckets of one push (`keep_next`), then re-applies them `reps` times through the same
+    load path (layerwise-reload set-up, `load_weights`, finalisation) with no transfer, timed
+    inside the worker while the engine is paused (`apply_kept`). Best of `reps`."""
+    server.transfer_engine("keep_next")
+    pusher.push(params, version=0)
+    httpx.post(f"{server.base_url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+    try:
+        best = server.transfer_engine("apply_kept", reps=str(reps))["best"]
+    finally:
+        httpx.post(f"{server.base_url}/resume", timeout=60).raise_for_status()
+    return {**best, "total_ms": best["start_ms"] + best["receive_ms"] + best["finish_ms"]}
+
+
 # -- push ----------------------------------------------------------------------------------
 
 
@@ -171,17 +197,22 @@ def bench_size(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
     env = jemalloc_env() if args.allocator == "jemalloc" else {}
     if args.allocator == "jemalloc" and not env:
         sys.exit("libjemalloc not found (apt-get install libjemalloc2), or use --allocator system")
-    with VllmServer(model_dir, root / f"{name}-run", max_model_len=512, extra_env=env) as server, \
+    with VllmServer(model_dir, root / f"{name}-run", max_model_len=512, extra_env=env,
+                    start_timeout=args.start_timeout) as server, \
             WeightPusher([EngineRef("e0", server.base_url)], cfg) as pusher:
         t = time.perf_counter()
         pusher.push(params, version=0)  # warm-up; joins the group
         print(f"[{name}] first push (with group join): {time.perf_counter() - t:.3f}s",
               flush=True)
+        apply = engine_apply(server, pusher, params, args.reps)
+        print(f"[{name}] engine applying the same tensors from memory: "
+              f"{apply['total_ms']:.1f} ms (start {apply['start_ms']:.1f}, load_weights "
+              f"{apply['receive_ms']:.1f}, finish {apply['finish_ms']:.1f})", flush=True)
         client = StreamingClient(server.base_url)
         client.start()
         time.sleep(3.0)
         quiet = (time.monotonic() - 2.0, time.monotonic())
-        transfer, paused, windows = [], [], []
+        transfer, paused, windows, rounds = [], [], [], []
         for v in range(1, args.pushes + 1):
             with torch.no_grad():  # a new policy each time
                 for _, p in params[:: max(1, len(params) // 8)]:
@@ -193,9 +224,13 @@ def bench_size(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
             e = report.engines["e0"]
             transfer.append(e.transfer_s)
             paused.append(e.paused_s)
+            inside = server.transfer_engine("stats")
+            rounds.append(inside)
             print(f"[{name}] push {v}: transfer {e.transfer_s * 1e3:.1f} ms "
-                  f"({nbytes / e.transfer_s / 1e9:.2f} GB/s), paused {e.paused_s * 1e3:.1f} ms",
-                  flush=True)
+                  f"({nbytes / e.transfer_s / 1e9:.2f} GB/s), paused {e.paused_s * 1e3:.1f} ms;"
+                  f" in the engine: start {inside['start_ms']:.1f}, receive+apply "
+                  f"{inside['receive_ms']:.1f} (waiting {inside['wait_ms']:.1f}), finish "
+                  f"{inside['finish_ms']:.1f} ms", flush=True)
         client.stop()
         client_gaps = [client.max_gap(*w) for w in windows]
         if args.debug_client:
@@ -209,7 +244,16 @@ def bench_size(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
               f"{client.median_gap(*quiet) * 1e3:.1f} ms", flush=True)
         median_gap = client.median_gap(*quiet)
     transfer_s = statistics.median(transfer)
+    floor_s = raw_s + apply["total_ms"] / 1e3
     return {
+        "floor_ms": round(floor_s * 1e3, 2),
+        "floor_raw_ms": round(raw_s * 1e3, 2),
+        "floor_apply_ms": round(apply["total_ms"], 2),
+        "floor_apply_parts_ms": {k: round(apply[k], 2)
+                                 for k in ("start_ms", "receive_ms", "finish_ms")},
+        "ratio_vs_floor": round(floor_s / transfer_s, 3),
+        "engine_ms": {k: round(statistics.median(r[k] for r in rounds), 2)
+                      for k in ("start_ms", "receive_ms", "wait_ms", "finish_ms")},
         "params_m": round(nparams / 1e6, 2), "bytes": nbytes,
         "raw_ms": round(raw_s * 1e3, 2), "raw_gbps": round(nbytes / raw_s / 1e9, 3),
         "transfer_ms": round(transfer_s * 1e3, 2),
@@ -234,6 +278,8 @@ def main() -> None:
     parser.add_argument("--debug-client", action="store_true",
                         help="print the client's token arrivals around each push")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--start-timeout", type=float, default=900.0,
+                        help="seconds to wait for vLLM to serve (a loaded machine is slow)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -245,7 +291,10 @@ def main() -> None:
     largest = results[sizes[-1]]
     summary = {
         "push_gbps": largest["push_gbps"], "raw_gbps": largest["raw_gbps"],
-        "ratio": largest["ratio"], "paused_ms": largest["paused_ms"],
+        "ratio": largest["ratio"], "ratio_vs_floor": largest["ratio_vs_floor"],
+        "floor_ms": largest["floor_ms"], "floor_raw_ms": largest["floor_raw_ms"],
+        "floor_apply_ms": largest["floor_apply_ms"], "transfer_ms": largest["transfer_ms"],
+        "paused_ms": largest["paused_ms"],
         "client_max_gap_ms": largest["client_max_gap_ms"],
         "bucket_mb": args.bucket_mb, "solo_mb": args.solo_mb, "num_buffers": args.num_buffers,
         "allocator": args.allocator, "sizes": results,
