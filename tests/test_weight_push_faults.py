@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from conftest import TEST_SECRET, GatewayService, StoreService
+
 from harnessrl import procs
 from harnessrl.clients import GatewayAdminClient, StoreClient
 from harnessrl.credentials import CredentialSigner

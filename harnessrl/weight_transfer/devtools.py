@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -127,6 +128,32 @@ class VllmServer:
         r = httpx.get(f"{self.base_url}/weight_info", timeout=10)
         r.raise_for_status()
         return r.json()["weight_version"]
+
+
+class TrippedWeights:
+    """(name, tensor) pairs to push that call `trip()` when the pusher reads tensor number
+    `at` (the transport reads them in send order, bucket by bucket): a fault injected at a
+    known point in the middle of a push. The metadata (`meta`, what `update_info` and the
+    bucket plan read) does not trip it."""
+
+    def __init__(self, params: list[tuple[str, torch.Tensor]], at: int,
+                 trip: Callable[[], None]) -> None:
+        self.params, self.at, self.trip = params, at, trip
+        self.tripped = False
+        self.meta = ([n for n, _ in params], [t.dtype for _, t in params],
+                     [tuple(t.shape) for _, t in params])
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.params)
+
+    def __getitem__(self, i: int) -> tuple[str, torch.Tensor]:
+        if i == self.at and not self.tripped:
+            self.tripped = True
+            self.trip()
+        return self.params[i]
 
 
 def hf_prompt_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:

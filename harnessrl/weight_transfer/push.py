@@ -6,9 +6,10 @@ transport's init info while the trainer joins the group as rank 0.
 
 Per push and engine:
 
-    /pause?mode=keep -> /update_weight_version "incomplete:<v>" -> /start_weight_update ->
+    /pause?mode=keep -> /update_weight_version "incomplete:<v>" beside /start_weight_update ->
     /update_weights (metadata; in flight while the trainer broadcasts the buckets) ->
-    /finish_weight_update (sets the engine's weight version "<v>") -> /resume
+    /finish_weight_update (sets the engine's weight version "<v>"; sent as soon as the
+    broadcasts are done, it waits in the engine behind /update_weights) -> /resume
 
 Design choices:
 
@@ -40,7 +41,13 @@ import logging
 import threading
 import time
 from collections.abc import Collection, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    FIRST_EXCEPTION,
+    Future,
+    ThreadPoolExecutor,
+    wait,
+)
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -297,7 +304,7 @@ class WeightPusher:
         stage = "before_push hook"
         started = False
         update: Future[Any] | None = None
-        side = ThreadPoolExecutor(2, thread_name_prefix=f"push-{name}")
+        side = ThreadPoolExecutor(3, thread_name_prefix=f"push-{name}")
         try:
             if self.hooks is not None:
                 self.hooks.before_push(name)
@@ -307,22 +314,32 @@ class WeightPusher:
             stage = "pause"
             t_pause = time.perf_counter()
             http.post("/pause", params={"mode": "keep"})
-            stage = "update_weight_version"  # before any weight changes (weight_versions.py)
-            http.post("/update_weight_version", {"new_version": incomplete(version)})
+            # The engine's weight version says "incomplete" before any weight changes: the
+            # marker travels beside /start_weight_update (which changes none), and the update
+            # is sent once both are answered.
             stage = "start_weight_update"
             t_start = time.perf_counter()
-            http.post("/start_weight_update")
+            marker = side.submit(http.post, "/update_weight_version",
+                                 {"new_version": incomplete(version)})
             started = True
+            http.post("/start_weight_update")
+            stage = "update_weight_version"
+            marker.result(timeout=cfg.http_timeout_s)
             stage = "update_weights"
             transport = link.transport
             assert transport is not None
             update = side.submit(http.post, "/update_weights", {"update_info": update_info(params)},
                                  cfg.transfer_timeout_s)
             send = side.submit(transport.send, params)
-            _first_error(update, send, timeout=cfg.transfer_timeout_s)
+            _sent(send, update, timeout=cfg.transfer_timeout_s)
+            # Our send is complete, so the worker is inside /update_weights: a finish sent now
+            # queues behind it in the engine (one RPC at a time) and its round trip overlaps
+            # the engine applying the last buckets.
+            finish = side.submit(http.post, "/finish_weight_update",
+                                 {"weight_version": complete(version)}, cfg.transfer_timeout_s)
+            _first_error(update, timeout=cfg.transfer_timeout_s)
             stage = "finish_weight_update"  # also sets the engine's weight version
-            http.post("/finish_weight_update", {"weight_version": complete(version)},
-                      timeout=cfg.transfer_timeout_s)
+            finish.result(timeout=cfg.transfer_timeout_s)
             started = False
             t_finish = time.perf_counter()
             stage = "resume"
@@ -397,6 +414,20 @@ class WeightPusher:
                 transport.close()
             except Exception:
                 log.exception("engine %r: closing the transport failed", link.engine.name)
+
+
+def _sent(send: Future[Any], update: Future[Any], timeout: float) -> None:
+    """Waits for `send` to complete; raises its error, or `update`'s as soon as that fails
+    (the engine gave up: the send would only block), or TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while not send.done():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"the transfer is still running after {timeout}s")
+        wait((send, update), timeout=remaining, return_when=FIRST_COMPLETED)
+        if update.done() and update.exception() is not None:
+            raise update.exception()  # type: ignore[misc]
+    send.result()
 
 
 def _first_error(*futures: Future[Any], timeout: float) -> None:

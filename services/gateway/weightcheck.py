@@ -85,11 +85,12 @@ class WeightCheck:
         return False
 
     async def watch(self, interval: float) -> None:
-        """Every `interval` seconds, verifies each engine that takes traffic now."""
+        """Every `interval` seconds, verifies each engine that is not paused (a MARKED one
+        only has what it reports refreshed, and is counted unreachable when it is down)."""
         while True:
             await asyncio.sleep(interval)
             for eng in list(self.registry.engines.values()):
-                if eng.reachable and not eng.paused and not eng.marked:
+                if eng.reachable and not eng.paused:
                     try:
                         await self.verify(eng)
                     except Exception:  # keep watching the others

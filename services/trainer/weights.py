@@ -104,3 +104,9 @@ class EngineWeights:
 
     def close(self) -> None:
         self.pusher.close()
+
+    def __enter__(self) -> EngineWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
