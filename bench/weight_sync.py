@@ -243,6 +243,10 @@ def bench_size(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
               f"{[round(g * 1e3, 1) for g in client_gaps]} ms; median gap without a push "
               f"{client.median_gap(*quiet) * 1e3:.1f} ms", flush=True)
         median_gap = client.median_gap(*quiet)
+        compared = {}
+        for nb in [args.num_buffers, *args.compare_num_buffers] if args.compare_num_buffers \
+                else []:
+            compared[nb] = compare_depth(name, server, params, nbytes, cfg, nb, args.pushes)
     transfer_s = statistics.median(transfer)
     floor_s = raw_s + apply["total_ms"] / 1e3
     return {
@@ -262,7 +266,30 @@ def bench_size(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
         "paused_ms": round(statistics.median(paused) * 1e3, 2),
         "client_max_gap_ms": round(statistics.median(client_gaps) * 1e3, 2),
         "client_median_gap_ms": round(median_gap * 1e3, 2),
+        **({"by_num_buffers": {nb: {
+            "transfer_ms": round(t * 1e3, 2), "ratio_vs_floor": round(floor_s / t, 3),
+            "ratio": round(raw_s / t, 3), "engine_ms": eng} for nb, (t, eng) in compared.items()}}
+           if compared else {}),
     }
+
+
+def compare_depth(name: str, server: VllmServer, params: Any, nbytes: int, cfg: PushConfig,
+                  num_buffers: int, pushes: int) -> tuple[float, dict[str, float]]:
+    """`pushes` pushes (after a joining warm-up) with `num_buffers` broadcasts in flight on
+    each side, no client streaming: the median transfer time and the engine's timings."""
+    times, rounds = [], []
+    with WeightPusher([EngineRef("e0", server.base_url)],
+                      cfg.model_copy(update={"num_buffers": num_buffers})) as pusher:
+        pusher.push(params, version=100)
+        for v in range(pushes):
+            times.append(pusher.push(params, version=101 + v).engines["e0"].transfer_s)
+            rounds.append(server.transfer_engine("stats"))
+    t = statistics.median(times)
+    eng = {k: round(statistics.median(r[k] for r in rounds), 2)
+           for k in ("start_ms", "receive_ms", "wait_ms", "finish_ms")}
+    print(f"[{name}] num_buffers {num_buffers}: transfer {t * 1e3:.1f} ms (median of "
+          f"{[round(x * 1e3, 1) for x in times]}); in the engine {eng}", flush=True)
+    return t, eng
 
 
 def main() -> None:
@@ -273,6 +300,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=PushConfig().bucket_mb)
     parser.add_argument("--solo-mb", type=float, default=PushConfig().solo_mb)
     parser.add_argument("--num-buffers", type=int, default=PushConfig().num_buffers)
+    parser.add_argument("--compare-num-buffers", type=lambda v: [int(x) for x in v.split(",")],
+                        default=[], help="comma list: after the main pushes, push again with "
+                        "each of these depths and with --num-buffers, side by side (no client)")
     parser.add_argument("--allocator", choices=["jemalloc", "system"], default="jemalloc",
                         help="the engine's malloc (see harnessrl.engine.jemalloc_env)")
     parser.add_argument("--debug-client", action="store_true",
@@ -297,7 +327,9 @@ def main() -> None:
         "paused_ms": largest["paused_ms"],
         "client_max_gap_ms": largest["client_max_gap_ms"],
         "bucket_mb": args.bucket_mb, "solo_mb": args.solo_mb, "num_buffers": args.num_buffers,
-        "allocator": args.allocator, "sizes": results,
+        "allocator": args.allocator,
+        **({"by_num_buffers": largest["by_num_buffers"]} if "by_num_buffers" in largest else {}),
+        "sizes": results,
     }
     print(json.dumps(summary), flush=True)
 

@@ -265,7 +265,7 @@ def served(request: pytest.FixtureRequest,
     tied = request.param == "tied"
     root = tmp_path_factory.mktemp(f"wt-{request.param}")
     model_dir = random_qwen3(root / "model", tie=tied, seed=7)
-    with VllmServer(model_dir, root / "run") as server:
+    with VllmServer(model_dir, root / "run", start_timeout=600) as server:
         yield request.param, model_dir, server
 
 

@@ -5,8 +5,14 @@ drives both the same way: `init_transfer_engine` joins a process group with the 
 (trainer rank 0, this worker `rank_offset` + its global rank); the per-round update info is
 the same `names` / `dtype_names` / `shapes` metadata; `start_weight_update` and
 `finish_weight_update` run vLLM's layerwise reload; `receive_weights` receives the buckets the
-trainer broadcasts and hands each to `model.load_weights`. The bucket plan is derived on both
-sides from the metadata (`harnessrl.weight_transfer.buckets`).
+trainer broadcasts and feeds them, as they arrive, to one `model.load_weights` call (applying
+bucket k while the next ones travel). The bucket plan is derived on both sides from the
+metadata (`harnessrl.weight_transfer.buckets`).
+
+Each update is timed here (`RoundTiming`: set-up, receive+apply and the part of it spent
+waiting for bytes, finalisation), logged, and readable through vLLM's `/collective_rpc`
+(`__call__`), which can also re-apply one push's buckets from memory: the engine's share of a
+push's floor (`bench/weight_sync.py`, docs/weight-sync.md).
 
 The group is a gloo group from `stateless_init_torch_distributed_process_group`; tensors are
 received with the group object's own `broadcast(tensor, 0).wait()` (the
