@@ -28,9 +28,11 @@ and a full push.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -52,7 +54,32 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.plugins.harnessrl_gloo")
 
 DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
-DEFAULT_NUM_BUFFERS = 2
+DEFAULT_NUM_BUFFERS = 8
+
+
+@contextmanager
+def _threads_on_every_cpu() -> Iterator[None]:
+    """Threads started inside may run on every CPU this process may use.
+
+    vLLM's CPU worker pins itself (`VLLM_CPU_OMP_THREADS_BIND=auto`: its cores for generation,
+    the others reserved for its other processes), and threads inherit their creator's CPUs.
+    Gloo's threads, started with the group, would then receive on the very core that applies
+    the received weights, and the two could not overlap. They only work during a push, while
+    generation is paused, so they get every CPU; the calling thread is pinned back after."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    every = set(range(os.cpu_count() or 1))
+    try:
+        os.sched_setaffinity(0, every)
+    except OSError:  # a cpuset may forbid some; keep vLLM's binding then
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 @dataclass
@@ -130,9 +157,10 @@ class GlooWeightTransferEngine(
         rank = p.data_parallel_index * p.world_size + p.rank + init_info.rank_offset
         log.info("gloo weight transfer: joining %s:%d as rank %d of %d",
                  init_info.master_address, init_info.master_port, rank, init_info.world_size)
-        self.group = stateless_init_torch_distributed_process_group(
-            init_info.master_address, init_info.master_port, rank, init_info.world_size,
-            backend="gloo", timeout=timedelta(seconds=init_info.timeout_s))
+        with _threads_on_every_cpu():  # gloo's threads are started here
+            self.group = stateless_init_torch_distributed_process_group(
+                init_info.master_address, init_info.master_port, rank, init_info.world_size,
+                backend="gloo", timeout=timedelta(seconds=init_info.timeout_s))
         self.init_info = init_info
 
     def start_weight_update(self) -> None:
