@@ -24,6 +24,13 @@ apply the same tensors from memory through its load path (layerwise-reload set-u
 `load_weights`, finalisation), measured inside the engine on the buckets of one push kept in
 memory (`engine_apply`). A push that overlaps transfer and applying perfectly can beat it.
 
+The push time set against the floor (`transfer_ms`: /start_weight_update sent ->
+/finish_weight_update answered) is measured like the floor's parts, with nothing else running
+on the engine: `--pushes` pushes after the streaming phase, at `--num-buffers` and at each
+`--compare-num-buffers` depth side by side (`by_num_buffers`). The pushes made while a client
+streams are reported beside (`transfer_streaming_ms`, `ratio_vs_floor_streaming`): the paused
+engine still holds the client's frozen requests.
+
 Ends with one JSON line: `push_gbps`, `raw_gbps`, `ratio` (raw / push time), `ratio_vs_floor`
 (floor / push time) with the floor's two parts (`floor_raw_ms`, `floor_apply_ms`) and
 `paused_ms` for the largest model, plus the per-size figures (with the engine's own timings of
@@ -243,11 +250,13 @@ def bench_size(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
               f"{[round(g * 1e3, 1) for g in client_gaps]} ms; median gap without a push "
               f"{client.median_gap(*quiet) * 1e3:.1f} ms", flush=True)
         median_gap = client.median_gap(*quiet)
+        # The floor's parts were measured with nothing else running on the engine: so are
+        # these pushes (the headline figures), with each depth side by side.
         compared = {}
-        for nb in [args.num_buffers, *args.compare_num_buffers] if args.compare_num_buffers \
-                else []:
+        for nb in dict.fromkeys([args.num_buffers, *args.compare_num_buffers]):
             compared[nb] = compare_depth(name, server, params, nbytes, cfg, nb, args.pushes)
-    transfer_s = statistics.median(transfer)
+    streaming_s = statistics.median(transfer)
+    transfer_s, engine_ms = compared[args.num_buffers]
     floor_s = raw_s + apply["total_ms"] / 1e3
     return {
         "floor_ms": round(floor_s * 1e3, 2),
@@ -256,20 +265,23 @@ def bench_size(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
         "floor_apply_parts_ms": {k: round(apply[k], 2)
                                  for k in ("start_ms", "receive_ms", "finish_ms")},
         "ratio_vs_floor": round(floor_s / transfer_s, 3),
-        "engine_ms": {k: round(statistics.median(r[k] for r in rounds), 2)
-                      for k in ("start_ms", "receive_ms", "wait_ms", "finish_ms")},
+        "engine_ms": engine_ms,
         "params_m": round(nparams / 1e6, 2), "bytes": nbytes,
         "raw_ms": round(raw_s * 1e3, 2), "raw_gbps": round(nbytes / raw_s / 1e9, 3),
         "transfer_ms": round(transfer_s * 1e3, 2),
         "push_gbps": round(nbytes / transfer_s / 1e9, 3),
         "ratio": round(raw_s / transfer_s, 3),
+        # while a client streams (its requests frozen in the paused engine)
+        "transfer_streaming_ms": round(streaming_s * 1e3, 2),
+        "ratio_vs_floor_streaming": round(floor_s / streaming_s, 3),
+        "engine_streaming_ms": {k: round(statistics.median(r[k] for r in rounds), 2)
+                                for k in ("start_ms", "receive_ms", "wait_ms", "finish_ms")},
         "paused_ms": round(statistics.median(paused) * 1e3, 2),
         "client_max_gap_ms": round(statistics.median(client_gaps) * 1e3, 2),
         "client_median_gap_ms": round(median_gap * 1e3, 2),
-        **({"by_num_buffers": {nb: {
+        "by_num_buffers": {nb: {
             "transfer_ms": round(t * 1e3, 2), "ratio_vs_floor": round(floor_s / t, 3),
-            "ratio": round(raw_s / t, 3), "engine_ms": eng} for nb, (t, eng) in compared.items()}}
-           if compared else {}),
+            "ratio": round(raw_s / t, 3), "engine_ms": eng} for nb, (t, eng) in compared.items()},
     }
 
 
@@ -301,8 +313,8 @@ def main() -> None:
     parser.add_argument("--solo-mb", type=float, default=PushConfig().solo_mb)
     parser.add_argument("--num-buffers", type=int, default=PushConfig().num_buffers)
     parser.add_argument("--compare-num-buffers", type=lambda v: [int(x) for x in v.split(",")],
-                        default=[], help="comma list: after the main pushes, push again with "
-                        "each of these depths and with --num-buffers, side by side (no client)")
+                        default=[], help="comma list: beside --num-buffers, push with each "
+                        "of these depths too, side by side (no client streaming)")
     parser.add_argument("--allocator", choices=["jemalloc", "system"], default="jemalloc",
                         help="the engine's malloc (see harnessrl.engine.jemalloc_env)")
     parser.add_argument("--debug-client", action="store_true",
@@ -324,11 +336,13 @@ def main() -> None:
         "ratio": largest["ratio"], "ratio_vs_floor": largest["ratio_vs_floor"],
         "floor_ms": largest["floor_ms"], "floor_raw_ms": largest["floor_raw_ms"],
         "floor_apply_ms": largest["floor_apply_ms"], "transfer_ms": largest["transfer_ms"],
+        "ratio_vs_floor_streaming": largest["ratio_vs_floor_streaming"],
+        "transfer_streaming_ms": largest["transfer_streaming_ms"],
         "paused_ms": largest["paused_ms"],
         "client_max_gap_ms": largest["client_max_gap_ms"],
         "bucket_mb": args.bucket_mb, "solo_mb": args.solo_mb, "num_buffers": args.num_buffers,
         "allocator": args.allocator,
-        **({"by_num_buffers": largest["by_num_buffers"]} if "by_num_buffers" in largest else {}),
+        "by_num_buffers": largest["by_num_buffers"],
         "sizes": results,
     }
     print(json.dumps(summary), flush=True)
