@@ -15,11 +15,20 @@ def start_store(workdir: Path, redis_url: str) -> tuple[procs.ServiceProcess, st
 
 
 def start_gateway(workdir: Path, store_address: str, secret: str,
-                  engines: list[dict[str, object]]) -> tuple[procs.ServiceProcess, dict]:  # type: ignore[type-arg]
+                  engines: list[dict[str, object]], http_server: str = "builtin",
+                  engine_client: str = "builtin") -> tuple[procs.ServiceProcess, dict]:  # type: ignore[type-arg]
+    """The gateway; with another `http_server` or `engine_client` than its own, the variant of
+    `bench/_gateway_variants.py`."""
+    module, variant = "services.gateway", []
+    if (http_server, engine_client) != ("builtin", "builtin"):
+        module = "bench._gateway_variants"
+        variant = ["--http-server", http_server, "--engine-client", engine_client]
+    name = "gateway" if not variant else f"gateway-{http_server}-{engine_client}"
     return procs.start_service(
-        "gateway", "services.gateway",
-        ["--http-port", "0", "--grpc-bind", "127.0.0.1:0", "--store-address", store_address,
-         "--engines", json.dumps(engines)], workdir, env={"HARNESSRL_SECRET": secret})
+        name, module,
+        [*variant, "--http-port", "0", "--grpc-bind", "127.0.0.1:0", "--store-address",
+         store_address, "--engines", json.dumps(engines)], workdir,
+        env={"HARNESSRL_SECRET": secret})
 
 
 def start_stub_engine(workdir: Path, model: str) -> tuple[procs.ServiceProcess, str]:

@@ -25,7 +25,13 @@ upstream, 32 connections), and the raw figures.
    `stream_added_ttft_p50_ms` (stub, 1 connection) and `stream_throughput_ratio` (gateway
    streams/s / direct streams/s, stub, 32 connections) join the JSON line.
 
-    python bench/gateway_overhead.py [--duration 10] [--no-vllm] [--engine-cpus 0|'']
+4. the HTTP layer's arms (`--arms`, `bench/_gateway_variants.py`): the same gateway served by
+   uvicorn or granian (raw ASGI, no framework), or calling the stub with httpx or aiohttp
+   instead of its own pool; each measured like the gateway (32 connections, 1, streaming).
+   The JSON line's `arms` holds, per arm, the four figures above and the gateway's CPU per
+   call (docs/http.md: the decision they informed).
+
+    python bench/gateway_overhead.py [--duration 10] [--no-vllm] [--engine-cpus 0|''] [--arms ...]
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ from harnessrl.credentials import CredentialSigner  # noqa: E402
 from harnessrl.v1 import common_pb2 as c  # noqa: E402
 
 SECRET = "bench-secret-0123456789abcdef0123"
+# HTTP-layer arms (server+engine client) measured beside the gateway's own httptools server and
+# pooled client (builtin+builtin): a general server or client in place of each.
+ARMS = ("uvicorn+builtin", "granian+builtin", "builtin+httpx", "builtin+aiohttp")
 
 WRK_LUA = """
 wrk.method = "POST"
@@ -136,6 +145,10 @@ def main() -> None:
                          "wrk, gateway, store and Redis on the other CPUs); '' skips that phase")
     ap.add_argument("--vllm-rounds", type=int, default=5,
                     help="alternating direct/gateway runs against vLLM (medians reported)")
+    ap.add_argument("--arms", default=",".join(ARMS),
+                    help="HTTP-layer variants server+client to measure beside the gateway "
+                         "(servers: builtin, uvicorn, granian; clients: builtin, httpx, "
+                         "aiohttp); '' for none")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk not found: apt-get install wrk (scripts/setup.sh does)")
@@ -208,6 +221,26 @@ def main() -> None:
                 stub_direct, forwarded_stream, key, conns, secs)
             results[f"stream_gateway{suffix}"] = _stream_client.run(
                 gw_url, stream_body, key, conns, secs)
+        # The HTTP layer's arms: the same gateway with another server or engine client
+        # (bench/_gateway_variants.py), each against the stub, as the default gateway above.
+        for arm in [a for a in args.arms.split(",") if a.strip()]:
+            server, client = arm.split("+")
+            arm_proc, arm_info = start_gateway(work, store_addr, SECRET, engines, server,
+                                               client)
+            arm_url = f"http://127.0.0.1:{arm_info['http_port']}/v1/chat/completions"
+            try:
+                wrk(arm_url, stub_body, key, n, 2, work)  # warm-up
+                before = cpu_ms({"gateway": arm_proc})
+                r = results[f"arm_{arm}"] = wrk(arm_url, stub_body, key, n, d, work)
+                r["gateway_cpu_us_per_call"] = (cpu_ms({"gateway": arm_proc})["gateway"]
+                                                - before["gateway"]) * 1000 / max(1, r["calls"])
+                results[f"arm_{arm}_c1"] = wrk(arm_url, stub_body, key, 1, max(3, d // 2), work)
+                _stream_client.run(arm_url, stream_body, key, n, 2)  # warm-up
+                results[f"arm_{arm}_stream"] = _stream_client.run(arm_url, stream_body, key, n, d)
+                results[f"arm_{arm}_stream_c1"] = _stream_client.run(
+                    arm_url, stream_body, key, 1, max(3, d // 2))
+            finally:
+                arm_proc.stop()
         if vllm is not None:
             # Every completion exactly 16 tokens (ignore_eos), so each request is the same work.
             body = {"model": "tiny", "max_tokens": 16, "temperature": 1.0, "ignore_eos": True,
@@ -250,13 +283,15 @@ def main() -> None:
         print(f"\n{'measurement':<18}{'p50 ms':>10}{'p99 ms':>10}{'calls/s':>11}"
               f"{'gateway / store / redis CPU us per call':>42}")
         for name, r in results.items():
-            if name.startswith("stream_"):
+            if name.startswith("stream_") or name.endswith("_stream") or \
+                    name.endswith("_stream_c1"):
                 print(f"{name:<18}{r['stream_p50_ms']:>10.2f}{'':>10}{r['streams_per_s']:>11.0f}"
                       f"   TTFT p50 {r['ttft_p50_ms']:.2f} ms, p99 {r['ttft_p99_ms']:.2f} ms")
                 continue
             cpu = "" if "gateway_cpu_us_per_call" not in r else (
-                f"{r['gateway_cpu_us_per_call']:>24.0f} / {r['store_cpu_us_per_call']:.0f} / "
-                f"{r['redis_cpu_us_per_call']:.0f}")
+                f"{r['gateway_cpu_us_per_call']:>24.0f}" if "store_cpu_us_per_call" not in r
+                else f"{r['gateway_cpu_us_per_call']:>24.0f} / {r['store_cpu_us_per_call']:.0f}"
+                     f" / {r['redis_cpu_us_per_call']:.0f}")
             print(f"{name:<18}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['calls_per_s']:>11.0f}"
                   f"{cpu}")
         ref = "vllm" if vllm is not None else "stub"
@@ -280,6 +315,17 @@ def main() -> None:
                                               - results["stream_direct_c1"]["ttft_p50_ms"], 3),
             "stream_throughput_ratio": round(results["stream_gateway"]["streams_per_s"]
                                              / results["stream_direct"]["streams_per_s"], 3),
+            "arms": {arm[4:]: {
+                "added_p50_ms_stub_c1": round(results[f"{arm}_c1"]["p50_ms"]
+                                              - results["stub_direct_c1"]["p50_ms"], 3),
+                "throughput_ratio": round(results[arm]["calls_per_s"]
+                                          / results["stub_direct"]["calls_per_s"], 3),
+                "gateway_cpu_us_per_call": round(results[arm]["gateway_cpu_us_per_call"]),
+                "stream_added_ttft_p50_ms": round(results[f"{arm}_stream_c1"]["ttft_p50_ms"]
+                                                  - results["stream_direct_c1"]["ttft_p50_ms"], 3),
+                "stream_throughput_ratio": round(results[f"{arm}_stream"]["streams_per_s"]
+                                                 / results["stream_direct"]["streams_per_s"], 3),
+            } for arm in results if arm.startswith("arm_") and arm.count("_") == 1},
             "recorded_calls": recorded,
             "connections": n, "duration_s": d,
             "results": {k: {m: round(v, 3) for m, v in r.items()} for k, r in results.items()},

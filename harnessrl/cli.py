@@ -6,6 +6,7 @@
   harness; otherwise RL training (the trainer service) with live progress and a summary.
 - `harnessrl build-model`: builds the tiny local model (cached).
 - `harnessrl run`: creates a run on a running controller and follows it.
+- `harnessrl report RUN_DIR`: an HTML page of a training run (`harnessrl/report.py`).
 """
 
 from __future__ import annotations
@@ -22,14 +23,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harnessrl import log as hlog
+from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import controller_pb2 as cpb
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "calc"
 console = Console()
-
-TERMINAL = (c.ROLLOUT_STATUS_SUCCEEDED, c.ROLLOUT_STATUS_FAILED, c.ROLLOUT_STATUS_CANCELLED)
 
 
 def example_spec(tasks: int, group_size: int, concurrency: int, model: str) -> c.RunSpec:
@@ -157,6 +157,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if run.status == c.RUN_STATUS_SUCCEEDED else 1
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from harnessrl.report import write_report
+
+    try:
+        out = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 1
+    print(out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="harnessrl", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -196,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--model", default="tiny")
     run.add_argument("--name", default="run")
     run.set_defaults(fn=cmd_run)
+
+    report = sub.add_parser("report", help="write an HTML report of a training run "
+                            "(curves, step times, rendered rollouts)")
+    report.add_argument("run_dir", help="the trainer's output dir (holds metrics.jsonl)")
+    report.add_argument("--out", default=None, help="HTML file (default: RUN_DIR/report.html)")
+    report.set_defaults(fn=cmd_report)
 
     args = ap.parse_args(argv)
     hlog.setup("cli", "WARNING")

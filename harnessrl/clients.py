@@ -27,6 +27,9 @@ from harnessrl.v1 import (
 )
 
 S = TypeVar("S")
+# A `StoreClient` built by `connect_async`: the same methods, returning awaitables, which the
+# generated stubs' types cannot say; typed Any where the services hold one.
+AsyncStoreClient = Any
 
 
 class _Client(Generic[S]):
@@ -168,7 +171,8 @@ class GatewayAdminClient(_Client[gateway_pb2_grpc.GatewayAdminStub]):
 
     def update_engine(self, name: str, policy_version: int | None = None,
                       state: int = gpb.ENGINE_STATE_UNSPECIFIED, reason: str = "") -> gpb.Engine:
-        req = gpb.UpdateEngineRequest(name=name, state=state, reason=reason)
+        req = gpb.UpdateEngineRequest(name=name, state=state,  # type: ignore[arg-type]
+                                      reason=reason)
         if policy_version is not None:
             req.policy_version = policy_version
         return self.stub.UpdateEngine(req, timeout=self.timeout)

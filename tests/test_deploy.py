@@ -17,10 +17,10 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+import httpx
 import kubernetes_validate
 import pytest
 import yaml
@@ -356,6 +356,7 @@ def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:
 
 PROFILE = "cpu"
 PORT_VARS = ("REDIS_PORT", "STORE_PORT", "GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT",
+             "STORE_METRICS_PORT", "CONTROLLER_METRICS_PORT", "TRAINER_METRICS_PORT",
              "CONTROLLER_PORT", "TRAINER_PORT", "ENGINE_PORT")
 NOT_STARTED = {"trainer-cpu"}
 # Where the images put the example harness and its venv (services/controller/Dockerfile).
@@ -560,8 +561,7 @@ def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) 
     try:
         run.up(timeout=600)
         gateway_http = published_port(svcs["gateway"])
-        with urllib.request.urlopen(f"http://127.0.0.1:{gateway_http}/health", timeout=5) as r:
-            assert r.status == 200
+        assert httpx.get(f"http://127.0.0.1:{gateway_http}/health", timeout=5).status_code == 200
         engines = json.loads(svcs["gateway"]["environment"]["HARNESSRL_GATEWAY_ENGINES"])
         lines = Path(trainer["tasks_file"]).read_text().splitlines()[:2]
         spec = c.RunSpec(

@@ -8,13 +8,12 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
@@ -131,10 +130,9 @@ SLEEPER = "import os,sys,time; open(sys.argv[1],'w').write(str(os.getpid())); ti
 
 
 def test_requests_need_the_kubeconfig_token(kube: FakeKubeAPIServer) -> None:
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(f"{kube.url}/api/v1/namespaces/default/secrets", timeout=5)
-    assert err.value.code == 401
-    assert json.loads(err.value.read())["reason"] == "Unauthorized"
+    resp = httpx.get(f"{kube.url}/api/v1/namespaces/default/secrets", timeout=5)
+    assert resp.status_code == 401
+    assert resp.json()["reason"] == "Unauthorized"
     config = client.Configuration(host=kube.url, api_key={"authorization": "Bearer wrong"})
     with pytest.raises(ApiException) as e:
         client.CoreV1Api(client.ApiClient(config)).list_namespaced_secret(NS)
@@ -185,14 +183,10 @@ def test_secret_create_get_list_delete(core: client.CoreV1Api, kube: FakeKubeAPI
 
 def post_raw(kube: FakeKubeAPIServer, path: str, body: dict) -> tuple[int, dict]:
     """For bodies the client refuses to send itself (it rejects unknown fields)."""
-    req = urllib.request.Request(kube.url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Authorization": f"Bearer {kube.token}",
-                                          "Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    resp = httpx.post(kube.url + path, content=json.dumps(body).encode(), timeout=10,
+                      headers={"Authorization": f"Bearer {kube.token}",
+                               "Content-Type": "application/json"})
+    return resp.status_code, resp.json()
 
 
 @pytest.mark.parametrize("mutate, message", [

@@ -228,3 +228,63 @@ def test_run_sampling_policy_reaches_the_engine(env: Env) -> None:
     [call] = env.calls(rid)
     assert len(call.completion_token_ids) <= 3 and resp.usage.completion_tokens <= 3  # type: ignore[union-attr]
     assert call.model == "my-harness-model"
+
+
+def test_turns_keep_the_tokens_sampled_where_retokenizing_would_merge_them(env: Env) -> None:
+    """Token in, token out with the real engine. The model is made to sample digits one token
+    at a time (`allowed_token_ids`: "1" and "2"); the tiny tokenizer has every number below 1000
+    as one token, so re-tokenizing the conversation would turn each turn's three digit tokens
+    into one. The recorded turns keep the tokens sampled, and the trainer's sample of the
+    conversation is the last call's prompt + completion. With tools (the engine's template
+    renders them, its tool parser reads the answer) and a tool turn in the history."""
+    from services.trainer.samples import rollout_samples
+
+    rid, key = env.key()
+    client = env.openai(key)
+    digits = [env.tok.convert_tokens_to_ids(d) for d in ("1", "2")]
+    history: list[dict[str, str]] = [{"role": "user", "content": "Count."}]
+    for turn in range(3):
+        kw = dict(model=env.model, messages=history, max_tokens=3, tools=TOOLS,
+                  extra_body={"allowed_token_ids": digits})
+        if turn == 1:
+            chunks = client.chat.completions.create(stream=True, **kw)  # type: ignore[call-overload]
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        else:
+            text = client.chat.completions.create(**kw).choices[0].message.content  # type: ignore[call-overload]
+        assert text is not None and len(text) == 3 and set(text) <= {"1", "2"}
+        history += [{"role": "assistant", "content": text}, {"role": "user", "content": "More."}]
+        if turn == 0:  # a tool's answer the harness adds (as if the model had asked)
+            history.insert(-1, {"role": "tool", "tool_call_id": "call_0", "content": "816"})
+    calls = env.calls(rid)
+    assert [call.segment_start for call in calls] == [
+        c.SEGMENT_START_FIRST, c.SEGMENT_START_CONTINUED, c.SEGMENT_START_CONTINUED]
+    im_end = env.tok.convert_tokens_to_ids("<|im_end|>")
+    for prev, call in zip(calls, calls[1:]):
+        earlier = list(prev.prompt_token_ids) + list(prev.completion_token_ids)
+        assert len(prev.completion_token_ids) == 3  # three digit tokens, cut at max_tokens
+        assert call.reused_prompt_tokens == len(earlier) and call.extends_seq == prev.seq
+        # the earlier tokens exactly, the turn closed as the template closes it (<|im_end|>
+        # and the newline, the model having been cut short), then the new user turn
+        tool = "<|im_start|>tool\n<tool_response>\n816\n</tool_response><|im_end|>\n" \
+            if call.seq == 1 else ""
+        new = env.tok.encode("<|im_end|>\n" + tool + "<|im_start|>user\nMore.<|im_end|>\n"
+                             "<|im_start|>assistant\n")
+        assert new[0] == im_end
+        assert list(call.prompt_token_ids) == earlier + new
+        # what rendering + tokenizing the conversation again gives: one token per turn's digits
+        request = json.loads(call.request_json)
+        again = env.tok(env.tok.apply_chat_template(
+            request["messages"], tools=request["tools"], add_generation_prompt=True,
+            tokenize=False), add_special_tokens=False)["input_ids"]
+        assert len(again) == len(call.prompt_token_ids) - 2 * (call.seq)
+        assert again != list(call.prompt_token_ids)
+        assert env.tok.decode(again) == env.tok.decode(call.prompt_token_ids)
+    rollout = env.store.get_rollout(rid, include_calls=True)
+    [sample], _ = rollout_samples(rollout, advantage=1.0)
+    last = calls[-1]
+    assert sample.input_ids == list(last.prompt_token_ids) + list(last.completion_token_ids)
+    assert sample.num_loss_tokens == 9 and sample.call_seqs == [0, 1, 2]
+    for call in calls:
+        at = len(call.prompt_token_ids)
+        assert sample.loss_mask[at:at + 3] == [1, 1, 1]
+        assert sample.behaviour_logprobs[at:at + 3] == list(call.logprobs)

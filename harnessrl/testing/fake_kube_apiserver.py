@@ -65,11 +65,11 @@ import os
 import secrets
 import signal
 import threading
-import urllib.request
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import httpx
 import yaml
 
 from harnessrl import procs
@@ -202,10 +202,10 @@ class FakeKubeAPIServer:
         return config.new_client_from_config(config_file=str(self.kubeconfig))
 
     def _call(self, method: str, path: str) -> Any:
-        req = urllib.request.Request(self.url + path, method=method,
-                                     headers={"Authorization": f"Bearer {self.token}"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return json.loads(resp.read())
+        resp = httpx.request(method, self.url + path, timeout=10,
+                             headers={"Authorization": f"Bearer {self.token}"})
+        resp.raise_for_status()
+        return resp.json()
 
     def stats(self) -> dict[str, Any]:
         """{"created": {kind: count}, "resourceVersion": N}."""

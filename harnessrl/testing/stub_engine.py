@@ -15,6 +15,12 @@ answer) and `stub_pause_s` (wait that long after the first generated token). Wit
 `--weight-version V` it also serves vLLM's `GET /weight_info` and `POST /update_weight_version`
 (for the gateway's weight checks, `services/gateway/weightcheck.py`).
 
+Token in, token out: a request with `kv_transfer_params.prompt_token_ids` (as vLLM 0.32 takes
+them) answers with exactly those as its prompt ids (else the fixed `PROMPT_IDS`), and
+`POST /tokenize` tokenizes a prompt or chat messages rendered as ChatML (`render_chat`) with a
+toy tokenizer (`toy_tokens`: one token a byte, `<|im_start|>` and `<|im_end|>` special), so
+that "Hello, world!" re-tokenizes differently from the 4 tokens the stub generates for it.
+
 `python -m harnessrl.testing.stub_engine --port 0 --ready-file F`
 """
 
@@ -34,6 +40,62 @@ TEXT_TOKENS = [(9906, "Hello"), (11, ","), (1917, " world"), (0, "!")]
 TOOL_TOKENS = [(27, "<tool_call>"), (5018, '{"name": "add", "arguments": {"a": 1, "b": 2}}'),
                (28, "</tool_call>")]
 PROMPT_IDS = list(range(100, 132))
+SPECIAL = {"<|im_start|>": 1, "<|im_end|>": 2}
+BYTE_BASE = 1000
+
+
+def toy_tokens(text: str) -> list[int]:
+    """One token per UTF-8 byte (BYTE_BASE + byte), the ChatML markers one token each."""
+    out: list[int] = []
+    i = 0
+    while i < len(text):
+        for mark, tid in SPECIAL.items():
+            if text.startswith(mark, i):
+                out.append(tid)
+                i += len(mark)
+                break
+        else:
+            out += [BYTE_BASE + b for b in text[i].encode()]
+            i += 1
+    return out
+
+
+def render_chat(messages: list[dict[str, Any]], tools: list[Any] | None,
+                add_generation_prompt: bool) -> str:
+    """ChatML, tool calls in hermes format (like the project's tiny model's template)."""
+    out = []
+    if tools:
+        out.append("<|im_start|>system\n# Tools\n" + "".join(
+            json.dumps(t) + "\n" for t in tools) + "<|im_end|>\n")
+    for m in messages:
+        content = m.get("content") or ""
+        if isinstance(content, list):
+            content = "\n".join(p.get("text", "") for p in content)
+        if m.get("role") == "tool":
+            content = f"<tool_response>\n{content}\n</tool_response>"
+        for tc in m.get("tool_calls") or ():
+            fn = tc.get("function") or {}
+            content += f'<tool_call>\n{{"name": "{fn.get("name")}", "arguments": ' \
+                       f'{fn.get("arguments")}}}\n</tool_call>'
+        out.append(f"<|im_start|>{m.get('role')}\n{content}<|im_end|>\n")
+    if add_generation_prompt:
+        out.append("<|im_start|>assistant\n")
+    return "".join(out)
+
+
+def tokenize_response(request: dict[str, Any]) -> dict[str, Any]:
+    if "messages" in request:
+        text = render_chat(request["messages"], request.get("tools"),
+                           request.get("add_generation_prompt", True))
+    else:
+        text = str(request.get("prompt", ""))
+    tokens = toy_tokens(text)
+    return {"count": len(tokens), "max_model_len": 32768, "tokens": tokens, "token_strs": None}
+
+
+def prompt_ids(request: dict[str, Any]) -> list[int]:
+    """The ids the gateway sent (token in, token out), else the fixed prompt."""
+    return (request.get("kv_transfer_params") or {}).get("prompt_token_ids") or PROMPT_IDS
 
 
 def _logprobs_chat(tokens: list[tuple[int, str]]) -> dict[str, Any]:
@@ -59,12 +121,12 @@ def chat_response(request: dict[str, Any]) -> dict[str, Any]:
     resp: dict[str, Any] = {"id": "chatcmpl-stub", "object": "chat.completion",
                             "created": int(time.time()), "model": request.get("model"),
                             "choices": [choice],
-                            "usage": {"prompt_tokens": len(PROMPT_IDS),
+                            "usage": {"prompt_tokens": len(prompt_ids(request)),
                                       "completion_tokens": len(tokens),
-                                      "total_tokens": len(PROMPT_IDS) + len(tokens)},
+                                      "total_tokens": len(prompt_ids(request)) + len(tokens)},
                             "prompt_logprobs": None}
     if request.get("return_token_ids"):
-        resp["prompt_token_ids"] = PROMPT_IDS
+        resp["prompt_token_ids"] = prompt_ids(request)
         choice["token_ids"] = [i for i, _ in tokens]
     return resp
 
@@ -106,7 +168,7 @@ def stream_events(request: dict[str, Any], chat: bool) -> list[bytes | float]:
         first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}]}
         if ids:
-            first["prompt_token_ids"] = PROMPT_IDS
+            first["prompt_token_ids"] = prompt_ids(request)
         out.append(_sse(first))
     for i, (tid, text) in enumerate(tokens):
         last = i == len(tokens) - 1
@@ -167,12 +229,25 @@ class StubEngine:
         path = scope["path"]
         status, payload = 200, b""
         completion = path in ("/v1/chat/completions", "/v1/completions")
-        request = orjson.loads(body) if completion else {}
-        if completion and request.get("stream"):
+        try:  # a request it cannot answer gets 400, as vLLM's request validation answers
+            request = orjson.loads(body) if completion else {}
+            events = stream_events(request, path == "/v1/chat/completions") \
+                if completion and request.get("stream") else None
+            if completion and events is None:
+                response = (chat_response if path == "/v1/chat/completions"
+                            else completion_response)(request)
+        except Exception as err:  # noqa: BLE001 - any malformed request
+            payload = orjson.dumps({"error": {"message": f"stub: invalid request: {err!r}",
+                                              "type": "BadRequestError", "code": 400}})
+            await send({"type": "http.response.start", "status": 400,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        if events is not None:
             self.requests += 1
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream")]})
-            for event in stream_events(request, path == "/v1/chat/completions"):
+            for event in events:
                 if isinstance(event, float):
                     await asyncio.sleep(event)
                 else:
@@ -180,15 +255,14 @@ class StubEngine:
                                 "more_body": True})
             await send({"type": "http.response.body", "body": b""})
             return
-        if path == "/v1/chat/completions":
+        if completion:
             self.requests += 1
-            payload = orjson.dumps(chat_response(request))
-        elif path == "/v1/completions":
-            self.requests += 1
-            payload = orjson.dumps(completion_response(request))
+            payload = orjson.dumps(response)
         elif path == "/v1/models":
             payload = orjson.dumps({"object": "list", "data": [{"id": self.model,
                                                                 "object": "model"}]})
+        elif path == "/tokenize":
+            payload = orjson.dumps(tokenize_response(orjson.loads(body)))
         elif path == "/health":
             payload = b""
         elif path == "/weight_info" and self.weight_version is not None:

@@ -109,6 +109,58 @@ REWARD_SOURCE_HARNESS: RewardSource.ValueType  # 3
 """harness POSTs /v1/harnessrl/reward through the gateway"""
 Global___RewardSource: _TypeAlias = RewardSource  # noqa: Y015
 
+class _SegmentStart:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _SegmentStartEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SegmentStart.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SEGMENT_START_UNSPECIFIED: _SegmentStart.ValueType  # 0
+    """no segment information (an older gateway)"""
+    SEGMENT_START_CONTINUED: _SegmentStart.ValueType  # 1
+    """extends the earlier call: its tokens were reused"""
+    SEGMENT_START_FIRST: _SegmentStart.ValueType  # 2
+    """the attempt's first call the gateway has state for"""
+    SEGMENT_START_EDITED: _SegmentStart.ValueType  # 3
+    """the messages do not extend the earlier request + its answer"""
+    SEGMENT_START_SETTINGS_CHANGED: _SegmentStart.ValueType  # 4
+    """tools or chat template settings changed"""
+    SEGMENT_START_UNTRACKED: _SegmentStart.ValueType  # 5
+    """a request the gateway lets the engine render (completions"""
+    SEGMENT_START_TEMPLATE: _SegmentStart.ValueType  # 6
+    """API, echo, continue_final_message, non-text content)
+    the chat template's output could not be split into turns
+    """
+    SEGMENT_START_NO_STATE: _SegmentStart.ValueType  # 7
+    """(or the engine rendered the prompt itself): engine-rendered
+    the gateway holds no tokens of the attempt's earlier calls
+    """
+
+class SegmentStart(_SegmentStart, metaclass=_SegmentStartEnumTypeWrapper):
+    """Why a call starts a new token segment, or that it continues one."""
+
+SEGMENT_START_UNSPECIFIED: SegmentStart.ValueType  # 0
+"""no segment information (an older gateway)"""
+SEGMENT_START_CONTINUED: SegmentStart.ValueType  # 1
+"""extends the earlier call: its tokens were reused"""
+SEGMENT_START_FIRST: SegmentStart.ValueType  # 2
+"""the attempt's first call the gateway has state for"""
+SEGMENT_START_EDITED: SegmentStart.ValueType  # 3
+"""the messages do not extend the earlier request + its answer"""
+SEGMENT_START_SETTINGS_CHANGED: SegmentStart.ValueType  # 4
+"""tools or chat template settings changed"""
+SEGMENT_START_UNTRACKED: SegmentStart.ValueType  # 5
+"""a request the gateway lets the engine render (completions"""
+SEGMENT_START_TEMPLATE: SegmentStart.ValueType  # 6
+"""API, echo, continue_final_message, non-text content)
+the chat template's output could not be split into turns
+"""
+SEGMENT_START_NO_STATE: SegmentStart.ValueType  # 7
+"""(or the engine rendered the prompt itself): engine-rendered
+the gateway holds no tokens of the attempt's earlier calls
+"""
+Global___SegmentStart: _TypeAlias = SegmentStart  # noqa: Y015
+
 @_typing.final
 class Task(_message.Message):
     """One task of a dataset. `data_json` is a JSON object; its top-level fields reach the harness
@@ -159,6 +211,10 @@ class Call(_message.Message):
     RESPONSE_MESSAGE_JSON_FIELD_NUMBER: _builtins.int
     ABORTED_FIELD_NUMBER: _builtins.int
     SAMPLING_OVERRIDE_JSON_FIELD_NUMBER: _builtins.int
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    SEGMENT_START_FIELD_NUMBER: _builtins.int
+    REUSED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    EXTENDS_SEQ_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     attempt: _builtins.int
     seq: _builtins.int
@@ -190,6 +246,23 @@ class Call(_message.Message):
     """Sampling settings the run imposed over the harness's own, as JSON
     ({"temperature": 1.0, ...}; empty when none): the logprobs are those of these settings.
     """
+    segment: _builtins.int
+    """Token in, token out. Calls of one segment share one growing token sequence: each call's
+    prompt_token_ids begin with the prompt + completion ids of the call it extends (the
+    gateway reused them and tokenized only the messages added since). The segment is named
+    by the seq of the call that started it.
+    """
+    segment_start: Global___SegmentStart.ValueType
+    """Whether this call continues its segment or starts a new one, and why
+    (UNSPECIFIED: recorded by a gateway without token in, token out).
+    """
+    reused_prompt_tokens: _builtins.int
+    """Leading prompt tokens taken unchanged from the call it extends (its prompt + completion
+    ids); 0 when the segment starts here. After them come the tokens that close that
+    assistant turn as the chat template does, then the new messages, tokenized.
+    """
+    extends_seq: _builtins.int
+    """seq of the call this one extends (set when segment_start is CONTINUED)."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -219,12 +292,18 @@ class Call(_message.Message):
         response_message_json: _builtins.bytes = ...,
         aborted: _builtins.bool = ...,
         sampling_override_json: _builtins.bytes = ...,
+        segment: _builtins.int = ...,
+        segment_start: Global___SegmentStart.ValueType = ...,
+        reused_prompt_tokens: _builtins.int = ...,
+        extends_seq: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_extends_seq", b"_extends_seq", "extends_seq", b"extends_seq"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["aborted", b"aborted", "api", b"api", "attempt", b"attempt", "completion_text", b"completion_text", "completion_token_ids", b"completion_token_ids", "engine", b"engine", "finish_reason", b"finish_reason", "latency_s", b"latency_s", "logprobs", b"logprobs", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_json", b"request_json", "response_message_json", b"response_message_json", "rollout_id", b"rollout_id", "sampling_override_json", b"sampling_override_json", "seq", b"seq", "started_at", b"started_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_extends_seq", b"_extends_seq", "aborted", b"aborted", "api", b"api", "attempt", b"attempt", "completion_text", b"completion_text", "completion_token_ids", b"completion_token_ids", "engine", b"engine", "extends_seq", b"extends_seq", "finish_reason", b"finish_reason", "latency_s", b"latency_s", "logprobs", b"logprobs", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_json", b"request_json", "response_message_json", b"response_message_json", "reused_prompt_tokens", b"reused_prompt_tokens", "rollout_id", b"rollout_id", "sampling_override_json", b"sampling_override_json", "segment", b"segment", "segment_start", b"segment_start", "seq", b"seq", "started_at", b"started_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__extends_seq: _TypeAlias = _typing.Literal["extends_seq"]  # noqa: Y015
+    _WhichOneofArgType__extends_seq: _TypeAlias = _typing.Literal["_extends_seq", b"_extends_seq"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__extends_seq) -> _WhichOneofReturnType__extends_seq | None: ...
 
 Global___Call: _TypeAlias = Call  # noqa: Y015
 

@@ -8,6 +8,7 @@ from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 
 from harnessrl.config import ServiceConfig
+from harnessrl.metrics import METRICS_BIND_HELP
 
 
 class ControllerConfig(ServiceConfig):
@@ -88,5 +89,7 @@ class ControllerConfig(ServiceConfig):
         30.0, ge=0, description="activeDeadlineSeconds = attempt timeout + this; the "
                                 "controller ends a Job at its timeout itself, the deadline "
                                 "bounds Jobs no controller watches")
-    ready_file: str = Field("", description="write {pid, grpc_port} here once serving")
+    ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
+                                           "serving")
+    metrics_bind: str = Field("", description=METRICS_BIND_HELP)
     log_level: str = Field("INFO", description="logging level")

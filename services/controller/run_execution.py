@@ -36,8 +36,9 @@ from pathlib import Path
 
 from harnessrl.credentials import CredentialSigner
 from harnessrl.errors import HarnessRLError
+from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as spb
-from services.controller import grading
+from services.controller import grading, metrics
 from services.controller.backends import GraderStep, JobBackend, JobResult, JobSpec
 from services.controller.config import ControllerConfig
 from services.controller.run_spec import task_env
@@ -45,8 +46,6 @@ from services.controller.store_calls import ResilientStore, StoreUnavailable
 
 log = logging.getLogger("harnessrl.controller")
 
-TERMINAL = (c.ROLLOUT_STATUS_SUCCEEDED, c.ROLLOUT_STATUS_FAILED, c.ROLLOUT_STATUS_CANCELLED)
-RUN_TERMINAL = (c.RUN_STATUS_SUCCEEDED, c.RUN_STATUS_FAILED, c.RUN_STATUS_CANCELLED)
 STDERR_QUOTE_CHARS = 500
 
 
@@ -86,6 +85,8 @@ class RunExecution:
         self.ctx = ctx
         self.backend = ctx.backends[self.spec.backend]
         self.rollouts: dict[str, c.Rollout] = {ro.rollout_id: ro for ro in self._planned()}
+        for ro in self.rollouts.values():
+            metrics.rollout_state_changed(None, ro.status)
         self.cancelled = False
         self.done = asyncio.Event()
         self._cancel_ev = asyncio.Event()
@@ -108,6 +109,11 @@ class RunExecution:
                       status=c.ROLLOUT_STATUS_PENDING)
             for t in self.tasks.values() for i in range(s.group_size)
         ]
+
+    def uncount(self) -> None:
+        """Takes this execution's rollouts out of the rollouts-by-state metric (replaced)."""
+        for ro in self.rollouts.values():
+            metrics.rollout_state_changed(ro.status, None)
 
     def snapshot(self) -> c.Run:
         run = c.Run()
@@ -149,6 +155,8 @@ class RunExecution:
 
     async def _changed(self, ro: c.Rollout) -> None:
         """Records a rollout's new state (as the store returned it) and tells the watchers."""
+        old = self.rollouts.get(ro.rollout_id)
+        metrics.rollout_state_changed(old.status if old is not None else None, ro.status)
         self.rollouts[ro.rollout_id] = ro
         self._publish(cpb.RunEvent(kind=cpb.RunEvent.KIND_ROLLOUT, rollout=ro))
         if ro.status in TERMINAL:
@@ -174,6 +182,7 @@ class RunExecution:
             # The store's view wins: a resumed run continues where the store says it is.
             for ro in await self.ctx.store.list_rollouts(self.run.run_id):
                 if ro.rollout_id in self.rollouts:
+                    metrics.rollout_state_changed(self.rollouts[ro.rollout_id].status, ro.status)
                     self.rollouts[ro.rollout_id] = ro
             await self._save_run()
             # Attempts a dead controller left running go first: their jobs may be running.
@@ -286,7 +295,8 @@ class RunExecution:
         will_retry = (status == c.ROLLOUT_STATUS_FAILED and may_retry and not self.cancelled
                       and attempt < self.spec.max_attempts)
         ro = await self.ctx.store.finish_attempt(spb.FinishAttemptRequest(
-            rollout_id=rid, attempt=attempt, status=status, reward=reward, error=error,
+            rollout_id=rid, attempt=attempt, status=status,  # type: ignore[arg-type]
+            reward=reward, error=error,
             exit_code=exit_code, timed_out=timed_out, will_retry=will_retry))
         if status == c.ROLLOUT_STATUS_FAILED:
             log.warning("attempt %d failed%s: %s", attempt,
@@ -341,7 +351,7 @@ class RunExecution:
         self._jobs[rid] = spec.job_id
         try:
             if not (adopt and await self.backend.adopt(spec)):
-                await self.backend.launch(spec)
+                await self._launch(spec)
             if self.cancelled:  # cancelled while launching: cancel() did not see this job
                 await self.backend.cancel(spec.job_id, "run cancelled")
             result = await self.backend.wait(spec.job_id)
@@ -357,6 +367,18 @@ class RunExecution:
         self._jobs.pop(rid, None)
         await asyncio.shield(self.backend.cleanup(spec.job_id))
         return result
+
+    async def _launch(self, spec: JobSpec) -> None:
+        """`backend.launch`, timed and counted (`metrics.py`)."""
+        backend = self.spec.backend
+        t0 = time.perf_counter()
+        try:
+            await self.backend.launch(spec)
+        except BaseException:
+            metrics.JOB_LAUNCHES.labels(backend, "failed").inc()
+            raise
+        metrics.JOB_LAUNCH.labels(backend).observe(time.perf_counter() - t0)
+        metrics.JOB_LAUNCHES.labels(backend, "ok").inc()
 
     async def _attempt(self, rid: str, attempt: int, resumed: bool = False) -> None:
         """Runs attempt `attempt` of a rollout to its end in the store; `resumed`: the store

@@ -22,9 +22,10 @@ import uuid
 from collections.abc import AsyncIterator
 
 from harnessrl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from harnessrl.statuses import RUN_TERMINAL, TERMINAL
 from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as spb
 from services.controller import run_spec
-from services.controller.run_execution import RUN_TERMINAL, TERMINAL, RunContext, RunExecution
+from services.controller.run_execution import RunContext, RunExecution
 
 log = logging.getLogger("harnessrl.controller")
 
@@ -65,6 +66,7 @@ class RunManager:
                         return ex.snapshot()
                     await ex.done.wait()  # its last attempt to store the failure
                     del self.executions[run_id]  # failed (store outage): resume it below
+                    ex.uncount()
                 try:
                     stored = await self.ctx.store.get_run(run_id, retry_s=self._request_retry_s)
                 except NotFound:

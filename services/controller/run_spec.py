@@ -1,7 +1,7 @@
 """A run's spec: defaults, validation, and its tasks (inline or from a JSONL file).
 
-Task ids: a task's own `task_id` (inline), else its data's "id" or "task_id" field, else its
-position — the 1-based line number in a JSONL file, the 0-based index of an inline list.
+Task ids: a task's own `task_id` (inline), else the rules of `harnessrl.tasks` (its data's
+"id" or "task_id" field, else its position), which also reads task files.
 A relative `tasks_file` is read relative to the controller's working directory: give absolute
 paths (the harness and grader commands run in each attempt's own directory, so their paths
 must be absolute too).
@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
 from harnessrl.errors import InvalidArgument
+from harnessrl.tasks import check_task_ids, load_task_file, task_id, task_object
 from harnessrl.v1 import common_pb2 as c
 
 DEFAULT_GROUP_SIZE = 1
@@ -23,7 +23,6 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_GRADER_TIMEOUT_S = 60.0
 DEFAULT_MAX_ATTEMPTS = 1
 DEFAULT_STREAM = "train"
-MAX_TASK_ID_CHARS = 256
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 
 
@@ -78,60 +77,20 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
     return s
 
 
-def _task_object(text: str, where: str) -> dict[str, object]:
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise InvalidArgument(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise InvalidArgument(f"{where}: a task must be a JSON object, got "
-                              f"{type(data).__name__}")
-    return data
-
-
-def _task_id(data: dict[str, object], fallback: str, where: str) -> str:
-    raw = data.get("id", data.get("task_id"))
-    if raw is None:
-        return fallback
-    if isinstance(raw, bool) or not isinstance(raw, (str, int)):
-        raise InvalidArgument(f"{where}: task id must be a string or an integer, got {raw!r}")
-    return str(raw)
-
-
 def resolve_tasks(spec: c.RunSpec) -> list[c.Task]:
     """The run's tasks with ids and canonical JSON; `InvalidArgument` for a bad file or task."""
-    tasks: list[c.Task] = []
     if spec.tasks_file:
-        path = Path(spec.tasks_file)
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidArgument(f"cannot read tasks_file {spec.tasks_file}: {exc}") from None
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            where = f"{spec.tasks_file} line {lineno}"
-            data = _task_object(line, where)
-            tasks.append(c.Task(task_id=_task_id(data, str(lineno), where),
-                                data_json=json.dumps(data)))
-    else:
-        for i, t in enumerate(spec.tasks):
-            where = f"task {i}" + (f" ({t.task_id})" if t.task_id else "")
-            data = _task_object(t.data_json or "{}", where)
-            tid = t.task_id or _task_id(data, str(i), where)
-            tasks.append(c.Task(task_id=tid, data_json=json.dumps(data)))
+        return [c.Task(task_id=tid, data_json=json.dumps(data))
+                for tid, data in load_task_file(spec.tasks_file)]
+    tasks: list[c.Task] = []
+    for i, t in enumerate(spec.tasks):
+        where = f"task {i}" + (f" ({t.task_id})" if t.task_id else "")
+        data = task_object(t.data_json or "{}", where)
+        tid = t.task_id or task_id(data, str(i), where)
+        tasks.append(c.Task(task_id=tid, data_json=json.dumps(data)))
     if not tasks:
-        raise InvalidArgument("the run has no tasks" +
-                              (f" ({spec.tasks_file} is empty)" if spec.tasks_file else ""))
-    seen: set[str] = set()
-    for t in tasks:
-        if not t.task_id or len(t.task_id) > MAX_TASK_ID_CHARS or \
-                any(ord(ch) < 32 for ch in t.task_id):
-            raise InvalidArgument(f"invalid task id {t.task_id!r}: 1-{MAX_TASK_ID_CHARS} "
-                                  "printable characters")
-        if t.task_id in seen:
-            raise InvalidArgument(f"duplicate task id {t.task_id!r}")
-        seen.add(t.task_id)
+        raise InvalidArgument("the run has no tasks")
+    check_task_ids([t.task_id for t in tasks])
     return tasks
 
 

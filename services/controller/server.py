@@ -7,6 +7,7 @@ import logging
 
 from harnessrl import rpc
 from harnessrl.credentials import CredentialSigner, load_secret
+from harnessrl.metrics import serve_metrics
 from harnessrl.v1 import controller_pb2, controller_pb2_grpc
 from services.controller.backends import JobBackend, LocalBackend
 from services.controller.config import ControllerConfig
@@ -56,7 +57,8 @@ async def serve(cfg: ControllerConfig) -> None:
     ])
     log.info("controller serving on port %d, store %s, gateway %s, backends %s", port,
              cfg.store_address, cfg.gateway_url, ", ".join(backends))
-    rpc.write_ready_file(cfg.ready_file, grpc_port=port)
+    rpc.write_ready_file(cfg.ready_file, grpc_port=port,
+                         metrics_port=serve_metrics(cfg.metrics_bind))
 
     async def stop() -> None:
         await runs.shutdown()

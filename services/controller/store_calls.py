@@ -17,7 +17,7 @@ from typing import TypeVar
 import grpc
 
 from harnessrl import rpc
-from harnessrl.clients import StoreClient
+from harnessrl.clients import AsyncStoreClient, StoreClient
 from harnessrl.errors import Unavailable, from_rpc_error
 from harnessrl.v1 import common_pb2 as c, store_pb2 as spb
 
@@ -44,7 +44,7 @@ class ResilientStore:
         self.retry_s = retry_s
         channel = grpc.aio.insecure_channel(address, options=rpc.CLIENT_OPTIONS +
                                             _RECONNECT_OPTIONS)
-        self.client = StoreClient(channel, timeout=call_timeout_s)
+        self.client: AsyncStoreClient = StoreClient(channel, timeout=call_timeout_s)
 
     async def close(self) -> None:
         await self.client.close()

@@ -10,7 +10,9 @@ Routes:
 - `GET /health`.
 
 Every completion takes the same path: validation (per API) -> an `Exchange` (the run's
-sampling policy imposed) -> `_to_engine` (the rollout's engine, asked for `return_token_ids`
+sampling policy imposed) -> for chat, the token plan (`tokens.py`: a turn that extends the
+attempt's earlier one gets that one's exact tokens + the new messages' tokens: token in, token
+out) -> `_to_engine` (the rollout's engine, asked for `return_token_ids`
 and logprobs; held while engines are paused or unreachable) -> the output accumulated into a
 `Generated` -> `record` (the call is in the store *before* the harness sees the response as
 complete: for a stream, before its final event) -> the response in the API's own shape, the
@@ -32,15 +34,19 @@ from typing import Any, Protocol
 import grpc
 import orjson
 
-from harnessrl.clients import StoreClient
+from harnessrl.clients import AsyncStoreClient
 from harnessrl.errors import HarnessRLError, Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
+from harnessrl.metrics import exposition
 from services.gateway import anthropic, responses, sampling
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry, EngineState
+from services.gateway.http_server import TextBody
+from services.gateway.metrics import HELD_RECORDS, RouteMetrics
 from services.gateway.recorder import CallRecorder, HoldTimeout, RecordRejected
 from services.gateway.sessions import Session, Sessions
 from services.gateway.streaming import DONE, Generated, SSEDecoder, strip_chunk
+from services.gateway.tokens import Plan, TemplateError, TokenReuse
 from services.gateway.upstream import ConnectFailed, UpstreamError, UpstreamStream
 
 log = logging.getLogger("harnessrl.gateway")
@@ -110,6 +116,8 @@ class Exchange:
     forward: dict[str, Any]  # the engine request
     started: float = field(default_factory=time.time)
     override: bytes = b""  # the run's sampling policy as applied (Call.sampling_override_json)
+    plan: Plan | None = None  # how a chat prompt's tokens were made (token in, token out)
+    generated: Generated | None = None  # what the engine generated (set with `plan`)
 
     def __post_init__(self) -> None:
         """Imposes the run's sampling policy on the engine request."""
@@ -121,6 +129,9 @@ class Exchange:
 
 
 Route = Callable[[Headers, bytes], Awaitable[Any]]
+# Exchange.api -> the route it came in on
+API_ROUTES = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
+              "messages": "/v1/messages", "responses": "/v1/responses"}
 
 
 class GatewayApp:
@@ -128,7 +139,7 @@ class GatewayApp:
     path): `handle(method, path, headers, body)` -> (status, JSON body or event stream)."""
 
     def __init__(self, cfg: GatewayConfig, registry: EngineRegistry, sessions: Sessions,
-                 recorder: CallRecorder, store: StoreClient) -> None:
+                 recorder: CallRecorder, store: AsyncStoreClient) -> None:
         self.cfg = cfg
         self.registry = registry
         self.sessions = sessions
@@ -136,6 +147,7 @@ class GatewayApp:
         self.store = store
         self._background: set[asyncio.Task[None]] = set()
         self.chains = responses.Chains()
+        self.tokens = TokenReuse(cfg.tokens_max_rollouts, cfg.tokens_per_rollout)
         # (method, path) -> (handler, error style)
         self.routes: dict[tuple[str, str], tuple[Route, str]] = {
             ("POST", "/v1/chat/completions"): (self.chat_completions, "openai"),
@@ -146,10 +158,23 @@ class GatewayApp:
             ("GET", "/v1/models"): (self.list_models, "openai"),
             ("POST", "/v1/harnessrl/reward"): (self.report_reward, "openai"),
             ("GET", "/health"): (self.health, "openai"),
+            ("GET", "/metrics"): (self.metrics, "openai"),
         }
+        self.route_metrics = {path: RouteMetrics(path) for _, path in self.routes}
+        self._other_route = RouteMetrics("other")
+        HELD_RECORDS.set_function(lambda: self.recorder.held)
 
     async def handle(self, method: str, path: str, headers: Headers, body: bytes | None
                      ) -> tuple[int, Any]:
+        """`_handle`, counted and timed by route (`metrics.py`)."""
+        t0 = time.perf_counter()
+        status, payload = await self._handle(method, path, headers, body)
+        (self.route_metrics.get(path) or self._other_route).observe(
+            status, time.perf_counter() - t0)
+        return status, payload
+
+    async def _handle(self, method: str, path: str, headers: Headers, body: bytes | None
+                      ) -> tuple[int, Any]:
         """`body` is None when it was over `max_body_bytes`."""
         style = "openai"
         try:
@@ -186,6 +211,12 @@ class GatewayApp:
     # routes ---------------------------------------------------------------------------------
     async def health(self, headers: Headers, body: bytes) -> bytes:
         return b'{"status":"ok"}'
+
+    async def metrics(self, headers: Headers, body: bytes) -> TextBody:
+        """Prometheus metrics of this gateway (no credential: serve the data plane on a
+        network only harnesses and the metrics scraper reach)."""
+        data, content_type = exposition()
+        return TextBody(data, content_type)
 
     async def list_models(self, headers: Headers, body: bytes) -> bytes:
         await self._auth(headers)
@@ -266,30 +297,51 @@ class GatewayApp:
     async def count_tokens(self, headers: Headers, body: bytes) -> bytes:
         """The prompt's length as the engine's tokenizer and chat template count it."""
         try:
-            request = orjson.loads(body)
-        except orjson.JSONDecodeError:
+            request = parse_json(body)
+        except HTTPError:
             request = None  # reported by _anthropic_request
         if isinstance(request, dict) and "max_tokens" not in request:
             request["max_tokens"] = 1  # not part of count_tokens requests
             body = orjson.dumps(request)
         session, _, model, forward = await self._anthropic_request(headers, body)
-        tokenize = {"model": None, "messages": forward["messages"],
-                    "add_generation_prompt": True}
+        tokenize: dict[str, Any] = {"messages": forward["messages"],
+                                    "add_generation_prompt": True}
         if forward.get("tools"):
             tokenize["tools"] = forward["tools"]
+        name, status, raw = await self._tokenize(session, model, tokenize)
+        if status != 200:
+            raise _engine_refused(name, status, raw)
+        return orjson.dumps({"input_tokens": orjson.loads(raw)["count"]})
+
+    async def _tokenize(self, session: Session, model: str, request: dict[str, Any]
+                        ) -> tuple[str, int, bytes]:
+        """The rollout's engine's `/tokenize`: (engine name, status, body)."""
         deadline = time.monotonic() + self.cfg.hold_timeout_s
-        engine = await self.registry.acquire(session.cred.rollout_id, model, deadline)
+        engine = await self._acquire("/v1/messages/count_tokens", session.cred.rollout_id,
+                                     model, deadline)
         try:
-            tokenize["model"] = engine.model or model
-            status, raw = await engine.pool.post("/tokenize", orjson.dumps(tokenize),
+            request["model"] = engine.model or model
+            status, raw = await engine.pool.post("/tokenize", orjson.dumps(request),
                                                  self.cfg.request_timeout_s)
         except (UpstreamError, asyncio.TimeoutError) as err:
             raise HTTPError(502, f"engine {engine.name} failed: {err}", "server_error") from err
         finally:
             self.registry.release(engine, False)
-        if status != 200:
-            raise _engine_refused(engine.name, status, raw)
-        return orjson.dumps({"input_tokens": orjson.loads(raw)["count"]})
+        return engine.name, status, raw
+
+    async def _plan_tokens(self, ex: Exchange) -> None:
+        """Token in, token out (`tokens.py`): a chat turn that extends the attempt's earlier
+        one is sent as the earlier tokens + the new messages' tokens."""
+        if not ex.chat:
+            return
+
+        async def tokenize(request: dict[str, Any]) -> list[int]:
+            _, status, raw = await self._tokenize(ex.session, ex.model, request)
+            if status != 200:
+                raise TemplateError(f"/tokenize answered {status}: {raw[:200]!r}")
+            return orjson.loads(raw)["tokens"]  # type: ignore[no-any-return]
+
+        ex.plan = await self.tokens.plan(ex.session, ex.forward, ex.model, tokenize)
 
     # OpenAI Responses, translated to chat completions (services/gateway/responses.py) -------
     async def responses(self, headers: Headers, body: bytes) -> tuple[int, Any]:
@@ -343,6 +395,7 @@ class GatewayApp:
     async def generate(self, ex: Exchange) -> tuple[dict[str, Any], Generated]:
         """Forwards `ex` to an engine (whole response), records the call; returns the
         engine's response and what it generated."""
+        await self._plan_tokens(ex)
         engine, version, t0, (status, raw) = await self._to_engine(ex, stream=False)
         latency = time.perf_counter() - t0
         if status != 200:
@@ -367,6 +420,7 @@ class GatewayApp:
         """Opens a streamed engine request; the returned body relays its events to the
         harness through `events` and records the call before the final event."""
         ex.forward["stream"] = True
+        await self._plan_tokens(ex)
         engine, version, t0, upstream = await self._to_engine(ex, stream=True)
         if upstream.status != 200:
             try:
@@ -379,6 +433,19 @@ class GatewayApp:
             raise _engine_refused(engine.name, upstream.status, raw)
         return StreamedCall(self, ex, engine, version, t0, upstream, events)
 
+    async def _acquire(self, route: str, rollout_id: str, model: str, deadline: float
+                       ) -> EngineState:
+        """`registry.acquire`, counted in `held_requests{route}` while it waits."""
+        engine = self.registry.try_acquire(rollout_id, model)
+        if engine is not None:
+            return engine
+        held = self.route_metrics[route].held
+        held.inc()
+        try:
+            return await self.registry.acquire(rollout_id, model, deadline)
+        finally:
+            held.dec()
+
     async def _to_engine(self, ex: Exchange, stream: bool) -> tuple[EngineState, int, float, Any]:
         """Sends `ex.forward` to the rollout's engine (waiting while engines are paused or
         unreachable, up to `hold_timeout_s`): (engine, policy version, start, result). A
@@ -387,7 +454,7 @@ class GatewayApp:
         deadline = time.monotonic() + self.cfg.hold_timeout_s
         path = "/v1/chat/completions" if ex.chat else "/v1/completions"
         while True:
-            engine = await self.registry.acquire(rollout_id, ex.model, deadline)
+            engine = await self._acquire(API_ROUTES[ex.api], rollout_id, ex.model, deadline)
             # The version when generation starts: a call that spans a weight push (engine
             # paused with mode=keep) is attributed to the older policy, so staleness is never
             # under-counted.
@@ -419,9 +486,8 @@ class GatewayApp:
                 self.registry.release(engine, served)
             return engine, version, t0, result
 
-    @staticmethod
-    def _call(ex: Exchange, gen: Generated, engine: EngineState, version: int, latency: float,
-              aborted: bool = False) -> c.Call:
+    def _call(self, ex: Exchange, gen: Generated, engine: EngineState, version: int,
+              latency: float, aborted: bool = False) -> c.Call:
         call = gen.call(ex.api, ex.asked, ex.request_json, aborted)
         call.sampling_override_json = ex.override
         call.rollout_id = ex.session.cred.rollout_id
@@ -431,6 +497,10 @@ class GatewayApp:
         call.started_at = ex.started
         call.latency_s = latency
         call.seq = ex.session.take_seq()
+        if ex.plan is not None:
+            self.tokens.check(ex.plan, gen.prompt_ids)
+            self.tokens.fields(ex.plan, call)
+            ex.generated = gen
         return call
 
     async def record(self, ex: Exchange, call: c.Call) -> None:
@@ -438,6 +508,10 @@ class GatewayApp:
         past `hold_timeout_s`) otherwise."""
         try:
             await self.recorder.record(call)
+            if ex.plan is not None and ex.generated is not None and not call.aborted:
+                gen = ex.generated
+                self.tokens.recorded(ex.session, ex.plan, call, gen.message(),
+                                     gen.prompt_ids or [], gen.ids)
         except RecordRejected as err:
             self.sessions.close(ex.session, f"rollout {call.rollout_id} attempt {call.attempt}: "
                                             f"{err}")
@@ -587,4 +661,8 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise bad_request(f"malformed JSON body: {err}", "invalid_json") from err
     if not isinstance(data, dict):
         raise bad_request("the JSON body must be an object", "invalid_json")
+    try:  # what is forwarded must encode again: orjson nests 254 levels at most (1024 read)
+        orjson.dumps(data)
+    except orjson.JSONEncodeError as err:
+        raise bad_request(f"JSON body not accepted: {err}", "invalid_json") from err
     return data

@@ -54,6 +54,13 @@ class GatewayConfig(ServiceConfig):
     record_batch_timeout_s: float = Field(10.0, gt=0, description="a store that answers no "
                                           "batch within this long counts as down: the stream "
                                           "is replaced and the batch sent again (held calls)")
+    tokens_max_rollouts: int = Field(4096, ge=1, description="token in, token out: attempts "
+                                     "whose earlier turns' token ids the gateway keeps (4 bytes "
+                                     "a token; least recently used dropped first, their next "
+                                     "turn then starts a new segment)")
+    tokens_per_rollout: int = Field(4, ge=1, description="token in, token out: recent calls "
+                                    "per attempt a turn may extend (side conversations, "
+                                    "branches)")
     engine_probe_interval_s: float = Field(2.0, description="health probe of unhealthy engines")
     ready_file: str = Field("", description="write {pid, http_port, grpc_port} once serving")
     log_level: str = Field("INFO", description="logging level")

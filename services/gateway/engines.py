@@ -146,11 +146,10 @@ class EngineRegistry:
         is usable, else the usable engine serving `model` with the fewest calls in flight.
         Waits while the chosen engine is paused or none is usable, until `deadline`."""
         while True:
+            acquired = self.try_acquire(rollout_id, model)
+            if acquired is not None:
+                return acquired
             eng = self._choose(rollout_id, model)
-            if eng is not None and not eng.paused:
-                eng.inflight += 1
-                eng.idle.clear()
-                return eng
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 what = f"engine {eng.name} paused" if eng else f"no usable engine for {model!r}"
@@ -162,6 +161,15 @@ class EngineRegistry:
                                             return_when=asyncio.FIRST_COMPLETED)
             for w in pending:
                 w.cancel()
+
+    def try_acquire(self, rollout_id: str, model: str) -> EngineState | None:
+        """`acquire` without waiting: the engine, counted in flight, or None (it would wait)."""
+        eng = self._choose(rollout_id, model)
+        if eng is None or eng.paused:
+            return None
+        eng.inflight += 1
+        eng.idle.clear()
+        return eng
 
     def _choose(self, rollout_id: str, model: str) -> EngineState | None:
         name = self._sticky.get(rollout_id)

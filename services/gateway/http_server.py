@@ -7,7 +7,7 @@ chunked request bodies (bounded by `max_body_bytes`), pipelined requests answere
 one write per response. A client that disconnects cancels its request (nothing is recorded
 for a response nobody received). Handlers are `async (method, path, headers, body) -> (status,
 body)`, headers a list of (lower-case name, value) byte pairs. A body is bytes (sent whole,
-JSON) or a `StreamBody`: server-sent events, sent chunked piece by piece as the handler yields
+JSON; a `TextBody` for another content type) or a `StreamBody`: server-sent events, sent chunked piece by piece as the handler yields
 them (each piece written at once, waiting only while the client's socket buffer is full); its
 `aclose()` is always awaited, also when the client went away mid-stream.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -39,15 +40,27 @@ Handler = Callable[[str, str, Headers, bytes | None],
                    Awaitable[tuple[int, "bytes | StreamBody"]]]
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found",
-            408: b"Request Timeout",
+            408: b"Request Timeout", 431: b"Request Header Fields Too Large",
             405: b"Method Not Allowed", 409: b"Conflict", 413: b"Payload Too Large",
             500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
 
 
-def _response(status: int, body: bytes, keep_alive: bool) -> bytes:
+class TextBody(bytes):
+    """A whole response body of another content type than JSON (e.g. /metrics)."""
+
+    content_type: bytes
+
+    def __new__(cls, data: bytes, content_type: str) -> "TextBody":
+        self = super().__new__(cls, data)
+        self.content_type = content_type.encode("latin-1")
+        return self
+
+
+def _response(status: int, body: bytes, keep_alive: bool,
+              content_type: bytes = b"application/json") -> bytes:
     return b"".join((
         b"HTTP/1.1 ", str(status).encode(), b" ", _REASONS.get(status, b"Status"),
-        b"\r\ncontent-type: application/json\r\ncontent-length: ", str(len(body)).encode(),
+        b"\r\ncontent-type: ", content_type, b"\r\ncontent-length: ", str(len(body)).encode(),
         b"" if keep_alive else b"\r\nconnection: close", b"\r\n\r\n", body))
 
 
@@ -59,11 +72,20 @@ def _stream_head(status: int, keep_alive: bool) -> bytes:
         b"\r\n\r\n"))
 
 
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers, together
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, handler: Handler, max_body_bytes: int, idle_timeout_s: float,
-                 read_timeout_s: float) -> None:
+                 read_timeout_s: float, max_head_bytes: int = MAX_HEAD_BYTES) -> None:
         self.handler = handler
         self.max_body = max_body_bytes
+        self.max_head = max_head_bytes
+        self._head_size = 0
         self.idle_timeout_s = idle_timeout_s
         self.read_timeout_s = read_timeout_s
         self._timer: asyncio.TimerHandle | None = None
@@ -99,11 +121,17 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return  # rejected: the rest is not read
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._reject(400, b'{"error": {"message": "protocol upgrade not supported"}}')
         except httptools.HttpParserError as err:
+            if isinstance(err.__context__, _HeadTooLarge):
+                self._reject(431, b'{"error": {"message": "request line and headers over %d '
+                                  b'bytes"}}' % self.max_head)
+                return
             msg = str(err).replace('"', "'")
             self._reject(400, b'{"error": {"message": "malformed HTTP request: %s"}}'
                          % msg.encode())
@@ -129,14 +157,22 @@ class _Connection(asyncio.Protocol):
     # httptools callbacks ----------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._body, self._size = b"", [], [], 0
+        self._head_size = 0
         self._reading = True
         self._arm(self.read_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
+        self._count_head(len(name) + len(value) + 4)
+
+    def _count_head(self, n: int) -> None:
+        self._head_size += n
+        if self._head_size > self.max_head:
+            raise _HeadTooLarge  # ends feed_data: answered 431 there
 
     def on_headers_complete(self) -> None:
         if (b"expect", b"100-continue") not in [(n, v.lower()) for n, v in self._headers
@@ -187,7 +223,12 @@ class _Connection(asyncio.Protocol):
             elif self.transport.is_closing():
                 return
             else:
-                self.transport.write(_response(status, payload, keep_alive))
+                response = (_response(status, payload, keep_alive, payload.content_type)
+                            if isinstance(payload, TextBody)
+                            else _response(status, payload, keep_alive))
+                if method == "HEAD":  # the head alone: a body would be read as the next response
+                    response = response[:len(response) - len(payload)]
+                self.transport.write(response)
             if self.transport.is_closing():
                 return
             if not keep_alive:
@@ -221,11 +262,11 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-async def serve_http(handler: Handler, sock: "object", max_body_bytes: int,
+async def serve_http(handler: Handler, sock: socket.socket, max_body_bytes: int,
                      idle_timeout_s: float = 75.0, read_timeout_s: float = 30.0
                      ) -> asyncio.AbstractServer:
     """Serves `handler` on an already bound socket; returns the started server."""
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: _Connection(handler, max_body_bytes,
                                                         idle_timeout_s, read_timeout_s),
-                                    sock=sock, backlog=2048)  # type: ignore[arg-type]
+                                    sock=sock, backlog=2048)

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from harnessrl.clients import StoreClient
+from harnessrl.clients import AsyncStoreClient
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 
@@ -51,7 +51,7 @@ class _StreamEnded(Exception):
 
 
 class CallRecorder:
-    def __init__(self, store: StoreClient, hold_timeout_s: float, batch_max: int = 256,
+    def __init__(self, store: AsyncStoreClient, hold_timeout_s: float, batch_max: int = 256,
                  writers: int = 1, batch_timeout_s: float = 10.0) -> None:
         self.store = store
         self.hold_timeout_s = hold_timeout_s
@@ -83,7 +83,7 @@ class CallRecorder:
         while not self._queue:
             self._ready.clear()
             await self._ready.wait()
-        batch = []
+        batch: list[_Item] = []
         while self._queue and len(batch) < self.batch_max:
             batch.append(self._queue.popleft())
         return batch
@@ -131,7 +131,8 @@ class CallRecorder:
                     for item in live:
                         if not item.future.done():
                             item.future.set_exception(RecordRejected(
-                                f"store refused the batch: {code.name}: {err.details()}"))
+                                f"store refused the batch: {code.name}: "
+                                f"{err.details()}"))  # type: ignore[union-attr]
                     return
                 if self.store_down_since is None:
                     self.store_down_since = time.monotonic()
@@ -159,7 +160,7 @@ class _RecordStream:
     """One writer's `Store.RecordCalls` stream: opened on first use, closed after a failure
     (the next batch opens a new one)."""
 
-    def __init__(self, store: StoreClient, batch_timeout_s: float) -> None:
+    def __init__(self, store: AsyncStoreClient, batch_timeout_s: float) -> None:
         self.store = store
         self.batch_timeout_s = batch_timeout_s
         self.call: Any = None

@@ -133,7 +133,7 @@ def to_chat(request: dict[str, Any], history: list[dict[str, Any]]) -> dict[str,
 
 
 def assistant_message(gen: Generated) -> dict[str, Any]:
-    msg = {"role": "assistant", "content": gen.content or None}
+    msg: dict[str, Any] = {"role": "assistant", "content": gen.content or None}
     if gen.tool_calls:
         msg["tool_calls"] = [gen.tool_calls[k] for k in sorted(gen.tool_calls)]
     return msg

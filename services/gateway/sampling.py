@@ -24,7 +24,7 @@ _TRAINER = {"temperature": 1.0, "top_p": 1.0}
 def unmatched(policy: c.SamplingPolicy) -> str:
     """Why the trainer cannot match `policy` ("" when it can)."""
     for name, value in _TRAINER.items():
-        if policy.HasField(name) and getattr(policy, name) != value:
+        if policy.HasField(name) and getattr(policy, name) != value:  # type: ignore[arg-type]
             return (f"the run's sampling {name}={getattr(policy, name):g} cannot be matched by "
                     f"the trainer, which computes logprobs at {name}={value:g} (as the engine "
                     "reports them); refusing rather than skewing the importance ratios")

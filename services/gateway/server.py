@@ -7,7 +7,7 @@ import contextlib
 import logging
 import socket
 
-import aiohttp
+import httpx
 
 from harnessrl import rpc
 from harnessrl.clients import StoreClient
@@ -25,7 +25,7 @@ from services.gateway.weightcheck import WeightCheck
 log = logging.getLogger("harnessrl.gateway")
 
 
-async def _probe_engines(registry: EngineRegistry, http: aiohttp.ClientSession,
+async def _probe_engines(registry: EngineRegistry, http: httpx.AsyncClient,
                          interval: float, weights: WeightCheck) -> None:
     """Marks unreachable engines reachable again once their /health answers (and their
     weights were checked: a restarted engine holds its checkpoint's)."""
@@ -34,11 +34,10 @@ async def _probe_engines(registry: EngineRegistry, http: aiohttp.ClientSession,
         for eng in list(registry.engines.values()):
             if eng.reachable:
                 continue
-            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with http.get(f"{eng.base_url}/health",
-                                    timeout=aiohttp.ClientTimeout(total=interval)) as resp:
-                    if resp.status == 200 and (await weights.verify(eng) or eng.marked):
-                        registry.mark_reachable(eng)
+            with contextlib.suppress(httpx.HTTPError):
+                resp = await http.get(f"{eng.base_url}/health", timeout=interval)
+                if resp.status_code == 200 and (await weights.verify(eng) or eng.marked):
+                    registry.mark_reachable(eng)
 
 
 async def serve(cfg: GatewayConfig) -> None:
@@ -47,7 +46,7 @@ async def serve(cfg: GatewayConfig) -> None:
     registry = EngineRegistry()
     for e in cfg.engines:
         registry.register(e.name, e.base_url, e.model, e.policy_version)
-    http = aiohttp.ClientSession()  # health probes of unreachable engines; weight checks
+    http = httpx.AsyncClient()  # health probes of unreachable engines; weight checks
     weights = WeightCheck(registry, http)
     recorder = CallRecorder(store, cfg.hold_timeout_s, cfg.record_batch_max,
                             cfg.record_writers, cfg.record_batch_timeout_s)
@@ -76,7 +75,7 @@ async def serve(cfg: GatewayConfig) -> None:
         probe.cancel()
         weight_watch.cancel()
         await recorder.close()
-        await http.close()
+        await http.aclose()
         await store.close()
 
     await rpc.wait_for_termination(grpc_server, on_stop=shutdown)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import grpc
 
-from harnessrl.clients import StoreClient
+from harnessrl.clients import AsyncStoreClient
 from harnessrl.credentials import CredentialSigner, RolloutCredential
 from harnessrl.errors import Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
@@ -22,7 +23,8 @@ from services.gateway.sampling import unmatched
 
 
 class Session:
-    __slots__ = ("cred", "next_seq", "closed", "run_model", "sampling", "sampling_problem")
+    __slots__ = ("cred", "next_seq", "closed", "run_model", "sampling", "sampling_problem",
+                 "tokens")
 
     def __init__(self, cred: RolloutCredential, next_seq: int) -> None:
         self.cred = cred
@@ -31,6 +33,7 @@ class Session:
         self.run_model = ""  # RunSpec.model: what any other model name maps to
         self.sampling: c.SamplingPolicy | None = None  # RunSpec.sampling, when set
         self.sampling_problem = ""  # why the trainer cannot match it ("" when it can)
+        self.tokens: list[Any] | None = None  # tokens.SegmentState of its latest calls
 
     def take_seq(self) -> int:
         seq = self.next_seq
@@ -39,7 +42,8 @@ class Session:
 
 
 class Sessions:
-    def __init__(self, signer: CredentialSigner, store: StoreClient, max_sessions: int = 100_000
+    def __init__(self, signer: CredentialSigner, store: AsyncStoreClient,
+                 max_sessions: int = 100_000
                  ) -> None:
         self.signer = signer
         self.store = store

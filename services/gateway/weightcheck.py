@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
+import httpx
 
 from harnessrl.v1 import gateway_pb2 as gpb
 from harnessrl.weight_versions import matches, mismatch_reason
@@ -37,26 +37,26 @@ log = logging.getLogger("harnessrl.gateway.weightcheck")
 
 
 class WeightCheck:
-    def __init__(self, registry: EngineRegistry, http: aiohttp.ClientSession,
+    def __init__(self, registry: EngineRegistry, http: httpx.AsyncClient,
                  timeout_s: float = 10.0) -> None:
         self.registry = registry
         self.http = http
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout_s = timeout_s
         self._unchecked: set[str] = set()  # engines without /weight_info, logged once
 
     async def read(self, eng: EngineState) -> str | None:
         """The engine's own weight version, or None when it does not serve the route.
-        Raises `aiohttp.ClientError` or `TimeoutError` when it does not answer."""
-        async with self.http.get(f"{eng.base_url}/weight_info", timeout=self.timeout) as resp:
-            if resp.status == 404:
-                if eng.name not in self._unchecked:
-                    self._unchecked.add(eng.name)
-                    log.warning("engine serves no /weight_info: its weights cannot be checked",
-                                extra={"engine": eng.name})
-                return None
-            resp.raise_for_status()
-            version = (await resp.json()).get("weight_version")
-            return "" if version is None else str(version)
+        Raises `httpx.HTTPError` when it does not answer (or answers an error)."""
+        resp = await self.http.get(f"{eng.base_url}/weight_info", timeout=self.timeout_s)
+        if resp.status_code == 404:
+            if eng.name not in self._unchecked:
+                self._unchecked.add(eng.name)
+                log.warning("engine serves no /weight_info: its weights cannot be checked",
+                            extra={"engine": eng.name})
+            return None
+        resp.raise_for_status()
+        version = resp.json().get("weight_version")
+        return "" if version is None else str(version)
 
     async def verify(self, eng: EngineState) -> bool:
         """Reads `eng`'s weight version and MARKs it if it differs from its policy version.
@@ -64,10 +64,10 @@ class WeightCheck:
         be checked); False when it was marked, already is, or did not answer."""
         try:
             reported = await self.read(eng)
-        except aiohttp.ClientConnectorError as e:  # nothing listens: down (maybe restarting)
+        except httpx.ConnectError as e:  # nothing listens: down (maybe restarting)
             self.registry.mark_unreachable(eng, str(e))
             return False
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (httpx.HTTPError, ValueError) as e:  # ValueError: not JSON
             log.info("weight check of %s: no answer (%s)", eng.name, e or type(e).__name__,
                      extra={"engine": eng.name})
             return False

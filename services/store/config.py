@@ -6,6 +6,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from harnessrl.config import ServiceConfig
+from harnessrl.metrics import METRICS_BIND_HELP
 
 
 class StoreConfig(ServiceConfig):
@@ -20,5 +21,9 @@ class StoreConfig(ServiceConfig):
         False, description="start a private redis-server with AOF when none answers at redis_url"
     )
     redis_data_dir: str = Field(".harnessrl/redis", description="data dir of a started Redis")
-    ready_file: str = Field("", description="write {pid, grpc_port} here once serving")
+    ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
+                                           "serving")
+    metrics_bind: str = Field("", description=METRICS_BIND_HELP)
+    metrics_refresh_s: float = Field(5.0, gt=0, description="refresh the stream metrics (entries, "
+                                     "lag, pending) from Redis this often")
     log_level: str = Field("INFO", description="logging level")

@@ -30,10 +30,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError, WatchError
 
 from harnessrl.errors import FailedPrecondition, InvalidArgument, NotFound
+from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 
-TERMINAL = (c.ROLLOUT_STATUS_SUCCEEDED, c.ROLLOUT_STATUS_FAILED, c.ROLLOUT_STATUS_CANCELLED)
 NO_STREAM = ("", "-")
 
 _APPEND_LUA = """
@@ -389,6 +389,28 @@ class RolloutStore:
             g.rollouts.extend(await self.list_rollouts("", g.group_id, include_calls))
             groups.append(g)
         return groups
+
+    async def stream_stats(self) -> list[tuple[str, int, list[tuple[str, int, int]]]]:
+        """(stream name, entries, [(consumer group, lag, pending)]) of every stream: lag is
+        entries not yet delivered to the group, pending delivered and not acknowledged."""
+        head = self._k("stream", "")
+        pattern = "".join("\\" + ch if ch in "*?[]\\" else ch for ch in head) + "*"
+        out = []
+        async for key in self.r.scan_iter(match=pattern, count=1000):
+            key = key.decode() if isinstance(key, bytes) else key
+            try:
+                length = int(await self.r.xlen(key))
+                groups = await self.r.xinfo_groups(key)
+            except ResponseError:  # not a stream (a foreign key under the prefix)
+                continue
+            stats = []
+            for g in groups:
+                name = g["name"].decode() if isinstance(g["name"], bytes) else str(g["name"])
+                lag = g.get("lag")
+                stats.append((name, int(lag) if lag is not None else length,
+                              int(g.get("pending") or 0)))
+            out.append((key[len(head):], length, stats))
+        return out
 
     async def ack_groups(self, stream: str, group: str, entry_ids: Iterable[str]) -> int:
         ids = list(entry_ids)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 
 import redis.asyncio as aioredis
 
 from harnessrl import procs, rpc
+from harnessrl.metrics import serve_metrics
 from harnessrl.v1 import store_pb2, store_pb2_grpc
 from services.store.config import StoreConfig
+from services.store.metrics import refresh_streams
 from services.store.redis_store import RolloutStore
 from services.store.servicer import StoreServicer
 
@@ -33,10 +36,16 @@ async def serve(cfg: StoreConfig) -> None:
     ])
     log.info("store serving on port %d, redis %s, prefix %r", port, cfg.redis_url,
              cfg.key_prefix)
-    rpc.write_ready_file(cfg.ready_file, grpc_port=port, redis_url=cfg.redis_url)
+    metrics_port = serve_metrics(cfg.metrics_bind)
+    refresh = asyncio.create_task(refresh_streams(store, cfg.metrics_refresh_s)) \
+        if metrics_port is not None else None
+    rpc.write_ready_file(cfg.ready_file, grpc_port=port, redis_url=cfg.redis_url,
+                         metrics_port=metrics_port)
     try:
         await rpc.wait_for_termination(server)
     finally:
+        if refresh is not None:
+            refresh.cancel()
         await client.aclose()
         if redis_proc is not None:
             redis_proc.stop()

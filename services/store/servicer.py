@@ -16,6 +16,7 @@ from harnessrl.rpc import map_errors
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 from harnessrl.v1 import store_pb2_grpc
+from services.store.metrics import count_appended
 from services.store.redis_store import RolloutStore
 
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -67,7 +68,9 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     async def AppendCalls(self, request: spb.AppendCallsRequest,
                           context: grpc.aio.ServicerContext) -> spb.AppendCallsResponse:
         results, reasons = await self.store.append_calls(request.calls)
-        return spb.AppendCallsResponse(results=results, reasons=reasons)
+        count_appended(results)
+        return spb.AppendCallsResponse(results=results,  # type: ignore[arg-type]
+                                       reasons=reasons)
 
     async def RecordCalls(self, request_iterator: AsyncIterator[spb.AppendCallsRequest],
                           context: grpc.aio.ServicerContext
@@ -77,7 +80,9 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                 results, reasons = await self.store.append_calls(request.calls)
             except _REDIS_DOWN as exc:
                 raise Unavailable(f"redis unavailable: {exc}") from exc
-            yield spb.AppendCallsResponse(results=results, reasons=reasons)
+            count_appended(results)
+            yield spb.AppendCallsResponse(results=results,  # type: ignore[arg-type]
+                                          reasons=reasons)
 
     @_redis_unavailable
     async def ReportReward(self, request: spb.ReportRewardRequest,

@@ -18,6 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from harnessrl.config import ServiceConfig
+from harnessrl.metrics import METRICS_BIND_HELP
 from harnessrl.weight_transfer import PushConfig
 
 from .advantages import AdvantageConfig, Estimator
@@ -181,10 +182,29 @@ class TrainerConfig(ServiceConfig):
                              "when every try failed")
     push_retry_delay_s: float = Field(2.0, ge=0, description="pause between push tries")
 
+    # -- experiment tracking (tracking.py) -----------------------------------------------------
+    sample_rollouts: int = Field(
+        2, ge=0, description="rollouts of each step rendered as text (prompt and completion "
+                             "decoded from the recorded tokens, reward) into "
+                             "<output_dir>/rollouts.jsonl and the trackers below; 0: none")
+    tensorboard: bool = Field(
+        False, description="log every metrics.jsonl field and the rendered rollouts to "
+                           "TensorBoard event files in <output_dir>/tensorboard (needs the "
+                           "`tracking` extra)")
+    wandb_project: str = Field(
+        "", description="log them to this Weights & Biases project too (empty: off; needs the "
+                        "`tracking` extra). Account, entity and mode come from W&B's own "
+                        "WANDB_* variables: WANDB_MODE=offline needs no account; the run's "
+                        "files are in <output_dir>/wandb")
+    wandb_run_name: str = Field("", description="W&B run name (empty: the trainer's run "
+                                                "prefix, which is also the W&B run id)")
+
     # -- its gRPC service --------------------------------------------------------------------
     bind: str = Field("127.0.0.1:50054", description="host:port of the Trainer gRPC service "
                                                      "(port 0: any)")
-    ready_file: str = Field("", description="write {pid, grpc_port} here once serving")
+    ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
+                                           "serving")
+    metrics_bind: str = Field("", description=METRICS_BIND_HELP + " (rank 0 only)")
     log_level: str = Field("INFO", description="logging level")
 
     @field_validator("mode")

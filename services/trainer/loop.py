@@ -54,12 +54,20 @@ resume, lines of steps after the checkpoint are dropped, so each step appears on
                        float  from `step.StepMetrics` (null when not trained): kl is the k3
                               estimate of KL(behaviour || policy) over loss tokens
     version_mismatches int    calls served by another version than behaviour_version
+    staleness_max      int    policy versions between the trainer's weights at the step's start
+                              and the oldest call of the step (0 in sync mode)
     generate_s, train_s, push_s, step_time_s
                        float  wall time of each phase and of the step (without its checkpoint)
+    tokens_per_s       float  input_tokens / train_s (null when not trained)
     checkpoint         str    checkpoint written after this step, or null
 
 A line is appended before the step's checkpoint is written: if the trainer dies in between, the
 resumed trainer drops the line and redoes the step.
+
+`<output_dir>/rollouts.jsonl`: `sample_rollouts` rendered rollouts of each step (step,
+rollout_id, task_id, reward, status, calls, text), trimmed on resume like metrics.jsonl. Rows and
+rollouts also go to the Prometheus series (`metrics.py`) and, when switched on, to TensorBoard
+and W&B (`tracking.py`); `harnessrl report` turns the two files into an HTML page.
 """
 
 from __future__ import annotations
@@ -85,12 +93,14 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import trainer_pb2 as tpb
 
 from . import checkpoint as ckpt
+from . import metrics as prom
 from .config import TrainerConfig
 from .control import TrainerControl
 from .rollouts import RunLauncher, StreamReader, load_tasks, run_id_for, step_spec, step_tasks
 from .samples import group_samples
 from .sharding import Dist, ShardingConfig, device_for, shard_model, split_by_tokens
 from .step import StepMetrics, make_optimizer, train_step
+from .tracking import Trackers, render_rollouts
 from .weights import WeightSink
 
 log = logging.getLogger("harnessrl.trainer")
@@ -131,6 +141,7 @@ class StepRecord:
     phases: dict[str, float] = field(default_factory=dict)
     rewards: list[float] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    rollouts: list[dict[str, Any]] = field(default_factory=list)  # rendered, rollouts.jsonl
 
     def timed(self, phase: str, since: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
@@ -164,6 +175,7 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.checkpointed_step = -1
         self.output = Path(cfg.output_dir)
+        self.trackers: Trackers | None = None
 
     # -- start ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -203,6 +215,7 @@ class Trainer:
                             last_checkpoint=str(self.last_checkpoint or ""))
         if d.is_main:
             self._attach_stream(run_prefix)
+            self.trackers = Trackers(self.cfg, self.output, run_prefix, self.state.step)
         self.control.set_state("pushing")
         self._push_weights(self.state.policy_version)
 
@@ -217,6 +230,11 @@ class Trainer:
                      len(self.state.consumed_entries))
             self.state.consumed_entries = []
         _trim_metrics(self.cfg.metrics_file, self.state.step)
+        _trim_metrics(self.rollouts_file, self.state.step)
+
+    @property
+    def rollouts_file(self) -> Path:
+        return self.output / "rollouts.jsonl"
 
     def _push_weights(self, version: int) -> None:
         """Every engine gets the weights as `version` (sharded: rank 0 pushes, bucket by bucket
@@ -296,6 +314,8 @@ class Trainer:
         bad = [(r.rollout_id, call.seq, call.policy_version) for g in groups
                for r in g.rollouts for call in r.calls if call.policy_version != version]
         s.counts["version_mismatches"] = len(bad)
+        s.counts["staleness_max"] = max((version - call.policy_version for g in groups
+                                         for r in g.rollouts for call in r.calls), default=0)
         if bad:
             msg = (f"step {s.step}: {len(bad)} calls were served by another policy version "
                    f"than {version} (rollout, seq, version): {bad[:5]}")
@@ -310,6 +330,8 @@ class Trainer:
                    for g in groups]
         samples = [x for r in results for x in r.samples]
         s.rewards = [rw for r in results for rw in r.rewards]
+        if self.dist.is_main and self.cfg.sample_rollouts:
+            s.rollouts = render_rollouts(groups, self.tokenizer, self.cfg.sample_rollouts, s.step)
         s.counts.update(
             groups=len(groups), groups_trained=sum(1 for r in results if r.samples),
             groups_zero_variance=sum(1 for r in results if r.skipped == "zero_variance"),
@@ -394,6 +416,7 @@ class Trainer:
             "reward_std": statistics.pstdev(rewards) if rewards else None,
             "rollouts": 0, "rollouts_failed": 0, "groups": 0, "groups_trained": 0,
             "groups_zero_variance": 0, "groups_too_few": 0, "version_mismatches": 0,
+            "staleness_max": 0,
             **s.counts, "trained": m is not None,
             "samples": m.samples if m else 0, "tokens": m.tokens if m else 0,
             "input_tokens": m.input_tokens if m else 0,
@@ -403,10 +426,17 @@ class Trainer:
             "entropy": m.entropy if m else None, "grad_norm": m.grad_norm if m else None,
             "generate_s": 0.0, "train_s": 0.0, "push_s": 0.0, **s.phases,
             "step_time_s": time.perf_counter() - s.started,
+            "tokens_per_s": m.input_tokens / s.phases["train_s"]
+            if m and s.phases.get("train_s") else None,
             "checkpoint": str(self.cfg.checkpoints_dir / ckpt.step_dir_name(s.step))
             if checkpoint else None,
         }
         _append_jsonl(self.cfg.metrics_file, row)
+        for rendered in s.rollouts:
+            _append_jsonl(self.rollouts_file, rendered)
+        prom.observe_step(row)
+        if self.trackers is not None:
+            self.trackers.log_step(row, s.rollouts)
         self.control.add_step(tpb.StepMetrics(
             step=s.step, policy_version=row["policy_version"],
             reward_mean=_num(row["reward_mean"]), reward_std=_num(row["reward_std"]),
@@ -422,6 +452,8 @@ class Trainer:
     def close(self) -> None:
         if self.weights is not None:
             self.weights.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 def _num(x: float | None) -> float:

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import grpc
 
 from harnessrl.clients import ControllerClient, StoreClient
+from harnessrl.tasks import load_task_file
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import controller_pb2 as cpb
 
@@ -33,17 +34,8 @@ log = logging.getLogger("harnessrl.trainer")
 
 
 def load_tasks(path: str | Path) -> list[dict[str, Any]]:
-    tasks = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if line.strip():
-            task = json.loads(line)
-            if not isinstance(task, dict):
-                raise ValueError(f"{path}:{n}: a task must be a JSON object")
-            task.setdefault("id", task.get("task_id", f"line-{n}"))
-            tasks.append(task)
-    if not tasks:
-        raise ValueError(f"{path}: no tasks")
-    return tasks
+    """The task file's tasks, each with its id (`harnessrl.tasks` rules) in "id"."""
+    return [{**data, "id": tid} for tid, data in load_task_file(path)]
 
 
 def step_tasks(tasks: Sequence[dict[str, Any]], seed: int, step: int, k: int

@@ -1,14 +1,20 @@
 """From a completed group (store records) to training samples (token ids, loss mask, logprobs).
 
-**Merging the calls of a rollout.** A rollout's calls are taken in `seq` order. A call whose
-prompt extends the current sample's tokens (the previous calls' prompts and completions) token
-for token is appended to it: the new prompt tokens in between — tool output, a user turn the
-harness inserted, the chat template's turn markers — go in with loss mask 0, its completion with
-loss mask 1. A call whose prompt does not extend them (the harness rewrote or summarised the
-history, a chat template re-rendered an earlier turn differently, a fresh conversation) starts a
-new sample with its own prompt as context. Token ids are used exactly as the gateway recorded
-them — a completion ending in an EOS token keeps it (and is trained on it, so the policy learns
-to stop); nothing is ever re-tokenized from text.
+**Samples from token segments.** The gateway records which calls share one token sequence
+(`Call.segment_start`, `segment`, `extends_seq`: token in, token out, see
+`services/gateway/tokens.py`): a call that CONTINUES its segment was sent the prompt + completion
+ids of the call it extends, unchanged, followed by the new messages' tokens. A rollout's calls
+are taken in `seq` order; a continuing call is appended to the sample that ends with the call it
+extends: the new prompt tokens in between — the tokens closing the earlier assistant turn, tool
+output, a user turn, the chat template's turn markers — go in with loss mask 0, its completion
+with loss mask 1. A call that starts a segment (the first, history edited or truncated, tools
+changed, ...) starts a new sample with its own prompt as context; so does a continuing call
+whose parent's sample has meanwhile been extended by another branch. A continuing call whose
+prompt does not begin with its parent's tokens is a corrupt record (ValueError). Calls recorded
+without segment information (an older gateway) are merged as before: appended to the current
+sample when their prompt extends its tokens token for token, else a new sample. Token ids are
+used exactly as the gateway recorded them — a completion ending in an EOS token keeps it (and
+is trained on it, so the policy learns to stop); nothing is ever re-tokenized from text.
 
 **Alignment.** `input_ids[i]` is the i-th token; `loss_mask[i]` is 1 when token i was generated
 by the policy; `behaviour_logprobs[i]` is the logprob the engine recorded for token i (0.0 where
@@ -111,6 +117,7 @@ def rollout_samples(
     samples: list[Sample] = []
     truncated = 0
     current: Sample | None = None
+    opened: list[Sample] = []  # in the order they were started
 
     def new_sample() -> Sample:
         return Sample(
@@ -131,23 +138,39 @@ def rollout_samples(
         if sample.num_loss_tokens > 0:
             samples.append(sample)
 
+    by_last_seq: dict[int, Sample] = {}  # open samples by the seq of their last call
     for call in calls:
         if call.aborted:  # the harness never received this response: not a trajectory step
             continue
         _check_call(rollout.rollout_id, call)
         prompt, completion = list(call.prompt_token_ids), list(call.completion_token_ids)
         fits = max_len is None or len(prompt) + len(completion) <= max_len
-        if current is not None and fits and _extends(prompt, current.input_ids):
-            inserted = prompt[len(current.input_ids):]
+        if call.segment_start == common_pb2.SEGMENT_START_CONTINUED:
+            parent = by_last_seq.pop(call.extends_seq, None)
+            if parent is not None and not _extends(prompt, parent.input_ids):
+                raise ValueError(
+                    f"rollout {rollout.rollout_id} call {call.seq}: recorded as extending call "
+                    f"{call.extends_seq}, but its prompt does not begin with that call's tokens")
+        elif call.segment_start == common_pb2.SEGMENT_START_UNSPECIFIED:
+            parent = current if current is not None and _extends(prompt, current.input_ids) \
+                else None
         else:
-            finish(current)
+            parent = None
+        if parent is not None and fits:
+            current, inserted = parent, prompt[len(parent.input_ids):]
+        else:
             current, inserted = new_sample(), prompt
+            opened.append(current)
+        if current.call_seqs:
+            by_last_seq.pop(current.call_seqs[-1], None)
         current.input_ids += inserted + completion
         current.loss_mask += [0] * len(inserted) + [1] * len(completion)
         current.behaviour_logprobs += [0.0] * len(inserted) + [float(x) for x in call.logprobs]
         current.policy_versions.append(call.policy_version)
         current.call_seqs.append(call.seq)
-    finish(current)
+        by_last_seq[call.seq] = current
+    for sample in opened:
+        finish(sample)
     return samples, truncated
 
 

@@ -10,6 +10,7 @@ import threading
 from types import FrameType
 
 from harnessrl import rpc
+from harnessrl.metrics import serve_metrics
 from harnessrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 from .config import TrainerConfig
@@ -95,7 +96,8 @@ def serve(cfg: TrainerConfig) -> int:
     if dist.is_main:
         server = ServerThread(cfg.bind, control).start()
         log.info("trainer gRPC service on port %d", server.port)
-        rpc.write_ready_file(cfg.ready_file, grpc_port=server.port)
+        rpc.write_ready_file(cfg.ready_file, grpc_port=server.port,
+                             metrics_port=serve_metrics(cfg.metrics_bind))
         _install_signal_handlers(control)
     trainer = build_trainer(cfg, control, dist)
     try:

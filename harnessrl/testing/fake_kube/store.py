@@ -3,6 +3,7 @@ resourceVersion counter and the event history that watches replay (etcd's role).
 
 from __future__ import annotations
 
+import builtins
 import copy
 import threading
 import uuid
@@ -54,7 +55,7 @@ class Store:
             return {o["metadata"]["uid"] for objs in self._objects.values()
                     for o in objs.values()}
 
-    def events_since(self, rv: int) -> tuple[list[Event], int]:
+    def events_since(self, rv: int) -> tuple[builtins.list[Event], int]:
         """Events after `rv` and the current rv; raises 410 Expired when `rv` is older than
         the retained history."""
         with self.cond:

@@ -41,7 +41,7 @@ from kubernetes.client.exceptions import ApiException
 
 from services.controller.backends import k8s_manifests as manifests
 from services.controller.backends.base import (GraderOutput, JobBackend, JobInfo, JobResult,
-                                               JobSpec, JobState)
+                                               JobSpec)
 
 log = logging.getLogger(__name__)
 

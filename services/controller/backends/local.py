@@ -34,7 +34,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.controller.backends.base import JobBackend, JobInfo, JobResult, JobSpec, JobState
+from services.controller.backends.base import JobBackend, JobInfo, JobResult, JobSpec
 
 log = logging.getLogger(__name__)
 

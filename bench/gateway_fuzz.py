@@ -1,0 +1,91 @@
+"""Generated bad input against the gateway's HTTP surface, long form (10,000 inputs by default;
+`tests/test_gateway_fuzz.py` runs a bounded count with a fixed seed).
+
+A real gateway, store (Redis) and the stub engine; inputs from `harnessrl.testing.http_fuzz`
+(hypothesis): one field mutated under a valid key (at least half), bad keys, malformed JSON,
+odd framing and headers. Afterwards the store must hold exactly the calls that were answered,
+under the key's own rollout, and nothing for the others. Prints one JSON line: inputs by kind
+and key, statuses, failures by reason (must be none), the store check.
+
+    python bench/gateway_fuzz.py [--examples 10000] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._services import start_store, start_stub_engine  # noqa: E402
+from harnessrl import procs  # noqa: E402
+from harnessrl.clients import StoreClient  # noqa: E402
+from harnessrl.credentials import CredentialSigner  # noqa: E402
+from harnessrl.testing import http_fuzz  # noqa: E402
+from harnessrl.v1 import common_pb2 as c  # noqa: E402
+from harnessrl.v1 import store_pb2 as spb  # noqa: E402
+
+SECRET = "bench-secret-0123456789abcdef0123"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--examples", type=int, default=10_000)
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="hrl-bench-fuzz-"))
+    started: list[procs.ServiceProcess] = []
+    try:
+        redis_url, redis_proc = procs.start_redis(work / "redis")
+        started.append(redis_proc)
+        store_proc, store_addr = start_store(work, redis_url)
+        started.append(store_proc)
+        stub_proc, stub_url = start_stub_engine(work, "tiny")
+        started.append(stub_proc)
+        gw_proc, gw = procs.start_service(
+            "gateway", "services.gateway",
+            ["--http-port", "0", "--grpc-bind", "127.0.0.1:0", "--store-address", store_addr,
+             "--max-body-bytes", "262144", "--http-read-timeout-s", "2", "--engines",
+             json.dumps([{"name": "stub", "base_url": stub_url, "model": "tiny"}])], work,
+            env={"HARNESSRL_SECRET": SECRET})
+        started.append(gw_proc)
+        store = StoreClient.connect(store_addr, timeout=30)
+        ids = ["fuzz/a/0", "fuzz/b/0", "fuzz/done/0"]
+        store.create_rollouts([c.Rollout(rollout_id=r, run_id="fuzz", task_id=r.split("/")[1],
+                                         group_id=r[:-2], group_size=1, max_attempts=3,
+                                         stream="-") for r in ids])
+        for r in ids:
+            store.start_attempt(r, 1)
+        store.finish_attempt(spb.FinishAttemptRequest(
+            rollout_id=ids[2], attempt=1, status=c.ROLLOUT_STATUS_SUCCEEDED, reward=1.0))
+        signer = CredentialSigner(SECRET.encode())
+        keys = http_fuzz.Keys(valid=signer.mint(ids[0], 1, 36000),
+                              expired=signer.mint(ids[0], 1, -60),
+                              finished=signer.mint(ids[2], 1, 36000),
+                              other_attempt=signer.mint(ids[0], 2, 36000))
+        report = http_fuzz.run(gw["http_port"], keys, args.examples, args.seed)
+        calls = list(store.get_rollout(ids[0], include_calls=True).calls)
+        others = [len(store.get_rollout(r, include_calls=True).calls) for r in ids[1:]]
+        alive = gw_proc.alive and httpx.get(
+            f"http://127.0.0.1:{gw['http_port']}/health").status_code == 200
+        store_ok = (sum(not x.aborted for x in calls) == report.expected_calls
+                    and all(x.rollout_id == ids[0] for x in calls) and others == [0, 0])
+        print(json.dumps({**report.summary(), "recorded_calls": len(calls),
+                          "recorded_not_aborted": sum(not x.aborted for x in calls),
+                          "other_rollouts_calls": others, "store_ok": store_ok,
+                          "gateway_alive": alive, "first_failures": report.failures[:5]}))
+        store.close()
+    finally:
+        for p in reversed(started):
+            p.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

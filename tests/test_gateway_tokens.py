@@ -1,0 +1,279 @@
+"""Token in, token out through the gateway (stub engine, which tokenizes with a toy byte-level
+tokenizer): the turns of a conversation reuse the tokens recorded for the earlier turns, edited
+history starts a new segment, and the trainer's samples are the segments' token sequences.
+
+The stub generates "Hello, world!" as 4 tokens; its tokenizer turns the same text into 13, so
+re-tokenizing the conversation would change the earlier turn's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from harnessrl.testing.stub_engine import PROMPT_IDS, render_chat, toy_tokens
+from harnessrl.v1 import common_pb2 as c
+from services.gateway.tokens import TokenReuse, closing_tail
+from services.trainer.samples import rollout_samples
+from test_gateway import SIGNER, World, shared_world
+
+HELLO = [9906, 11, 1917, 0]  # the stub's answer, "Hello, world!"
+CLOSE = toy_tokens("<|im_end|>\n")  # what the template puts after an assistant turn's content
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[World]:
+    with shared_world(tmp_path_factory.mktemp("world"), redis_url) as w:
+        yield w
+
+
+def contains(seq: list[int], sub: list[int]) -> bool:
+    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+
+
+def new_tokens(messages: list[dict[str, object]], tools: list[object] | None = None
+               ) -> list[int]:
+    """The stub's tokens for `messages` rendered after an assistant turn, with the generation
+    prompt (what the gateway tokenizes of a new turn)."""
+    return toy_tokens(render_chat(messages, tools, True))
+
+
+def test_turns_reuse_recorded_tokens_and_merge_into_one_sample(world: World) -> None:
+    rid = world.rollout()
+    client = world.client(SIGNER.mint(rid, 1, 60))
+    history: list[dict[str, object]] = [{"role": "user", "content": "hi"}]
+    for turn in range(3):
+        resp = client.chat.completions.create(model="tiny", messages=history, stream=turn == 1)
+        if turn == 1:
+            text = "".join(ch.choices[0].delta.content or "" for ch in resp if ch.choices)
+        else:
+            text = resp.choices[0].message.content
+        assert text == "Hello, world!"
+        history += [{"role": "assistant", "content": text},
+                    {"role": "user", "content": f"and again {turn}"}]
+    calls = world.calls(rid)
+    assert [call.segment_start for call in calls] == [
+        c.SEGMENT_START_FIRST, c.SEGMENT_START_CONTINUED, c.SEGMENT_START_CONTINUED]
+    assert [call.segment for call in calls] == [0, 0, 0]
+    assert calls[0].reused_prompt_tokens == 0 and not calls[0].HasField("extends_seq")
+    assert list(calls[0].prompt_token_ids) == PROMPT_IDS
+    for prev, call in itertools.pairwise(calls):
+        earlier = list(prev.prompt_token_ids) + list(prev.completion_token_ids)
+        assert call.extends_seq == prev.seq and call.reused_prompt_tokens == len(earlier)
+        user = json.loads(call.request_json)["messages"][-1]
+        # the earlier tokens exactly, the turn closed as the template closes it, the new message
+        assert list(call.prompt_token_ids) == earlier + CLOSE + new_tokens([user])
+        assert list(call.completion_token_ids) == HELLO
+    # re-tokenizing the conversation would have changed the earlier turns' tokens
+    retokenized = httpx.post(world.engines[0].base_url + "/tokenize", json={
+        "messages": json.loads(calls[2].request_json)["messages"]}).json()["tokens"]
+    recorded = list(calls[2].prompt_token_ids)
+    assert contains(retokenized, toy_tokens("Hello, world!<|im_end|>\n"))
+    assert contains(recorded, HELLO + CLOSE)
+    assert not contains(recorded, toy_tokens("Hello, world!"))
+
+    # the trainer: one sample, = the last call's prompt + completion; loss on completions only
+    world.finish(rid)
+    ro = world.store.get_rollout(rid, include_calls=True)
+    [sample], truncated = rollout_samples(ro, advantage=1.0)
+    last = calls[-1]
+    assert truncated == 0 and sample.call_seqs == [0, 1, 2]
+    assert sample.input_ids == list(last.prompt_token_ids) + list(last.completion_token_ids)
+    mask = [0] * len(sample.input_ids)
+    logprobs = [0.0] * len(sample.input_ids)
+    for call in calls:
+        start = len(call.prompt_token_ids)
+        for i, lp in enumerate(call.logprobs):
+            mask[start + i], logprobs[start + i] = 1, lp
+    assert sample.loss_mask == mask and sample.behaviour_logprobs == logprobs
+    assert sample.num_loss_tokens == 3 * len(HELLO)
+
+
+def test_edited_history_starts_a_new_segment(world: World) -> None:
+    rid = world.rollout()
+    client = world.client(SIGNER.mint(rid, 1, 60))
+    first = [{"role": "user", "content": "hi"}]
+    text = client.chat.completions.create(model="tiny", messages=first).choices[0].message.content
+    turn = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    client.chat.completions.create(model="tiny", messages=turn)
+    edited = first + [{"role": "assistant", "content": "Hello!"},  # the harness rewrote it
+                      {"role": "user", "content": "more"}]
+    client.chat.completions.create(model="tiny", messages=edited)
+    truncated = [{"role": "user", "content": "more"}]  # the harness dropped the history
+    client.chat.completions.create(model="tiny", messages=truncated)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    client.chat.completions.create(model="tiny", messages=truncated + [
+        {"role": "assistant", "content": text}, {"role": "user", "content": "x"}], tools=tools)
+    calls = world.calls(rid)
+    assert [(call.segment_start, call.segment) for call in calls] == [
+        (c.SEGMENT_START_FIRST, 0), (c.SEGMENT_START_CONTINUED, 0),
+        (c.SEGMENT_START_EDITED, 2), (c.SEGMENT_START_EDITED, 3),
+        (c.SEGMENT_START_SETTINGS_CHANGED, 4)]
+    for call in calls[2:]:  # the engine rendered those prompts itself
+        assert call.reused_prompt_tokens == 0 and list(call.prompt_token_ids) == PROMPT_IDS
+    world.finish(rid)
+    samples, _ = rollout_samples(world.store.get_rollout(rid, include_calls=True), 1.0)
+    assert [s.call_seqs for s in samples] == [[0, 1], [2], [3], [4]]
+
+
+def test_tool_turns_of_every_api_continue_their_segment(world: World) -> None:
+    """Chat (tool call, tool result), Anthropic Messages (tool_use, tool_result) and Responses
+    (previous_response_id, function_call_output) each continue the segment."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    rid = world.rollout()
+    key = SIGNER.mint(rid, 1, 60)
+    client = world.client(key)
+    history: list[dict[str, object]] = [{"role": "user", "content": "1 + 2?"}]
+    msg = client.chat.completions.create(model="tiny", messages=history, tools=tools
+                                         ).choices[0].message
+    assert msg.tool_calls and msg.tool_calls[0].function.name == "add"
+    history += [msg.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "3"}]
+    client.chat.completions.create(model="tiny", messages=history, tools=tools)
+
+    gw = world.gateway.base_url[:-3]
+    headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    a_tools = [{"name": "add", "input_schema": {"type": "object"}}]
+    a_history: list[dict[str, object]] = [{"role": "user", "content": "1 + 2?"}]
+    answer = httpx.post(gw + "/v1/messages", headers=headers, json={
+        "model": "tiny", "max_tokens": 16, "tools": a_tools, "messages": a_history}).json()
+    [use] = [b for b in answer["content"] if b["type"] == "tool_use"]
+    a_history += [{"role": "assistant", "content": answer["content"]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"],
+                                                "content": "3"}]}]
+    httpx.post(gw + "/v1/messages", headers=headers, json={
+        "model": "tiny", "max_tokens": 16, "tools": a_tools, "messages": a_history}
+               ).raise_for_status()
+
+    r_tools = [{"type": "function", "name": "add", "parameters": {"type": "object"}}]
+    first = client.responses.create(model="tiny", input="1 + 2?", tools=r_tools)
+    [fc] = [item for item in first.output if item.type == "function_call"]
+    client.responses.create(model="tiny", previous_response_id=first.id, tools=r_tools,
+                            input=[{"type": "function_call_output", "call_id": fc.call_id,
+                                    "output": "3"}])
+    calls = world.calls(rid)
+    # chat: 0 -> 1; messages: 2 -> 3; responses: 4 -> 5 (each API's tools translate to the
+    # same chat tools; a new conversation does not extend the earlier ones: EDITED)
+    assert [(call.segment_start, call.segment) for call in calls] == [
+        (c.SEGMENT_START_FIRST, 0), (c.SEGMENT_START_CONTINUED, 0),
+        (c.SEGMENT_START_EDITED, 2), (c.SEGMENT_START_CONTINUED, 2),
+        (c.SEGMENT_START_EDITED, 4), (c.SEGMENT_START_CONTINUED, 4)]
+    for seq in (1, 3, 5):
+        prev, call = calls[seq - 1], calls[seq]
+        earlier = list(prev.prompt_token_ids) + list(prev.completion_token_ids)
+        assert list(call.prompt_token_ids[:len(earlier)]) == earlier
+        tools_json = json.loads(call.request_json).get("tools")
+        assert tools_json is not None
+        tool_turn = toy_tokens("<|im_end|>\n<|im_start|>tool\n<tool_response>\n3\n"
+                               "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        assert list(call.prompt_token_ids[len(earlier):]) == tool_turn
+
+
+def test_closing_tail_overlaps_a_completion_that_stopped_on_the_end_token() -> None:
+    closing = [2, 1010]  # <|im_end|> \n
+    assert closing_tail([5, 6, 2], closing) == [1010]  # stopped on <|im_end|>
+    assert closing_tail([5, 6, 7], closing) == [2, 1010]  # cut at max_tokens
+    assert closing_tail([], closing) == [2, 1010]
+    assert closing_tail([2, 1010], closing) == []
+
+
+class _Session:
+    def __init__(self) -> None:
+        self.tokens = None
+        self.next_seq = 0
+
+
+async def _toy_tokenize(request: dict[str, object]) -> list[int]:
+    return toy_tokens(render_chat(request["messages"], request.get("tools"),  # type: ignore[arg-type]
+                                  bool(request["add_generation_prompt"])))
+
+
+def _turn(reuse: "TokenReuse", session: _Session, messages: list[dict[str, object]],
+          **extra: object) -> c.Call:
+    """One call through `TokenReuse` as the gateway makes it: plan, engine (prompt = ids sent,
+    else the fixed prompt), record."""
+
+    forward: dict[str, object] = {"model": "tiny", "messages": messages, **extra}
+    plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
+    sent = (forward.get("kv_transfer_params") or {}).get("prompt_token_ids")  # type: ignore[union-attr]
+    call = c.Call(seq=session.next_seq, prompt_token_ids=sent or PROMPT_IDS,
+                  completion_token_ids=HELLO)
+    session.next_seq += 1
+    reuse.check(plan, list(call.prompt_token_ids))
+    reuse.fields(plan, call)
+    reuse.recorded(session, plan, call, {"role": "assistant", "content": "Hello, world!"},
+                   list(call.prompt_token_ids), HELLO)
+    return call
+
+
+def test_segment_starts_side_conversations_and_eviction() -> None:
+    reuse = TokenReuse(max_rollouts=1, per_rollout=2)
+    a, b = _Session(), _Session()
+    main = [{"role": "user", "content": "main"}]
+    side = [{"role": "user", "content": "summarise"}]
+    said = {"role": "assistant", "content": "Hello, world!"}
+    assert _turn(reuse, a, main).segment_start == c.SEGMENT_START_FIRST
+    assert _turn(reuse, a, side).segment_start == c.SEGMENT_START_EDITED  # a side conversation
+    # the main conversation goes on from its own last turn
+    call = _turn(reuse, a, main + [said, {"role": "user", "content": "go on"}])
+    assert (call.segment_start, call.segment, call.extends_seq) == (
+        c.SEGMENT_START_CONTINUED, 0, 0)
+    # non-text content and continue_final_message: the engine renders
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    assert _turn(reuse, a, image).segment_start == c.SEGMENT_START_UNTRACKED
+    assert _turn(reuse, a, main + [said], continue_final_message=True,
+                 add_generation_prompt=False).segment_start == c.SEGMENT_START_UNTRACKED
+    # arguments compare as JSON values; tool-call ids are ignored
+    tc = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    session = _Session()
+    forward_tools: dict[str, object] = {"tools": tools}
+    plan = asyncio.run(reuse.plan(session, {"model": "tiny", "messages": main, **forward_tools},
+                                  "tiny", _toy_tokenize))
+    first = c.Call(seq=0, prompt_token_ids=PROMPT_IDS, completion_token_ids=[7])
+    reuse.fields(plan, first)
+    reuse.recorded(session, plan, first, tc, PROMPT_IDS, [7])
+    session.next_seq = 1
+    resent = dict(tc, tool_calls=[{"id": "other", "type": "function",
+                                   "function": {"name": "f", "arguments": '{"a":1}'}}])
+    turn = main + [resent, {"role": "tool", "tool_call_id": "other", "content": "1"}]
+    assert _turn(reuse, session, turn, tools=tools).segment_start == c.SEGMENT_START_CONTINUED
+    assert _turn(reuse, session, turn + [said, {"role": "user", "content": "u"}]
+                 ).segment_start == c.SEGMENT_START_SETTINGS_CHANGED
+    # one rollout's state at most (max_rollouts=1): `a`'s was dropped for `session`'s
+    assert a.tokens is None
+    assert _turn(reuse, a, main + [said, {"role": "user", "content": "go on"}]
+                 ).segment_start == c.SEGMENT_START_NO_STATE
+    assert _turn(reuse, b, main).segment_start == c.SEGMENT_START_FIRST
+
+
+def test_a_template_that_does_not_split_into_turns_is_rendered_by_the_engine() -> None:
+    """A template that renders an assistant turn's end differently each time: the turn is
+    recorded as a TEMPLATE segment start, and the template is asked only once."""
+    asked = []
+
+    async def odd_tokenize(request: dict[str, object]) -> list[int]:
+        asked.append(request)
+        ids = await _toy_tokenize(request)
+        return ids + [len(asked)]  # a trailing token that changes from render to render
+
+    reuse = TokenReuse()
+    session = _Session()
+    main = [{"role": "user", "content": "main"}]
+    said = {"role": "assistant", "content": "Hello, world!"}
+    plan = asyncio.run(reuse.plan(session, {"model": "tiny", "messages": main}, "tiny",
+                                  odd_tokenize))
+    first = c.Call(seq=0, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
+    reuse.fields(plan, first)
+    reuse.recorded(session, plan, first, said, PROMPT_IDS, HELLO)
+    session.next_seq = 1
+    for turn in range(2):
+        forward = {"model": "tiny", "messages": main + [said, {"role": "user", "content": "x"}]}
+        plan = asyncio.run(reuse.plan(session, forward, "tiny", odd_tokenize))
+        assert plan.start == c.SEGMENT_START_TEMPLATE and "kv_transfer_params" not in forward
+    assert len(asked) == 3  # the dummy renders, once
