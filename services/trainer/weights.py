@@ -82,6 +82,10 @@ class EngineWeights:
         todo: list[str] | None = None  # None: every registered engine
         for attempt in range(1, self.attempts + 1):
             self._sync_engines()
+            if todo is not None:  # the failed engines that are still registered
+                todo = [n for n in todo if n in self.pusher.engines]
+                if not todo:
+                    return PushReport(version=version, bytes=0, wall_s=0.0, engines=done)
             try:
                 report = self.pusher.push(model, version, engines=todo)
                 report.engines = {**done, **report.engines}
