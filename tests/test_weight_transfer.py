@@ -369,6 +369,13 @@ def test_one_unreachable_engine_fails_alone(served: tuple[str, Path, VllmServer]
 # restarts it). The gateway's side alone, with stub engines: tests/test_weight_push_faults.py.
 
 
+@pytest.fixture
+def untied_only(request: pytest.FixtureRequest) -> None:
+    """Skips the tied engine's run of a test (listed first: before any process starts)."""
+    if request.node.callspec.params.get("served") != "untied":
+        pytest.skip("runs once, on the untied engine")
+
+
 def _gateway_for(server: VllmServer, store: StoreService, tmp: Path
                  ) -> tuple[GatewayService, GatewayAdminClient]:
     gateway = GatewayService(tmp / "gw", store.address,
@@ -388,11 +395,9 @@ def _is_paused(server: VllmServer) -> bool:
 
 @pytest.mark.vllm
 def test_trainer_killed_mid_push_leaves_no_engine_serving_and_last_good_version_is_pushed(
-        served: tuple[str, Path, VllmServer], store_service: StoreService,
+        untied_only: None, served: tuple[str, Path, VllmServer], store_service: StoreService,
         tmp_path: Path) -> None:
-    variant, model_dir, server = served
-    if variant != "untied":
-        pytest.skip("runs once, on the untied engine")
+    _, model_dir, server = served
     gateway, admin = _gateway_for(server, store_service, tmp_path)
     good = load_hf(model_dir)
     perturb(good, seed=51)
@@ -444,11 +449,9 @@ def test_trainer_killed_mid_push_leaves_no_engine_serving_and_last_good_version_
 
 @pytest.mark.vllm
 def test_engine_killed_mid_push_is_kept_out_and_gets_the_version_after_its_restart(
-        served: tuple[str, Path, VllmServer], store_service: StoreService,
+        untied_only: None, served: tuple[str, Path, VllmServer], store_service: StoreService,
         tmp_path: Path) -> None:
-    variant, model_dir, server = served
-    if variant != "untied":
-        pytest.skip("runs once, on the untied engine")
+    _, model_dir, server = served
     gateway, admin = _gateway_for(server, store_service, tmp_path)
     model = load_hf(model_dir)
     try:
