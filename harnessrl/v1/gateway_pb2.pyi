@@ -53,6 +53,7 @@ class Engine(_message.Message):
     PAUSED_FIELD_NUMBER: _builtins.int
     INFLIGHT_FIELD_NUMBER: _builtins.int
     SERVED_CALLS_FIELD_NUMBER: _builtins.int
+    WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     """e.g. http://127.0.0.1:8000 (no /v1)"""
@@ -65,6 +66,13 @@ class Engine(_message.Message):
     paused: _builtins.bool
     inflight: _builtins.int
     served_calls: _builtins.int
+    weight_version: _builtins.str
+    """The weight version the engine itself reports (vLLM `GET /weight_info`), as the gateway
+    last read it; "" when never read or not served. The gateway routes no call to an engine
+    whose reported version differs from `policy_version` (it marks it MARKED): one restarted
+    with its checkpoint's weights ("default" counts as version 0), or one holding an
+    interrupted push ("incomplete:<v>", set by the trainer before it changes any weight).
+    """
     def __init__(
         self,
         *,
@@ -77,10 +85,11 @@ class Engine(_message.Message):
         paused: _builtins.bool = ...,
         inflight: _builtins.int = ...,
         served_calls: _builtins.int = ...,
+        weight_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "inflight", b"inflight", "model", b"model", "name", b"name", "paused", b"paused", "policy_version", b"policy_version", "reason", b"reason", "served_calls", b"served_calls", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "inflight", b"inflight", "model", b"model", "name", b"name", "paused", b"paused", "policy_version", b"policy_version", "reason", b"reason", "served_calls", b"served_calls", "state", b"state", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -12,6 +12,7 @@
 from harnessrl.weight_transfer.push import (
     EngineFailure,
     EngineRef,
+    EngineTiming,
     GatewayHooks,
     PushConfig,
     PushError,
@@ -29,7 +30,7 @@ from harnessrl.weight_transfer.transports import (
 )
 
 __all__ = [
-    "EngineFailure", "EngineRef", "GatewayHooks", "GlooTransport", "NcclTransport",
+    "EngineFailure", "EngineRef", "EngineTiming", "GatewayHooks", "GlooTransport", "NcclTransport",
     "PushConfig", "PushError", "PushHooks", "PushReport", "WeightPusher", "WeightTransport",
     "make_transport", "update_info", "weights_of",
 ]

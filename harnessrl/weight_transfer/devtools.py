@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -60,8 +61,9 @@ class VllmServer:
 
     def __init__(self, model_dir: Path, workdir: Path, *, max_model_len: int = 256,
                  kv_cache_gib: int = 1, extra_args: tuple[str, ...] = (),
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, start_timeout: float = 300.0) -> None:
         self.model_dir = Path(model_dir)
+        self.start_timeout = start_timeout
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -74,7 +76,8 @@ class VllmServer:
                **(extra_env or {})}
         self.proc = ServiceProcess(f"vllm-{self.port}", argv, Path(workdir), env=env)
 
-    def start(self, timeout: float = 300.0) -> "VllmServer":
+    def start(self, timeout: float | None = None) -> "VllmServer":
+        timeout = self.start_timeout if timeout is None else timeout
         self.proc.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -112,10 +115,45 @@ class VllmServer:
             out.append(entry[str(token_ids[pos])]["logprob"])
         return torch.tensor(out, dtype=torch.float64)
 
+    def transfer_engine(self, op: str, timeout: float = 300.0, **kwargs: str) -> Any:
+        """Calls our gloo engine inside the worker (`gloo_engine.GlooWeightTransferEngine.
+        __call__`: `stats`, `keep_next`, `apply_kept`) through vLLM's `/collective_rpc`;
+        returns the (single) worker's answer."""
+        r = httpx.post(f"{self.base_url}/collective_rpc", timeout=timeout, json={
+            "method": "weight_transfer_engine", "kwargs": {"op": op, **kwargs}})
+        r.raise_for_status()
+        return r.json()["results"][0] if r.content else None
+
     def weight_version(self) -> str | None:
         r = httpx.get(f"{self.base_url}/weight_info", timeout=10)
         r.raise_for_status()
         return r.json()["weight_version"]
+
+
+class TrippedWeights:
+    """(name, tensor) pairs to push that call `trip()` when the pusher reads tensor number
+    `at` (the transport reads them in send order, bucket by bucket): a fault injected at a
+    known point in the middle of a push. The metadata (`meta`, what `update_info` and the
+    bucket plan read) does not trip it."""
+
+    def __init__(self, params: list[tuple[str, torch.Tensor]], at: int,
+                 trip: Callable[[], None]) -> None:
+        self.params, self.at, self.trip = params, at, trip
+        self.tripped = False
+        self.meta = ([n for n, _ in params], [t.dtype for _, t in params],
+                     [tuple(t.shape) for _, t in params])
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.params)
+
+    def __getitem__(self, i: int) -> tuple[str, torch.Tensor]:
+        if i == self.at and not self.tripped:
+            self.tripped = True
+            self.trip()
+        return self.params[i]
 
 
 def hf_prompt_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:

@@ -6,8 +6,10 @@ transport's init info while the trainer joins the group as rank 0.
 
 Per push and engine:
 
-    /pause?mode=keep -> /start_weight_update -> /update_weights (metadata; in flight while the
-    trainer broadcasts the buckets) -> /finish_weight_update -> /update_weight_version -> /resume
+    /pause?mode=keep -> /update_weight_version "incomplete:<v>" beside /start_weight_update ->
+    /update_weights (metadata; in flight while the trainer broadcasts the buckets) ->
+    /finish_weight_update (sets the engine's weight version "<v>"; sent as soon as the
+    broadcasts are done, it waits in the engine behind /update_weights) -> /resume
 
 Design choices:
 
@@ -19,7 +21,9 @@ Design choices:
   weights raising mid-push) tears that engine's group down (which makes its worker's pending
   receive fail at once), closes the engine's update session best-effort, and leaves the engine
   PAUSED: requests already inside it stay frozen rather than run on a mix of old and new
-  weights. Its `hooks.on_failure` is called (the gateway marks it: no traffic), and after all
+  weights. The engine's own weight version says `incomplete:<v>` from before the first weight
+  changes until a push completes, so even a trainer killed mid-push (no hook runs) leaves a
+  trace the gateway acts on (`harnessrl.weight_versions`). Its `hooks.on_failure` is called (the gateway marks it: no traffic), and after all
   engines finish, `PushError` names every failed engine and why. The next `push` re-runs
   `/init_weight_transfer_engine` for a failed engine and, on success, resumes it.
 - Gateway interaction is a small optional `PushHooks` object: `before_push` (hold new calls for
@@ -36,8 +40,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from collections.abc import Collection, Sequence
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    FIRST_EXCEPTION,
+    Future,
+    ThreadPoolExecutor,
+    wait,
+)
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,6 +62,7 @@ from harnessrl.weight_transfer.transports import (
     tensor_bytes,
     update_info,
 )
+from harnessrl.weight_versions import complete, incomplete
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +80,10 @@ class PushConfig(BaseModel):
     solo_mb: float = Field(1.0, description="gloo: tensors of at least this many MiB travel "
                            "in a broadcast of their own, sent from their storage without a "
                            "copy; smaller ones are packed into buckets. 0 packs everything.")
-    num_buffers: int = Field(2, description="Buckets in flight at once on each side (the "
-                             "trainer packs / the engine loads one while the next travels).")
+    num_buffers: int = Field(8, description="Buckets in flight at once on each side (the "
+                             "trainer packs / the engine applies one while the next ones "
+                             "travel). 8 pushed a 100M model in about half the time of 2 on 2 "
+                             "cores (docs/weight-sync.md).")
     http_timeout_s: float = Field(60.0, description="Timeout of each control request "
                                   "(pause, start, finish, version, resume).")
     transfer_timeout_s: float = Field(600.0, description="Timeout of the group rendezvous and "
@@ -102,13 +115,17 @@ class EngineFailure(RuntimeError):
 
 class PushError(RuntimeError):
     """Raised when the push failed on at least one engine; `failures` maps engine name to
-    its `EngineFailure`. Engines not named here were updated."""
+    its `EngineFailure`. Engines not named here were updated (`done`: their timings)."""
 
-    def __init__(self, version: int, failures: dict[str, EngineFailure]) -> None:
+    def __init__(self, version: int, failures: dict[str, EngineFailure],
+                 done: dict[str, EngineTiming] | None = None, bytes: int = 0,
+                 wall_s: float = 0.0) -> None:
         lines = "; ".join(str(f) for f in failures.values())
         super().__init__(f"weight push of version {version} failed on "
                          f"{sorted(failures)}: {lines}")
         self.version, self.failures = version, failures
+        self.done = dict(done or {})
+        self.bytes, self.wall_s = bytes, wall_s
 
     @property
     def failed_engines(self) -> list[str]:
@@ -129,7 +146,8 @@ class PushReport:
     version: int
     bytes: int
     wall_s: float
-    engines: dict[str, EngineTiming] = field(default_factory=dict)
+    engines: dict[str, EngineTiming] = field(default_factory=dict)  # the engines updated
+    failed: dict[str, EngineFailure] = field(default_factory=dict)  # left MARKED (see trainer)
 
 
 class PushHooks(Protocol):
@@ -247,10 +265,12 @@ class WeightPusher:
 
     # -- push -------------------------------------------------------------------------------
 
-    def push(self, weights: torch.nn.Module | NamedTensors, version: int) -> PushReport:
+    def push(self, weights: torch.nn.Module | NamedTensors, version: int,
+             engines: Collection[str] | None = None) -> PushReport:
         """Pushes `weights` (a module, or (name, tensor) pairs in the names vLLM's
-        `load_weights` accepts) as policy `version` to every engine; raises `PushError` naming
-        each engine that failed (all the others were updated)."""
+        `load_weights` accepts) as policy `version` to every engine (or to the named
+        `engines` only); raises `PushError` naming each engine that failed (all the others
+        were updated)."""
         params: NamedTensors
         if isinstance(weights, torch.nn.Module):
             params = weights_of(weights)
@@ -259,7 +279,8 @@ class WeightPusher:
         else:
             params = list(weights)
         nbytes = tensor_bytes(params)
-        links = list(self._links.values())
+        links = [link for name, link in self._links.items()
+                 if engines is None or name in engines]
         if not links:
             raise ValueError("no engines to push to")
         t0 = time.perf_counter()
@@ -275,7 +296,7 @@ class WeightPusher:
                     failures[name] = e
         report.wall_s = time.perf_counter() - t0
         if failures:
-            raise PushError(version, failures)
+            raise PushError(version, failures, report.engines, nbytes, report.wall_s)
         log.info("pushed version %d (%.1f MB) to %s in %.3fs", version, nbytes / 1e6,
                  sorted(report.engines), report.wall_s)
         return report
@@ -285,7 +306,7 @@ class WeightPusher:
         stage = "before_push hook"
         started = False
         update: Future[Any] | None = None
-        side = ThreadPoolExecutor(2, thread_name_prefix=f"push-{name}")
+        side = ThreadPoolExecutor(3, thread_name_prefix=f"push-{name}")
         try:
             if self.hooks is not None:
                 self.hooks.before_push(name)
@@ -295,23 +316,34 @@ class WeightPusher:
             stage = "pause"
             t_pause = time.perf_counter()
             http.post("/pause", params={"mode": "keep"})
+            # The engine's weight version says "incomplete" before any weight changes: the
+            # marker travels beside /start_weight_update (which changes none), and the update
+            # is sent once both are answered.
             stage = "start_weight_update"
             t_start = time.perf_counter()
-            http.post("/start_weight_update")
+            marker = side.submit(http.post, "/update_weight_version",
+                                 {"new_version": incomplete(version)})
             started = True
+            http.post("/start_weight_update")
+            stage = "update_weight_version"
+            marker.result(timeout=cfg.http_timeout_s)
             stage = "update_weights"
             transport = link.transport
             assert transport is not None
             update = side.submit(http.post, "/update_weights", {"update_info": update_info(params)},
                                  cfg.transfer_timeout_s)
             send = side.submit(transport.send, params)
-            _first_error(update, send, timeout=cfg.transfer_timeout_s)
-            stage = "finish_weight_update"
-            http.post("/finish_weight_update", timeout=cfg.transfer_timeout_s)
+            _sent(send, update, timeout=cfg.transfer_timeout_s)
+            # Our send is complete, so the worker is inside /update_weights: a finish sent now
+            # queues behind it in the engine (one RPC at a time) and its round trip overlaps
+            # the engine applying the last buckets.
+            finish = side.submit(http.post, "/finish_weight_update",
+                                 {"weight_version": complete(version)}, cfg.transfer_timeout_s)
+            _first_error(update, timeout=cfg.transfer_timeout_s)
+            stage = "finish_weight_update"  # also sets the engine's weight version
+            finish.result(timeout=cfg.transfer_timeout_s)
             started = False
             t_finish = time.perf_counter()
-            stage = "update_weight_version"
-            http.post("/update_weight_version", {"new_version": str(version)})
             stage = "resume"
             http.post("/resume")
             t_resume = time.perf_counter()
@@ -384,6 +416,20 @@ class WeightPusher:
                 transport.close()
             except Exception:
                 log.exception("engine %r: closing the transport failed", link.engine.name)
+
+
+def _sent(send: Future[Any], update: Future[Any], timeout: float) -> None:
+    """Waits for `send` to complete; raises its error, or `update`'s as soon as that fails
+    (the engine gave up: the send would only block), or TimeoutError."""
+    deadline = time.monotonic() + timeout
+    while not send.done():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"the transfer is still running after {timeout}s")
+        wait((send, update), timeout=remaining, return_when=FIRST_COMPLETED)
+        if update.done() and update.exception() is not None:
+            raise update.exception()  # type: ignore[misc]
+    send.result()
 
 
 def _first_error(*futures: Future[Any], timeout: float) -> None:

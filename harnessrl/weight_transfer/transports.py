@@ -70,7 +70,7 @@ class WeightTransport(ABC):
 
     def __init__(self, *, master_address: str = "127.0.0.1",
                  bucket_bytes: int = 32 * 1024 * 1024, solo_bytes: int = 1024 * 1024,
-                 num_buffers: int = 2, timeout_s: float = 300.0) -> None:
+                 num_buffers: int = 8, timeout_s: float = 300.0) -> None:
         self.master_address = master_address
         self.bucket_bytes = bucket_bytes
         self.solo_bytes = solo_bytes  # gloo: tensors this large go alone, uncopied

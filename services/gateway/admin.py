@@ -8,12 +8,14 @@ from harnessrl.rpc import map_errors
 from harnessrl.v1 import gateway_pb2 as gpb
 from harnessrl.v1 import gateway_pb2_grpc
 from services.gateway.engines import EngineRegistry
+from services.gateway.weightcheck import WeightCheck
 
 
 @map_errors
 class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
-    def __init__(self, registry: EngineRegistry) -> None:
+    def __init__(self, registry: EngineRegistry, weights: WeightCheck | None = None) -> None:
         self.registry = registry
+        self.weights = weights  # checks an engine's own weights before it is resumed
 
     async def RegisterEngine(self, request: gpb.RegisterEngineRequest,
                              context: grpc.aio.ServicerContext) -> gpb.Engine:
@@ -45,5 +47,9 @@ class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
 
     async def Resume(self, request: gpb.ResumeRequest, context: grpc.aio.ServicerContext
                      ) -> gpb.ResumeResponse:
+        if self.weights is not None:  # an engine holding other weights is MARKED first
+            for eng in self.registry.select(list(request.engines)):
+                if eng.paused and eng.reachable and not eng.marked:
+                    await self.weights.verify(eng)
         engines = self.registry.resume(list(request.engines))
         return gpb.ResumeResponse(engines=[e.to_proto() for e in engines])

@@ -25,6 +25,7 @@ class EngineState:
     reachable: bool = True  # connection failures clear it; the health probe sets it again
     inflight: int = 0
     served: int = 0
+    weight_version: str = ""  # what the engine itself last reported (weightcheck.py)
     resumed: asyncio.Event = field(default_factory=asyncio.Event)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     pool: UpstreamPool = field(init=False)
@@ -48,7 +49,8 @@ class EngineState:
             policy_version=self.policy_version,
             state=gpb.ENGINE_STATE_MARKED if self.marked else gpb.ENGINE_STATE_READY,
             reason=self.reason if self.marked else ("unreachable" if not self.reachable else ""),
-            paused=self.paused, inflight=self.inflight, served_calls=self.served)
+            paused=self.paused, inflight=self.inflight, served_calls=self.served,
+            weight_version=self.weight_version)
 
 
 class EngineRegistry:

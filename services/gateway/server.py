@@ -20,13 +20,15 @@ from services.gateway.engines import EngineRegistry
 from services.gateway.http_server import serve_http
 from services.gateway.recorder import CallRecorder
 from services.gateway.sessions import Sessions
+from services.gateway.weightcheck import WeightCheck
 
 log = logging.getLogger("harnessrl.gateway")
 
 
 async def _probe_engines(registry: EngineRegistry, http: httpx.AsyncClient,
-                         interval: float) -> None:
-    """Marks unreachable engines reachable again once their /health answers."""
+                         interval: float, weights: WeightCheck) -> None:
+    """Marks unreachable engines reachable again once their /health answers (and their
+    weights were checked: a restarted engine holds its checkpoint's)."""
     while True:
         await asyncio.sleep(interval)
         for eng in list(registry.engines.values()):
@@ -34,7 +36,7 @@ async def _probe_engines(registry: EngineRegistry, http: httpx.AsyncClient,
                 continue
             with contextlib.suppress(httpx.HTTPError):
                 resp = await http.get(f"{eng.base_url}/health", timeout=interval)
-                if resp.status_code == 200:
+                if resp.status_code == 200 and (await weights.verify(eng) or eng.marked):
                     registry.mark_reachable(eng)
 
 
@@ -44,13 +46,15 @@ async def serve(cfg: GatewayConfig) -> None:
     registry = EngineRegistry()
     for e in cfg.engines:
         registry.register(e.name, e.base_url, e.model, e.policy_version)
-    http = httpx.AsyncClient()  # health probes of unreachable engines only
+    http = httpx.AsyncClient()  # health probes of unreachable engines; weight checks
+    weights = WeightCheck(registry, http)
     recorder = CallRecorder(store, cfg.hold_timeout_s, cfg.record_batch_max,
                             cfg.record_writers, cfg.record_batch_timeout_s)
     app = GatewayApp(cfg, registry, Sessions(signer, store), recorder, store)
 
     grpc_server, grpc_port, _ = await rpc.start_server(cfg.grpc_bind, [
-        (gateway_pb2_grpc.add_GatewayAdminServicer_to_server, GatewayAdminServicer(registry),
+        (gateway_pb2_grpc.add_GatewayAdminServicer_to_server,
+         GatewayAdminServicer(registry, weights),
          gateway_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name),
     ])
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -59,7 +63,9 @@ async def serve(cfg: GatewayConfig) -> None:
     http_port = sock.getsockname()[1]
     http_server = await serve_http(app.handle, sock, cfg.max_body_bytes,
                                    cfg.http_idle_timeout_s, cfg.http_read_timeout_s)
-    probe = asyncio.create_task(_probe_engines(registry, http, cfg.engine_probe_interval_s))
+    probe = asyncio.create_task(_probe_engines(registry, http, cfg.engine_probe_interval_s,
+                                               weights))
+    weight_watch = asyncio.create_task(weights.watch(cfg.engine_probe_interval_s))
     log.info("gateway serving HTTP on %s:%d, GatewayAdmin on port %d, store %s",
              cfg.http_host, http_port, grpc_port, cfg.store_address)
     rpc.write_ready_file(cfg.ready_file, http_port=http_port, grpc_port=grpc_port)
@@ -67,6 +73,7 @@ async def serve(cfg: GatewayConfig) -> None:
     async def shutdown() -> None:
         http_server.close()
         probe.cancel()
+        weight_watch.cancel()
         await recorder.close()
         await http.aclose()
         await store.close()

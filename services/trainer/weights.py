@@ -7,12 +7,18 @@ calls (Pause), the weights travel, the gateway records the engine's new policy v
 marks it READY, and releases the held calls (Resume).
 
 Failure policy: an engine whose push fails is marked MARKED in the gateway with the reason (no
-traffic reaches it) and left paused in vLLM, so nothing is ever served by a half-updated engine.
-The whole push of that version is then tried again (up to `attempts` times, `retry_delay_s`
-apart; the pusher re-joins a failed engine's weight group first, and a success marks it READY
-again). If every try fails the error (`PushError`, naming each failed engine and the stage) is
-raised and the trainer stops: in sync mode every engine must serve the new version before the
-next step's rollouts start. The failed engines stay MARKED until a later push succeeds.
+traffic reaches it) and left paused in vLLM, so nothing is ever served by a half-updated engine
+(its own weight version says `incomplete:<v>` meanwhile, see `harnessrl.weight_versions`; the
+gateway checks it too). The push of that version is then tried again on the failed engines only
+(up to `attempts` times, `retry_delay_s` apart; the pusher re-joins a failed engine's weight
+group first, and a success marks it READY again). If every try fails:
+
+- when no engine got the version, the error (`PushError`, naming each failed engine and the
+  stage) is raised and the trainer stops: nothing could serve the next step's rollouts;
+- when some did, the push counts as done (`PushReport.failed` names the others): every engine
+  that takes traffic serves the new version, as sync mode requires, and the failed ones stay
+  MARKED, out of traffic, until a later push reaches them (every push includes them again).
+  One dead engine among several does not stop training.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from harnessrl.clients import GatewayAdminClient
 from harnessrl.weight_transfer import (
     EngineRef,
+    EngineTiming,
     GatewayHooks,
     PushConfig,
     PushError,
@@ -71,17 +78,39 @@ class EngineWeights:
                 self.pusher.add_engine(EngineRef(name, url))
 
     def push(self, model: torch.nn.Module | NamedTensors, version: int) -> PushReport:
+        done: dict[str, EngineTiming] = {}
+        todo: list[str] | None = None  # None: every registered engine
         for attempt in range(1, self.attempts + 1):
             self._sync_engines()
+            if todo is not None:  # the failed engines that are still registered
+                todo = [n for n in todo if n in self.pusher.engines]
+                if not todo:
+                    return PushReport(version=version, bytes=0, wall_s=0.0, engines=done)
             try:
-                return self.pusher.push(model, version)
+                report = self.pusher.push(model, version, engines=todo)
+                report.engines = {**done, **report.engines}
+                return report
             except PushError as e:
                 log.error("push of version %d, try %d of %d: %s", version, attempt,
                           self.attempts, e, extra={"version": version})
+                done.update(e.done)
+                todo = e.failed_engines
                 if attempt == self.attempts:
-                    raise
+                    if not done:
+                        raise
+                    log.error("version %d reached %s; %s stay MARKED until a later push "
+                              "reaches them", version, sorted(done), todo,
+                              extra={"version": version})
+                    return PushReport(version=version, bytes=e.bytes, wall_s=e.wall_s,
+                                      engines=done, failed=dict(e.failures))
             time.sleep(self.retry_delay_s)
         raise AssertionError("unreachable")
 
     def close(self) -> None:
         self.pusher.close()
+
+    def __enter__(self) -> EngineWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
