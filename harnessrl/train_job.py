@@ -91,7 +91,7 @@ def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
         stack.controller_address, "--gateway-admin-address", stack.gateway_admin_address,
         "--served-model-name", stack.cfg.served_model_name, "--bind", "127.0.0.1:0",
         "--ready-file", str(ready), "--resume" if args.resume else "--no-resume",
-        "--push-backend", stack.cfg.weight_transfer_backend or "gloo",
+        "--push.backend", stack.cfg.weight_transfer_backend or "gloo",
         "--device", "cuda" if stack.cfg.weight_transfer_backend == "nccl" else "cpu")
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]

@@ -45,7 +45,7 @@ MARGIN = 0.25
 #   single steps, carry the check.
 TRAINER_FLAGS = {
     "--steps": "24", "--tasks-per-step": "4", "--group-size": "8", "--concurrency": "8",
-    "--lr": "6e-4", "--seed": "0", "--checkpoint-every": "4",
+    "--optimizer.lr": "6e-4", "--seed": "0", "--checkpoint-every": "4",
 }
 
 

@@ -53,7 +53,7 @@ def test_two_steps_push_versions_that_later_calls_carry_and_grpc_stop(
         stack: Stack, tmp_path: Path, tiny_model_dir: Path) -> None:
     trainer = start_trainer(stack, tmp_path, tiny_model_dir, "--steps", "6",
                             "--tasks-per-step", "3", "--group-size", "4", "--concurrency", "4",
-                            "--lr", "1e-4", "--run-name", "loop", "--stream", "loop",
+                            "--optimizer.lr", "1e-4", "--run-name", "loop", "--stream", "loop",
                             # every step trains (and pushes) even when all of a group's
                             # rewards are equal: what this test checks does not depend on
                             # how often the tiny model gets a task right
@@ -208,7 +208,7 @@ def test_two_ranks_train_push_and_answer_as_one_service(
     talks to the stack, the engine gets the sharded model's weights each step. ~2-4 min."""
     trainer = start_trainer(stack, tmp_path, tiny_model_dir, "--nproc", "2", "--steps", "2",
                             "--tasks-per-step", "2", "--group-size", "4", "--concurrency", "4",
-                            "--lr", "1e-4", "--run-name", "loop2", "--stream", "loop2",
+                            "--optimizer.lr", "1e-4", "--run-name", "loop2", "--stream", "loop2",
                             "--no-filter-zero-variance")
     ready = trainer.wait_ready(300)
     assert ready["pid"] != trainer.proc.pid  # rank 0 serves; the launcher only watches

@@ -25,7 +25,7 @@ what they need through collectives: the step's groups (each rank builds the same
 trains on its share), its decisions (continue, checkpoint now), and the full weights for a push
 (gathered bucket by bucket). Checkpoints are written by all ranks together (`checkpoint`).
 
-Version check (`version_check`): in sync mode every call of step s must carry version v. A
+Version check (`mode.version_check`): in sync mode every call of step s must carry version v. A
 mismatch means the engines served other weights than the trainer's; "fail" (the default) stops
 the trainer with an error naming the calls, "warn" logs it and trains on them (the loss
 corrects for the behaviour policy with the recorded logprobs).
@@ -184,9 +184,9 @@ class Trainer:
             mixed_precision=self.cfg.mixed_precision,
             activation_checkpointing=self.cfg.activation_checkpointing))
         self.tokenizer = AutoTokenizer.from_pretrained(source)
-        self.optimizer = make_optimizer(self.model, lr=self.cfg.lr,
-                                        betas=(self.cfg.beta1, self.cfg.beta2),
-                                        weight_decay=self.cfg.weight_decay, eps=self.cfg.adam_eps)
+        o = self.cfg.optimizer
+        self.optimizer = make_optimizer(self.model, lr=o.lr, betas=(o.beta1, o.beta2),
+                                        weight_decay=o.weight_decay, eps=o.eps)
         run_prefix = d.agree(self._run_prefix() if d.is_main else "")
         if found is not None:
             self.state = ckpt.load_trainer_state(found, self.optimizer, self.model, d)
@@ -230,7 +230,7 @@ class Trainer:
 
         from .sharding import object_group
 
-        bucket = self.cfg.push_config().bucket_bytes
+        bucket = self.cfg.push.bucket_bytes
         if d.is_main:
             assert self.weights is not None
             with GatheredWeights(self.model, bucket, object_group()) as gathered:
@@ -299,14 +299,14 @@ class Trainer:
         if bad:
             msg = (f"step {s.step}: {len(bad)} calls were served by another policy version "
                    f"than {version} (rollout, seq, version): {bad[:5]}")
-            if self.cfg.version_check == "fail":
+            if self.cfg.mode.version_check == "fail":
                 raise RuntimeError(msg)
             log.warning("%s", msg, extra={"step": s.step})
 
     def train(self, groups: list[c.Group], s: StepRecord) -> StepMetrics | None:
         self.control.set_state("training")
         t0 = time.perf_counter()
-        results = [group_samples(g, self.cfg.advantage_config(), self.cfg.max_sample_len)
+        results = [group_samples(g, self.cfg.advantage, self.cfg.loss.max_sample_len)
                    for g in groups]
         samples = [x for r in results for x in r.samples]
         s.rewards = [rw for r in results for rw in r.rewards]
@@ -465,5 +465,5 @@ def build_trainer(cfg: TrainerConfig, control: TrainerControl | None = None,
     launcher = ControllerRuns(ControllerClient.connect(cfg.controller_address),
                               cfg.run_timeout_s)
     weights = EngineWeights(GatewayAdminClient.connect(cfg.gateway_admin_address),
-                            cfg.push_config(), cfg.push_attempts, cfg.push_retry_delay_s)
+                            cfg.push, cfg.push.attempts, cfg.push.retry_delay_s)
     return Trainer(cfg, launcher, store, weights, control, dist)
