@@ -87,7 +87,19 @@ from harnessrl.v1 import trainer_pb2 as tpb
 from . import checkpoint as ckpt
 from .config import TrainerConfig
 from .control import TrainerControl
-from .rollouts import RunLauncher, StreamReader, load_tasks, run_id_for, step_spec, step_tasks
+from .gauges import GatewayHold, Gauges, GaugeWindow
+from .rollouts import (
+    AdmissionReporter,
+    RunLauncher,
+    StreamReader,
+    _canonical_order,
+    load_tasks,
+    pool_spec,
+    run_id_for,
+    step_spec,
+    step_tasks,
+)
+from .staleness import call_versions, select_groups
 from .samples import group_samples
 from .sharding import Dist, ShardingConfig, device_for, shard_model, split_by_tokens
 from .step import StepMetrics, make_optimizer, train_step
@@ -110,7 +122,7 @@ def train_sync(t: "Trainer") -> None:
         metrics = t.train(groups, s)  # samples -> one optimizer step (None: no sample)
         if metrics is not None:
             t.push(version + 1, s)  # every engine serves version v+1, or we stop
-        t.finish_step(step, groups)  # step done; its entries await the next checkpoint
+        t.finish_step(step, groups, s)  # step done; its entries await the next checkpoint
         due = t.checkpoint_due()
         t.record(s, metrics, due)  # metrics.jsonl (a line the checkpoint misses is redone)
         if due:
@@ -118,6 +130,36 @@ def train_sync(t: "Trainer") -> None:
         t.answer_checkpoint_requests()
     if t.final_checkpoint_wanted():
         t.commit()  # no-op when the last step is checkpointed already
+
+
+def train_async(t: "Trainer") -> None:
+    """Async and collocated modes (docs/modes.md): rollouts keep running while the trainer
+    trains and pushes; collocated also holds new model calls while it does."""
+    t.start()  # resume or initialise; the engines get the trainer's weights
+    t.open_pool()  # one controller run of every step's tasks, admission-controlled
+    while t.more_steps():
+        step, version = t.state.step + 1, t.state.policy_version
+        s = StepRecord(step=step, behaviour_version=version)
+        groups = t.take_groups(s)  # first complete groups fresh enough; older ones dropped
+        t.hold_calls(s)  # collocated: the gateway holds new calls, the engines go idle
+        metrics = t.train(groups, s)  # samples -> one optimizer step (None: no sample)
+        if metrics is not None:
+            t.push(version + 1, s)  # every engine serves version v+1, or we stop
+        t.release_calls(s)  # collocated: held calls go on, on the new weights
+        t.finish_step(step, groups + s.dropped, s)  # its entries (dropped too) await a checkpoint
+        due = t.checkpoint_due()
+        t.record(s, metrics, due)  # metrics.jsonl (a line the checkpoint misses is redone)
+        if due:
+            t.commit()  # checkpoint, then acknowledge the entries it holds
+        t.answer_checkpoint_requests()
+    t.close_pool()  # the run's groups never admitted are cancelled
+    if t.final_checkpoint_wanted():
+        t.commit()
+
+
+def train(t: "Trainer") -> None:
+    """The loop of the configured mode."""
+    (train_sync if t.cfg.mode.kind == "sync" else train_async)(t)
 
 
 @dataclass
@@ -131,13 +173,19 @@ class StepRecord:
     phases: dict[str, float] = field(default_factory=dict)
     rewards: list[float] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
+    dropped: list[c.Group] = field(default_factory=list)
+    drop_reasons: dict[str, int] = field(default_factory=dict)
+    staleness: list[int] = field(default_factory=list)  # per trained sample
+    held_calls: int = 0
+    group_ids: list[str] = field(default_factory=list)  # taken: trained, skipped or dropped
 
     def timed(self, phase: str, since: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
 
 class Trainer:
-    """The trainer's state and the parts of the loop (`train_sync` strings them together).
+    """The trainer's state and the parts of the loop (`train_sync` / `train_async` string them
+    together).
 
     `launcher` runs a step's controller run, `store` reads and acknowledges the stream,
     `weights` receives the weights after each step: `ControllerRuns`, `StoreClient` and
@@ -148,8 +196,15 @@ class Trainer:
 
     def __init__(self, cfg: TrainerConfig, launcher: RunLauncher | None,
                  store: StoreClient | None, weights: WeightSink | None,
-                 control: TrainerControl | None = None, dist: Dist | None = None) -> None:
+                 control: TrainerControl | None = None, dist: Dist | None = None,
+                 gauges: Gauges | None = None, hold: GatewayHold | None = None,
+                 admission: AdmissionReporter | None = None) -> None:
         self.cfg = cfg
+        self.gauges = gauges  # engine busy, groups in flight over time (None: not measured)
+        self.hold = hold  # collocated: the gateway's call hold (None: nothing to hold)
+        self.admission = admission  # tells the controller what the trainer consumed
+        self.pool_run_id = ""
+        self.pool: dict[str, c.Group] = {}  # completed groups read, not taken yet (entry order)
         self.dist = dist or Dist.single()
         self.launcher = launcher
         self.store = store
@@ -285,6 +340,99 @@ class Trainer:
         s.timed("generate_s", t0)
         return s.run_id, [str(t["id"]) for t in tasks]
 
+    # -- async / collocated ------------------------------------------------------------------
+    def open_pool(self) -> None:
+        """Rank 0: creates (or re-attaches to) the one controller run of async mode, without
+        waiting for it; the controller admits its groups as the trainer consumes them."""
+        m = self.cfg.mode
+        self.control.update(mode=m.kind)
+        if not self.dist.is_main:
+            return
+        assert self.launcher is not None
+        self.pool_run_id = f"{self.state.run_prefix}-{m.kind}"
+        spec = pool_spec(self.cfg, self.tasks)
+        self.launcher.start(self.pool_run_id, spec)
+        self._report_consumed()
+
+    def _report_consumed(self) -> None:
+        if self.admission is not None and self.pool_run_id:
+            self.admission.report(self.pool_run_id, self.state.groups_trained +
+                                  self.state.groups_dropped, self.state.policy_version)
+
+    def take_groups(self, s: StepRecord) -> list[c.Group]:
+        """The first `tasks_per_step` completed groups (stream order) whose calls are at most
+        `max_staleness` versions old; older ones before them are dropped (s.dropped, with a
+        reason). Rank 0 reads; every rank gets the same groups."""
+        self.control.set_state("generating")
+        if not self.dist.is_main:
+            return self.dist.agree([])
+        assert self.reader is not None
+        t0 = time.perf_counter()
+        version, batch = self.state.policy_version, self.cfg.tasks_per_step
+        deadline = time.monotonic() + self.cfg.run_timeout_s
+        kept: list[c.Group] = []
+        while True:
+            known = set(self.state.consumed_entries) | set(self.pool) | \
+                {g.entry_id for g in kept + s.dropped}
+            for g in self.reader.poll(self.pool_run_id, known):
+                self.pool[g.entry_id] = g
+            sel = select_groups(list(self.pool.values()), version,
+                                self.cfg.mode.max_staleness, batch - len(kept))
+            for g, reason in sel.dropped:
+                del self.pool[g.entry_id]
+                s.dropped.append(g)
+                key = reason.split(":")[0]
+                s.drop_reasons[key] = s.drop_reasons.get(key, 0) + 1
+                log.warning("step %d: dropping group %s: %s", s.step, g.group_id, reason,
+                            extra={"step": s.step})
+            for g in sel.kept:
+                del self.pool[g.entry_id]
+                kept.append(g)
+            self._report_consumed_pending(len(kept) + len(s.dropped))
+            if len(kept) == batch:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {s.step}: {len(kept)} of {batch} groups of run "
+                                   f"{self.pool_run_id} after {self.cfg.run_timeout_s:.0f}s")
+            time.sleep(0.2)
+        for g in kept:
+            _canonical_order(g)
+            s.staleness += [version - min(call_versions(g) or [version])] * len(g.rollouts)
+            if self.hold is not None:
+                s.held_calls += sum(1 for r in g.rollouts for call in r.calls
+                                    if self.hold.held(call.started_at))
+        s.counts.update(rollouts=sum(len(g.rollouts) for g in kept),
+                        rollouts_failed=sum(1 for g in kept for r in g.rollouts
+                                            if r.status != c.ROLLOUT_STATUS_SUCCEEDED))
+        s.run_id = self.pool_run_id
+        s.timed("generate_s", t0)
+        return self.dist.agree(kept)
+
+    def _report_consumed_pending(self, taken: int) -> None:
+        """While a step waits: the controller counts what this step took already, so the
+        window keeps moving (and a restarted controller hears from the trainer)."""
+        if self.admission is not None and self.pool_run_id:
+            self.admission.report(self.pool_run_id, self.state.groups_trained +
+                                  self.state.groups_dropped + taken,
+                                  self.state.policy_version)
+
+    def hold_calls(self, s: StepRecord) -> None:
+        if self.cfg.mode.kind == "collocated" and self.hold is not None and self.dist.is_main:
+            self.control.set_state("holding")
+            t0 = time.perf_counter()
+            self.hold.hold()
+            s.timed("hold_s", t0)
+
+    def release_calls(self, s: StepRecord) -> None:
+        if self.cfg.mode.kind == "collocated" and self.hold is not None and self.dist.is_main:
+            self.hold.release()
+
+    def close_pool(self) -> None:
+        """Rank 0: the async run's groups never admitted are not needed any more."""
+        if self.dist.is_main and self.pool_run_id and self.launcher is not None \
+                and not self.control.stop_requested:
+            self.launcher.cancel(self.pool_run_id)
+
     def read_groups(self, run_id: str, step: int, tasks: list[str]) -> list[c.Group]:
         if not self.dist.is_main:
             return self.dist.agree([])
@@ -309,6 +457,9 @@ class Trainer:
         results = [group_samples(g, self.cfg.advantage, self.cfg.loss.max_sample_len)
                    for g in groups]
         samples = [x for r in results for x in r.samples]
+        s.staleness = [self.state.policy_version - min(x.policy_versions or
+                                                       [self.state.policy_version])
+                       for x in samples]
         s.rewards = [rw for r in results for rw in r.rewards]
         s.counts.update(
             groups=len(groups), groups_trained=sum(1 for r in results if r.samples),
@@ -338,10 +489,27 @@ class Trainer:
         self.control.update(policy_version=version)
         s.timed("push_s", t0)
 
-    def finish_step(self, step: int, groups: list[c.Group]) -> None:
-        self.state.step = step
-        self.state.consumed_entries += [g.entry_id for g in groups]
-        self.control.update(step=step)
+    def finish_step(self, step: int, groups: list[c.Group],
+                    s: StepRecord | None = None) -> None:
+        """Step done: its entries (trained, skipped or dropped) await the next checkpoint; the
+        counts that prove nothing was lost are in the state (and so in the checkpoint)."""
+        st = self.state
+        st.step = step
+        if s is not None:
+            s.group_ids = [g.group_id for g in groups]
+        st.consumed_entries += [g.entry_id for g in groups]
+        if s is not None:
+            st.groups_dropped += len(s.dropped)
+            st.groups_trained += len(groups) - len(s.dropped)
+            for k, n in s.drop_reasons.items():
+                st.drop_reasons[k] = st.drop_reasons.get(k, 0) + n
+            st.staleness_max = max([st.staleness_max, *s.staleness])
+        else:
+            st.groups_trained += len(groups)
+        self.control.update(step=step, groups_trained=st.groups_trained,
+                            groups_dropped=st.groups_dropped, staleness_max=st.staleness_max)
+        self.control.set_drop_reasons(st.drop_reasons)
+        self._report_consumed()
 
     def checkpoint_due(self) -> bool:
         return self.dist.agree(
@@ -403,9 +571,24 @@ class Trainer:
             "entropy": m.entropy if m else None, "grad_norm": m.grad_norm if m else None,
             "generate_s": 0.0, "train_s": 0.0, "push_s": 0.0, **s.phases,
             "step_time_s": time.perf_counter() - s.started,
+            "mode": self.cfg.mode.kind, "groups_dropped": len(s.dropped),
+            "group_ids": s.group_ids,
+            "drop_reasons": s.drop_reasons,
+            "staleness_hist": {str(k): s.staleness.count(k) for k in sorted(set(s.staleness))},
+            "staleness_max": max(s.staleness, default=None),
+            "held_calls": s.held_calls if self.hold is not None else None,
+            "total_groups_trained": self.state.groups_trained,
+            "total_groups_dropped": self.state.groups_dropped,
             "checkpoint": str(self.cfg.checkpoints_dir / ckpt.step_dir_name(s.step))
             if checkpoint else None,
         }
+        row["trainer_busy_fraction"] = (row["train_s"] + row["push_s"]) / row["step_time_s"]
+        w = self.gauges.take() if self.gauges is not None else GaugeWindow()
+        row.update(engine_busy_fraction=w.engine_busy_fraction,
+                   groups_in_flight=w.groups_in_flight, groups_admitted=w.groups_admitted)
+        if w.groups_in_flight is not None:
+            self.control.update(groups_in_flight=w.groups_in_flight,
+                                groups_admitted=w.groups_admitted or 0)
         _append_jsonl(self.cfg.metrics_file, row)
         self.control.add_step(tpb.StepMetrics(
             step=s.step, policy_version=row["policy_version"],
@@ -413,13 +596,21 @@ class Trainer:
             loss=_num(row["loss"]), kl=_num(row["kl"]),
             clip_fraction=_num(row["clip_fraction"]), entropy=_num(row["entropy"]),
             tokens=row["tokens"], step_time_s=row["step_time_s"], groups=row["groups"],
-            grad_norm=_num(row["grad_norm"])))
+            grad_norm=_num(row["grad_norm"]), groups_dropped=row["groups_dropped"],
+            staleness_mean=statistics.fmean(s.staleness) if s.staleness else math.nan,
+            staleness_max=row["staleness_max"] or 0,
+            groups_in_flight=row["groups_in_flight"] or 0,
+            engine_busy_fraction=_num(row["engine_busy_fraction"]),
+            trainer_busy_fraction=row["trainer_busy_fraction"],
+            held_calls=row["held_calls"] or 0))
         log.info("step %d: reward %.3f, loss %s, kl %s, %d tokens, %.1fs", s.step,
                  _num(row["reward_mean"]), row["loss"], row["kl"], row["tokens"],
                  row["step_time_s"], extra={"step": s.step, "version": row["policy_version"]})
         return row
 
     def close(self) -> None:
+        if self.gauges is not None:
+            self.gauges.close()
         if self.weights is not None:
             self.weights.close()
 
@@ -464,6 +655,12 @@ def build_trainer(cfg: TrainerConfig, control: TrainerControl | None = None,
     store = StoreClient.connect(cfg.store_address)
     launcher = ControllerRuns(ControllerClient.connect(cfg.controller_address),
                               cfg.run_timeout_s)
-    weights = EngineWeights(GatewayAdminClient.connect(cfg.gateway_admin_address),
-                            cfg.push, cfg.push.attempts, cfg.push.retry_delay_s)
-    return Trainer(cfg, launcher, store, weights, control, dist)
+    admin = GatewayAdminClient.connect(cfg.gateway_admin_address)
+    weights = EngineWeights(admin, cfg.push, cfg.push.attempts, cfg.push.retry_delay_s)
+    controller = ControllerClient.connect(cfg.controller_address)
+    gauges = Gauges(GatewayAdminClient.connect(cfg.gateway_admin_address), controller,
+                    cfg.mode.gauge_interval_s)
+    hold = GatewayHold(admin, cfg.mode.hold_drain_timeout_s) \
+        if cfg.mode.kind == "collocated" else None
+    return Trainer(cfg, launcher, store, weights, control, dist, gauges=gauges, hold=hold,
+                   admission=gauges)

@@ -1,0 +1,270 @@
+"""Async and collocated modes (docs/modes.md).
+
+- The staleness rule and the controller's admission rule, pure, under hypothesis: over random
+  completion orders, latencies and training times, no trained group is staler than
+  max_staleness, in flight + done-but-untrained never exceeds the window, and every group that
+  completed is trained once, dropped with a reason, or still waiting (groups in = trained +
+  dropped + waiting).
+- `train_async` through the real loop against a real store process (no vLLM): `PoolRuns`, a
+  test double of the controller, runs the one admission-controlled run in a thread with the
+  real `Admission`, each rollout's two calls recorded under the policy version the engines
+  (`RecordingSink`) serve when each call is made — so rollouts span pushes. A crash while
+  pushing, then a new trainer on the same output: nothing trained twice, nothing lost, the
+  bound holds.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harnessrl.clients import StoreClient
+from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import store_pb2 as spb
+from services.controller.admission import Admission
+from services.trainer import checkpoint as ckpt
+from services.trainer.loop import Trainer, train_async
+from services.trainer.staleness import group_staleness, select_groups
+
+from test_checkpoint import RecordingSink, make_config, small_model, store, vocab  # noqa: F401
+
+
+def _group(gid: str, versions: list[int]) -> c.Group:
+    return c.Group(entry_id=gid, group_id=gid, rollouts=[c.Rollout(
+        status=c.ROLLOUT_STATUS_SUCCEEDED, calls=[c.Call(policy_version=v) for v in versions])])
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), max_staleness=st.integers(0, 3),
+       batch=st.integers(1, 4), steps=st.integers(1, 8), slow_tail=st.floats(0.0, 0.5))
+def test_staleness_bound_and_accounting_over_random_orders(
+        seed: int, max_staleness: int, batch: int, steps: int, slow_tail: float) -> None:
+    """A discrete-event run of the controller (Admission) and the trainer (select_groups)."""
+    rng = random.Random(seed)
+    adm = Admission("run", max_staleness, batch)
+    version, consumed, trained, dropped = 0, 0, [], []
+    now, train_until = 0.0, None
+    waiting: list[c.Group] = []  # completed, not taken (completion order)
+    running: list[tuple[float, float, str, list[int]]] = []  # (next call at, end, gid, vers)
+    next_gid = 0
+    while version < steps and now < 5_000:
+        # admission: start as many groups as the rule allows
+        while adm.try_admit(f"g{next_gid}"):
+            lat = rng.lognormvariate(0, 1.2) * (20 if rng.random() < slow_tail else 1)
+            running.append((now + rng.uniform(0, lat), now + lat, f"g{next_gid}", []))
+            next_gid += 1
+        assert len(adm.admitted) - consumed <= (max_staleness + 1) * batch
+        now += 0.1
+        still = []
+        for call_at, end, gid, vers in running:  # a call made under the current version
+            if call_at <= now and len(vers) < 3:
+                vers.append(version)
+                call_at = now + rng.uniform(0, max(end - now, 0))
+            if now >= end:
+                waiting.append(_group(gid, vers or [version]))
+                adm.group_done(gid)
+            else:
+                still.append((call_at, end, gid, vers))
+        running = still
+        if train_until is not None and now >= train_until:
+            version, train_until = version + 1, None
+        if train_until is None:  # the trainer takes what it can (loop.Trainer.take_groups)
+            sel = select_groups(waiting, version, max_staleness, batch)
+            assert all(why.startswith("stale") for _, why in sel.dropped)
+            dropped += sel.dropped  # dropped at once: they leave the window
+            consumed += len(sel.dropped)
+            waiting = sel.kept + sel.rest
+            if len(sel.kept) == batch:
+                for g in sel.kept:
+                    assert group_staleness(g, version) <= max_staleness
+                trained += sel.kept
+                waiting = sel.rest
+                consumed += len(sel.kept)
+                train_until = now + rng.uniform(0.1, 3.0)
+            adm.update(consumed, version)
+    done = {g.group_id for g in trained} | {g.group_id for g, _ in dropped} | \
+        {g.group_id for g in waiting}
+    assert len(done) == len(trained) + len(dropped) + len(waiting), "a group counted twice"
+    assert done == adm.done, "a completed group neither trained, dropped nor waiting"
+    assert version == steps, "the run did not finish its steps (admission deadlock?)"
+
+
+class PoolRuns:
+    """Test double of the controller for async mode: `start` runs the admission-controlled run
+    in a thread, with the real `Admission` rule, writing each group into the real store as the
+    controller and gateway would. Each rollout makes two calls, the second after a pause, each
+    recorded with the version the engines (`sink`) serve at that moment. Groups finish in a
+    random order. Re-attaching (a restarted trainer) resumes after the groups already in the
+    store."""
+
+    def __init__(self, store: StoreClient, sink: RecordingSink, vocab: int, seed: int) -> None:
+        self.store, self.sink, self.vocab, self.seed = store, sink, vocab, seed
+        self.admission: Admission | None = None
+        self.thread: threading.Thread | None = None
+        self.stop = threading.Event()
+        self.versions_at_admit: dict[str, int] = {}
+
+    # RunLauncher
+    def run(self, run_id: str, spec: c.RunSpec) -> c.Run:
+        raise AssertionError("sync mode's run() used in async mode")
+
+    def start(self, run_id: str, spec: c.RunSpec) -> c.Run:
+        assert spec.admission_batch_groups > 0
+        self.admission = Admission(run_id, spec.admission_max_staleness,
+                                   spec.admission_batch_groups)
+        self.thread = threading.Thread(target=self._execute, args=(run_id, spec), daemon=True)
+        self.thread.start()
+        return c.Run(run_id=run_id, status=c.RUN_STATUS_RUNNING)
+
+    def cancel(self, run_id: str) -> c.Run:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+        return c.Run(run_id=run_id, status=c.RUN_STATUS_CANCELLED)
+
+    # AdmissionReporter
+    def report(self, run_id: str, consumed: int, version: int) -> None:
+        assert self.admission is not None
+        self.admission.update(consumed, version)
+
+    def _execute(self, run_id: str, spec: c.RunSpec) -> None:
+        assert self.admission is not None
+        rng = random.Random(self.seed)
+        existing = {ro.group_id for ro in self.store.list_rollouts(run_id).rollouts}
+        self.admission.restore(existing, existing)
+        live: list[threading.Thread] = []
+        for task in spec.tasks:
+            gid = f"{run_id}.{task.task_id}"
+            if gid in existing:
+                continue
+            while not self.admission.try_admit(gid) and not self.stop.is_set():
+                self.stop.wait(0.02)
+            if self.stop.is_set():
+                break  # cancelled: the groups started finish (as their jobs would be killed)
+            self.versions_at_admit[gid] = self.sink.version
+            th = threading.Thread(target=self._group, daemon=True,
+                                  args=(run_id, spec, task, gid, rng.uniform(0.0, 0.4)))
+            th.start()
+            live.append(th)
+        for th in live:
+            th.join()
+
+    def _group(self, run_id: str, spec: c.RunSpec, task: c.Task, gid: str,
+               pause: float) -> None:
+        rollouts = [c.Rollout(rollout_id=f"{gid}.{i}", run_id=run_id, task_id=task.task_id,
+                              group_id=gid, index_in_group=i, group_size=spec.group_size,
+                              max_attempts=1, task_json=task.data_json, stream=spec.stream)
+                    for i in range(spec.group_size)]
+        self.store.create_rollouts(rollouts)
+        for ro in rollouts:
+            self.store.start_attempt(ro.rollout_id, 1)
+        calls: dict[str, list[c.Call]] = {}
+        for k in range(2):  # the second call after a pause: it may be served by a newer version
+            if k:
+                time.sleep(pause)
+            for ro in rollouts:
+                r = random.Random(f"{ro.task_id}:{ro.index_in_group}:{k}")
+                prev = calls.get(ro.rollout_id, [])
+                prompt = list(prev[-1].prompt_token_ids) + list(prev[-1].completion_token_ids) \
+                    + [r.randrange(3, self.vocab)] if prev else \
+                    [r.randrange(3, self.vocab) for _ in range(8)]
+                out = [r.randrange(3, self.vocab) for _ in range(5)]
+                call = c.Call(rollout_id=ro.rollout_id, attempt=1, seq=k,
+                              prompt_token_ids=prompt, completion_token_ids=out,
+                              logprobs=[-r.uniform(5.0, 8.0) for _ in out],
+                              policy_version=self.sink.version, engine="e0",
+                              api="chat.completions", started_at=time.time())
+                calls.setdefault(ro.rollout_id, []).append(call)
+                self.store.append_calls([call])
+        for ro in rollouts:
+            r = random.Random(f"{ro.task_id}:{ro.index_in_group}")
+            self.store.finish_attempt(spb.FinishAttemptRequest(
+                rollout_id=ro.rollout_id, attempt=1, status=c.ROLLOUT_STATUS_SUCCEEDED,
+                reward=float(r.random() < 0.5)))
+
+
+def async_trainer(cfg: Any, store: StoreClient, sink: RecordingSink, vocab: int,
+                  seed: int) -> tuple[Trainer, PoolRuns]:
+    runs = PoolRuns(store, sink, vocab, seed)
+    return Trainer(cfg, runs, store, sink, admission=runs), runs
+
+
+def test_async_crash_and_resume_trains_each_group_once_within_the_bound(
+        tmp_path: Path, small_model: Path, store: StoreClient, vocab: int) -> None:  # noqa: F811
+    steps, max_staleness = 5, 1
+    cfg = make_config(tmp_path, "async", small_model, steps,
+                      mode={"kind": "async", "max_staleness": max_staleness, "pool_factor": 3})
+    crashing = RecordingSink(fail_version=4)  # step 4 trains, then its push "crashes"
+    first, runs1 = async_trainer(cfg, store, crashing, vocab, seed=1)
+    with pytest.raises(RuntimeError, match="simulated crash while pushing version 4"):
+        train_async(first)
+    runs1.cancel(first.pool_run_id)
+    assert ckpt.read_state(ckpt.latest_checkpoint(cfg.checkpoints_dir)).step == 3
+    # a new trainer on the same output dir; the engines still serve version 3
+    sink = RecordingSink()
+    sink.version = 3
+    second, runs2 = async_trainer(cfg, store, sink, vocab, seed=2)
+    train_async(second)
+    assert second.state.step == steps
+    rows = [json.loads(x) for x in cfg.metrics_file.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["mode"] == "async" for r in rows)
+    for r in rows:
+        assert r["staleness_max"] is None or r["staleness_max"] <= max_staleness
+        assert r["groups"] == cfg.tasks_per_step
+        assert set(r["staleness_hist"]) <= {str(k) for k in range(max_staleness + 1)}
+    st_ = second.state
+    assert st_.groups_trained == steps * cfg.tasks_per_step
+    assert st_.groups_dropped == sum(r["groups_dropped"] for r in rows)
+    assert st_.staleness_max <= max_staleness
+    # nothing trained twice, nothing lost: every group in the store is trained, dropped, or
+    # was still untaken when the run ended (acknowledged by no checkpoint)
+    trained_ids = [g for r in rows for g in r.get("group_ids", [])]
+    assert len(trained_ids) == len(set(trained_ids))
+    assert len(trained_ids) == st_.groups_trained + st_.groups_dropped
+    # every completed group of the run was taken (trained or dropped) or is still in the
+    # stream, unacknowledged: none lost, none taken twice
+    created = {ro.group_id for ro in store.list_rollouts(second.pool_run_id).rollouts}
+    left = {g.group_id for g in store.read_groups(stream=cfg.stream, max_groups=1000,
+                                                  include_calls=False).groups}
+    assert not left & set(trained_ids)
+    assert created == left | set(trained_ids)
+    # rollouts spanned pushes: trained samples with calls one version behind
+    assert any(r["staleness_hist"].get("1") for r in rows)
+
+
+def test_a_rollout_spanning_a_push_trains_with_each_calls_own_behaviour_logprobs() -> None:
+    """Partial rollout: call 0 served by version 3, call 1 (extending it) by version 4 after a
+    push. The sample merges both; each loss token keeps the logprob of the call (and so the
+    version) that produced it, and the staleness at version 4 is 1."""
+    from services.trainer.samples import group_samples
+
+    def rollout(i: int, reward: float) -> c.Rollout:
+        p0, o0, o1 = [5, 6, 7], [8, 9], [11, 12, 13]
+        return c.Rollout(rollout_id=f"r{i}", group_id="g", index_in_group=i, has_reward=True,
+                         reward=reward, status=c.ROLLOUT_STATUS_SUCCEEDED, calls=[
+                             c.Call(seq=0, prompt_token_ids=p0, completion_token_ids=o0,
+                                    logprobs=[-0.1, -0.2], policy_version=3),
+                             c.Call(seq=1, prompt_token_ids=p0 + o0 + [10],
+                                    completion_token_ids=o1, logprobs=[-1.1, -1.2, -1.3],
+                                    policy_version=4)])
+    g = c.Group(group_id="g", rollouts=[rollout(0, 1.0), rollout(1, 0.0)])
+    out = group_samples(g)
+    assert len(out.samples) == 2
+    s = out.samples[0]
+    assert s.policy_versions == [3, 4]
+    trained = [(t, lp) for t, m, lp in zip(s.input_ids, s.loss_mask, s.behaviour_logprobs,
+                                           strict=True) if m]
+    assert trained == [(8, pytest.approx(-0.1)), (9, pytest.approx(-0.2)),
+                       (11, pytest.approx(-1.1)), (12, pytest.approx(-1.2)),
+                       (13, pytest.approx(-1.3))]
+    assert group_staleness(g, 4) == 1
+    assert select_groups([g], 4, 0, 1).dropped and select_groups([g], 4, 1, 1).kept == [g]
