@@ -5,6 +5,7 @@
   max_staleness, in flight + done-but-untrained never exceeds the window, and every group that
   completed is trained once, dropped with a reason, or still waiting (groups in = trained +
   dropped + waiting).
+- `GatewayHold` (collocated mode's turn-taking) against the real gateway and the stub engine.
 - `train_async` through the real loop against a real store process (no vLLM): `PoolRuns`, a
   test double of the controller, runs the one admission-controlled run in a thread with the
   real `Admission`, each rollout's two calls recorded under the policy version the engines
@@ -35,6 +36,7 @@ from services.trainer.loop import Trainer, train_async
 from services.trainer.staleness import group_staleness, select_groups
 
 from test_checkpoint import RecordingSink, make_config, small_model, store, vocab  # noqa: F401
+from test_gateway import SIGNER, world  # noqa: F401
 
 
 def _group(gid: str, versions: list[int]) -> c.Group:
@@ -268,3 +270,37 @@ def test_a_rollout_spanning_a_push_trains_with_each_calls_own_behaviour_logprobs
                        (13, pytest.approx(-1.3))]
     assert group_staleness(g, 4) == 1
     assert select_groups([g], 4, 0, 1).dropped and select_groups([g], 4, 1, 1).kept == [g]
+
+
+def test_collocated_hold_calls_finish_after_release_on_the_new_version(
+        world: Any) -> None:  # noqa: F811
+    """`GatewayHold` against the real gateway (stub engine): calls made while the trainer holds
+    wait (no error), and once released complete, recorded with the version the trainer set
+    while they waited (as its push does) and counted as held."""
+    from services.trainer.gauges import GatewayHold
+
+    hold = GatewayHold(world.admin, drain_timeout_s=10)
+    rids = [world.rollout() for _ in range(3)]
+    hold.hold()
+    results: dict[str, Any] = {}
+
+    def call(rid: str) -> None:
+        key = SIGNER.mint(rid, 1, 120)
+        results[rid] = world.client(key).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}])
+
+    threads = [threading.Thread(target=call, args=(rid,)) for rid in rids]
+    for th in threads:
+        th.start()
+    time.sleep(1.5)
+    assert not results, "a call went through during the hold"
+    assert all(not world.calls(rid) for rid in rids)
+    world.admin.update_engine("e0", policy_version=7)  # what the push records
+    hold.release()
+    for th in threads:
+        th.join(30)
+    assert set(results) == set(rids), "held calls did not complete after the release"
+    for rid in rids:
+        (recorded,) = world.calls(rid)
+        assert recorded.policy_version == 7
+        assert hold.held(recorded.started_at)
