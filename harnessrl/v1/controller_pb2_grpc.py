@@ -105,7 +105,7 @@ class ControllerServicer:
     def AdmissionUpdate(self, request, context):
         """The trainer of an admission-controlled run (RunSpec.admission_batch_groups > 0) tells the
         controller how many of the run's groups it has consumed (trained, skipped or dropped);
-        idempotent (the highest count wins). Answers the run's admission state.
+        idempotent (the latest report wins). Answers the run's admission state.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

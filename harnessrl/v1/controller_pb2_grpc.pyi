@@ -43,7 +43,7 @@ class ControllerStub:
     AdmissionUpdate: _grpc.UnaryUnaryMultiCallable[_controller_pb2.AdmissionUpdateRequest, _controller_pb2.AdmissionStatus]
     """The trainer of an admission-controlled run (RunSpec.admission_batch_groups > 0) tells the
     controller how many of the run's groups it has consumed (trained, skipped or dropped);
-    idempotent (the highest count wins). Answers the run's admission state.
+    idempotent (the latest report wins). Answers the run's admission state.
     """
 
 @_typing.type_check_only
@@ -60,7 +60,7 @@ class ControllerAsyncStub(ControllerStub):
     AdmissionUpdate: _aio.UnaryUnaryMultiCallable[_controller_pb2.AdmissionUpdateRequest, _controller_pb2.AdmissionStatus]  # type: ignore[assignment]
     """The trainer of an admission-controlled run (RunSpec.admission_batch_groups > 0) tells the
     controller how many of the run's groups it has consumed (trained, skipped or dropped);
-    idempotent (the highest count wins). Answers the run's admission state.
+    idempotent (the latest report wins). Answers the run's admission state.
     """
 
 class ControllerServicer(metaclass=_abc_1.ABCMeta):
@@ -110,7 +110,7 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_controller_pb2.AdmissionStatus, _abc.Awaitable[_controller_pb2.AdmissionStatus]]:
         """The trainer of an admission-controlled run (RunSpec.admission_batch_groups > 0) tells the
         controller how many of the run's groups it has consumed (trained, skipped or dropped);
-        idempotent (the highest count wins). Answers the run's admission state.
+        idempotent (the latest report wins). Answers the run's admission state.
         """
 
 def add_ControllerServicer_to_server(servicer: ControllerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
