@@ -9,15 +9,18 @@
 - `train_async` through the real loop against a real store process (no vLLM): `PoolRuns`, a
   test double of the controller, runs the one admission-controlled run in a thread with the
   real `Admission`, each rollout's two calls recorded under the policy version the engines
-  (`RecordingSink`) serve when each call is made — so rollouts span pushes. A crash while
-  pushing, then a new trainer on the same output: nothing trained twice, nothing lost, the
-  bound holds.
+  (`RecordingSink`) serve when each call is made — so rollouts span pushes. A trainer killed
+  (-9) mid-run, then a new one on the same output: nothing trained twice, nothing lost, the
+  bound holds. The kill -9 form: tests/async_trainer_proc.py is the killed trainer.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -199,46 +202,64 @@ def async_trainer(cfg: Any, store: StoreClient, sink: RecordingSink, vocab: int,
     return Trainer(cfg, runs, store, sink, admission=runs), runs
 
 
-def test_async_crash_and_resume_trains_each_group_once_within_the_bound(
-        tmp_path: Path, small_model: Path, store: StoreClient, vocab: int) -> None:  # noqa: F811
-    steps, max_staleness = 5, 1
-    cfg = make_config(tmp_path, "async", small_model, steps,
+def test_async_trainer_killed_and_restarted_trains_each_group_once_within_the_bound(
+        tmp_path: Path, small_model: Path, store: StoreClient, vocab: int,  # noqa: F811
+        store_service: Any) -> None:
+    """kill -9 of an async trainer process mid-run (checkpoint every 2 steps, so groups it took
+    since its last checkpoint come back), then a new trainer on the same output dir: every group
+    that reached the stream is in exactly one step (trained or dropped) or still unacknowledged
+    there; the staleness bound holds throughout; and rollouts that spanned pushes trained."""
+    steps, max_staleness = 6, 1
+    cfg = make_config(tmp_path, "async", small_model, steps, checkpoint_every=2,
                       mode={"kind": "async", "max_staleness": max_staleness, "pool_factor": 3})
-    crashing = RecordingSink(fail_version=4)  # step 4 trains, then its push "crashes"
-    first, runs1 = async_trainer(cfg, store, crashing, vocab, seed=1)
-    with pytest.raises(RuntimeError, match="simulated crash while pushing version 4"):
-        train_async(first)
-    runs1.cancel(first.pool_run_id)
-    assert ckpt.read_state(ckpt.latest_checkpoint(cfg.checkpoints_dir)).step == 3
-    # a new trainer on the same output dir; the engines still serve version 3
-    sink = RecordingSink()
-    sink.version = 3
-    second, runs2 = async_trainer(cfg, store, sink, vocab, seed=2)
+    cfg_file = tmp_path / "cfg.json"
+    cfg_file.write_text(cfg.model_dump_json())
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "async_trainer_proc.py"),
+                             store_service.address, str(cfg_file), "1"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.log", "w"))
+    try:
+        deadline = time.monotonic() + 300
+        while not (cfg.metrics_file.exists()
+                   and len(cfg.metrics_file.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first trainer made no progress"
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    killed_at = len(cfg.metrics_file.read_text().splitlines())
+    assert killed_at < steps, "the first trainer finished before the kill"
+    checkpointed = ckpt.read_state(ckpt.latest_checkpoint(cfg.checkpoints_dir)).step
+    assert checkpointed in (2, 4)
+    # the engines still serve the first trainer's last push; the new trainer pushes its
+    # checkpoint's weights (and version) before anything else
+    second, _ = async_trainer(cfg, store, RecordingSink(), vocab, seed=2)
     train_async(second)
     assert second.state.step == steps
     rows = [json.loads(x) for x in cfg.metrics_file.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert all(r["mode"] == "async" for r in rows)
+    assert all(r["mode"] == "async" and r["groups"] == cfg.tasks_per_step for r in rows)
     for r in rows:
         assert r["staleness_max"] is None or r["staleness_max"] <= max_staleness
-        assert r["groups"] == cfg.tasks_per_step
         assert set(r["staleness_hist"]) <= {str(k) for k in range(max_staleness + 1)}
     st_ = second.state
     assert st_.groups_trained == steps * cfg.tasks_per_step
     assert st_.groups_dropped == sum(r["groups_dropped"] for r in rows)
     assert st_.staleness_max <= max_staleness
-    # nothing trained twice, nothing lost: every group in the store is trained, dropped, or
-    # was still untaken when the run ended (acknowledged by no checkpoint)
-    trained_ids = [g for r in rows for g in r.get("group_ids", [])]
-    assert len(trained_ids) == len(set(trained_ids))
-    assert len(trained_ids) == st_.groups_trained + st_.groups_dropped
-    # every completed group of the run was taken (trained or dropped) or is still in the
-    # stream, unacknowledged: none lost, none taken twice
-    created = {ro.group_id for ro in store.list_rollouts(second.pool_run_id).rollouts}
+    taken = [g for r in rows for g in r["group_ids"]]
+    assert len(taken) == len(set(taken)), "a group was taken twice"
+    assert len(taken) == st_.groups_trained + st_.groups_dropped
+    # nothing lost: every group that completed (reached the stream) was taken, or is still
+    # unacknowledged in the stream; groups the kill cut short never completed
+    by_group: dict[str, list[int]] = {}
+    for ro in store.list_rollouts(second.pool_run_id).rollouts:
+        by_group.setdefault(ro.group_id, []).append(ro.status)
+    completed = {g for g, sts in by_group.items()
+                 if all(x == c.ROLLOUT_STATUS_SUCCEEDED for x in sts)}
     left = {g.group_id for g in store.read_groups(stream=cfg.stream, max_groups=1000,
                                                   include_calls=False).groups}
-    assert not left & set(trained_ids)
-    assert created == left | set(trained_ids)
+    assert not left & set(taken)
+    assert completed == left | set(taken)
     # rollouts spanned pushes: trained samples with calls one version behind
     assert any(r["staleness_hist"].get("1") for r in rows)
 
