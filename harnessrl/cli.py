@@ -175,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--concurrency", type=int, default=8, help="harness runs at once")
     up.add_argument("--steps", type=int, default=None, help="training steps")
     up.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    up.add_argument("--mode", choices=("sync", "async", "collocated"), default="sync",
+                    help="training mode (docs/modes.md)")
     up.add_argument("--output-dir", default=None, help="checkpoints, metrics, reward curve")
     up.set_defaults(fn=cmd_up)
 

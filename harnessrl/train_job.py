@@ -95,6 +95,8 @@ def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
         "--device", "cuda" if stack.cfg.weight_transfer_backend == "nccl" else "cpu")
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
+    if getattr(args, "mode", "sync") != "sync":
+        argv += ["--mode.kind", args.mode]
     if not args.resume and (out / "checkpoints").exists():
         console.print(f"[yellow]{out}/checkpoints exists; starting over (pass --resume to "
                       "continue from it)")

@@ -246,6 +246,12 @@ def test_async_trainer_killed_and_restarted_trains_each_group_once_within_the_bo
     assert st_.groups_trained == steps * cfg.tasks_per_step
     assert st_.groups_dropped == sum(r["groups_dropped"] for r in rows)
     assert st_.staleness_max <= max_staleness
+    status = second.control.snapshot()  # what the gRPC GetStatus answers
+    assert (status.mode, status.groups_trained, status.groups_dropped) == \
+        ("async", st_.groups_trained, st_.groups_dropped)
+    assert dict(status.drop_reasons) == ({"stale": st_.groups_dropped} if st_.groups_dropped
+                                         else {})
+    assert status.recent[-1].staleness_max <= max_staleness
     taken = [g for r in rows for g in r["group_ids"]]
     assert len(taken) == len(set(taken)), "a group was taken twice"
     assert len(taken) == st_.groups_trained + st_.groups_dropped

@@ -255,7 +255,11 @@ class Trainer:
             self.state = ckpt.TrainState(run_prefix=run_prefix)
             log.info("starting from %s", source)
         self.control.update(step=self.state.step, policy_version=self.state.policy_version,
-                            last_checkpoint=str(self.last_checkpoint or ""))
+                            last_checkpoint=str(self.last_checkpoint or ""),
+                            mode=self.cfg.mode.kind, groups_trained=self.state.groups_trained,
+                            groups_dropped=self.state.groups_dropped,
+                            staleness_max=self.state.staleness_max)
+        self.control.set_drop_reasons(self.state.drop_reasons)
         if d.is_main:
             self._attach_stream(run_prefix)
         self.control.set_state("pushing")
@@ -345,7 +349,6 @@ class Trainer:
         """Rank 0: creates (or re-attaches to) the one controller run of async mode, without
         waiting for it; the controller admits its groups as the trainer consumes them."""
         m = self.cfg.mode
-        self.control.update(mode=m.kind)
         if not self.dist.is_main:
             return
         assert self.launcher is not None
