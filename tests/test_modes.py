@@ -29,6 +29,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_checkpoint import RecordingSink, make_config, small_model, store, vocab  # noqa: F401
+from test_gateway import SIGNER, world  # noqa: F401
 
 from harnessrl.clients import StoreClient
 from harnessrl.v1 import common_pb2 as c
@@ -37,9 +39,6 @@ from services.controller.admission import Admission
 from services.trainer import checkpoint as ckpt
 from services.trainer.loop import Trainer, train_async
 from services.trainer.staleness import group_staleness, select_groups
-
-from test_checkpoint import RecordingSink, make_config, small_model, store, vocab  # noqa: F401
-from test_gateway import SIGNER, world  # noqa: F401
 
 
 def _group(gid: str, versions: list[int]) -> c.Group:
@@ -214,9 +213,11 @@ def test_async_trainer_killed_and_restarted_trains_each_group_once_within_the_bo
                       mode={"kind": "async", "max_staleness": max_staleness, "pool_factor": 3})
     cfg_file = tmp_path / "cfg.json"
     cfg_file.write_text(cfg.model_dump_json())
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "async_trainer_proc.py"),
-                             store_service.address, str(cfg_file), "1"],
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "first.log", "w"))
+    with open(tmp_path / "first.log", "w") as err:
+        proc = subprocess.Popen([sys.executable,
+                                 str(Path(__file__).parent / "async_trainer_proc.py"),
+                                 store_service.address, str(cfg_file), "1"],
+                                stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + 300
         while not (cfg.metrics_file.exists()
