@@ -332,3 +332,61 @@ def test_collocated_hold_calls_finish_after_release_on_the_new_version(
         (recorded,) = world.calls(rid)
         assert recorded.policy_version == 7
         assert hold.held(recorded.started_at)
+
+
+def test_collocated_loop_through_the_real_controller_gateway_and_stub_engine(
+        tmp_path: Path, small_model: Path, redis_url: str,  # noqa: F811
+        stub_engine: Any) -> None:
+    """The whole async path with real services: store, gateway (stub engine behind it) and
+    controller as processes, the calc harness as real subprocesses; the trainer's loop in
+    collocated mode with its real clients (ControllerRuns, Gauges reporting admission,
+    GatewayHold), only the engines' weights a test double (the stub's token ids are outside
+    the small model's vocabulary, and every group is zero-variance, so nothing is pushed)."""
+    import uuid
+
+    from harnessrl.clients import ControllerClient, GatewayAdminClient
+    from harnessrl.stack import Stack, StackConfig
+    from services.trainer.config import TrainerConfig
+    from services.trainer.gauges import GatewayHold, Gauges
+    from services.trainer.rollouts import ControllerRuns
+
+    calc = Path(__file__).resolve().parents[1] / "examples" / "calc"
+    scfg = StackConfig(state_dir=tmp_path / "stack", redis_url=redis_url,
+                       key_prefix=f"m{uuid.uuid4().hex[:8]}:", model_dir=None,
+                       external_engines=(stub_engine.base_url,), weight_transfer_backend=None)
+    with Stack(scfg) as stack:
+        cfg = TrainerConfig(
+            model_path=str(small_model), output_dir=str(tmp_path / "out"), steps=3,
+            tasks_per_step=2, group_size=2, concurrency=4, run_name="coll", stream="coll",
+            tasks_file=str(calc / "tasks.jsonl"), served_model_name="tiny",
+            harness_command=[sys.executable, str(calc / "harness.py")],
+            grader_command=[sys.executable, str(calc / "grader.py")],
+            mode={"kind": "collocated", "max_staleness": 1, "gauge_interval_s": 0.2})
+        admin = GatewayAdminClient.connect(stack.gateway_admin_address)
+        controller = ControllerClient.connect(stack.controller_address)
+        store = StoreClient.connect(stack.store_address)
+        gauges = Gauges(GatewayAdminClient.connect(stack.gateway_admin_address), controller,
+                        0.2)
+        hold = GatewayHold(admin, 30)
+        t = Trainer(cfg, ControllerRuns(controller, 300), store, RecordingSink(),
+                    gauges=gauges, hold=hold, admission=gauges)
+        try:
+            train_async(t)
+            status = controller.admission_update(t.pool_run_id, t.state.groups_trained,
+                                                 t.state.policy_version)
+            run = controller.get_run(t.pool_run_id)
+        finally:
+            t.close()
+    rows = [json.loads(x) for x in cfg.metrics_file.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["mode"] == "collocated" and r["groups"] == 2 for r in rows)
+    assert t.state.groups_trained + t.state.groups_dropped == sum(len(r["group_ids"])
+                                                                  for r in rows)
+    assert len(hold.windows) == 3, "one hold per step"
+    assert all(isinstance(r["held_calls"], int) for r in rows)
+    assert any(r["engine_busy_fraction"] is not None for r in rows)
+    # admission: never more than the window beyond what the trainer consumed
+    assert status.groups_admitted <= status.limit
+    assert status.limit == (1 + 1) * 2 + t.state.groups_trained + t.state.groups_dropped
+    assert run.status == c.RUN_STATUS_CANCELLED  # the groups never needed were not run
+    assert run.num_rollouts > run.num_succeeded
