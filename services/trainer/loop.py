@@ -1,5 +1,12 @@
-"""The training loop. `train_sync` is the whole sync mode, top to bottom; `Trainer` holds the
-state and does each part.
+"""The training loop. `train_sync` is the whole sync mode, top to bottom, `train_async` the async
+and collocated modes (docs/modes.md); `Trainer` holds the state and does each part.
+
+One async step s (trainer at version v): the first `tasks_per_step` completed groups of the one
+admission-controlled controller run whose calls are at most `mode.max_staleness` versions old
+(older ones before them dropped, counted, with a reason) -> (collocated: the gateway holds new
+calls) -> samples -> one optimizer step -> push as v+1 -> (collocated: held calls go on) ->
+the controller is told how many groups the trainer consumed -> checkpoint -> metrics. Rollouts
+keep running throughout.
 
 One sync step s (the weights at policy version v = the version pushed after step s-1):
 
@@ -92,7 +99,7 @@ from .rollouts import (
     AdmissionReporter,
     RunLauncher,
     StreamReader,
-    _canonical_order,
+    canonical_order,
     load_tasks,
     pool_spec,
     run_id_for,
@@ -399,7 +406,7 @@ class Trainer:
                                    f"{self.pool_run_id} after {self.cfg.run_timeout_s:.0f}s")
             time.sleep(0.2)
         for g in kept:
-            _canonical_order(g)
+            canonical_order(g)
             s.staleness += [version - min(call_versions(g) or [version])] * len(g.rollouts)
             if self.hold is not None:
                 s.held_calls += sum(1 for r in g.rollouts for call in r.calls

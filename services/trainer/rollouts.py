@@ -179,7 +179,7 @@ class StreamReader:
         order = {t: i for i, t in enumerate(task_order)}
         groups = sorted(got.values(), key=lambda g: (order.get(g.task_id, expected), g.task_id))
         for g in groups:  # canonical order: the same batch, whatever order groups completed in
-            _canonical_order(g)
+            canonical_order(g)
         return groups
 
     def poll(self, run_id: str, known: set[str]) -> list[c.Group]:
@@ -203,7 +203,7 @@ class StreamReader:
         return new
 
 
-def _canonical_order(g: c.Group) -> None:
+def canonical_order(g: c.Group) -> None:
     """Rollouts by index in group."""
     rollouts = sorted(g.rollouts, key=lambda r: r.index_in_group)
     del g.rollouts[:]
