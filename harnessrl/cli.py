@@ -415,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--tasks-per-step", type=int, default=None, help="tasks per training step")
     up.add_argument("--steps", type=int, default=None, help="training steps")
     up.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    up.add_argument("--mode", choices=("sync", "async", "collocated"), default="sync",
+                    help="training mode (docs/modes.md)")
     up.add_argument("--output-dir", default=None, help="checkpoints, metrics, reward curve")
     up.add_argument("--detach", action="store_true", help="leave the stack running in the "
                     "background, supervised; the other verbs find it through --state-dir")

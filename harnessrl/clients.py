@@ -148,6 +148,12 @@ class ControllerClient(_Client[controller_pb2_grpc.ControllerStub]):
     def cancel_run(self, run_id: str) -> c.Run:
         return self.stub.CancelRun(cpb.CancelRunRequest(run_id=run_id), timeout=self.timeout)
 
+    def admission_update(self, run_id: str, groups_consumed: int, policy_version: int
+                         ) -> cpb.AdmissionStatus:
+        return self.stub.AdmissionUpdate(cpb.AdmissionUpdateRequest(
+            run_id=run_id, groups_consumed=groups_consumed, policy_version=policy_version),
+            timeout=self.timeout)
+
     def watch_run(self, run_id: str, timeout: float | None = None) -> Any:
         """Iterator (async iterator on an asyncio channel) of `RunEvent`s until the run ends."""
         return self.stub.WatchRun(cpb.WatchRunRequest(run_id=run_id), timeout=timeout)

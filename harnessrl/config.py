@@ -8,6 +8,10 @@ Each service declares one `ServiceConfig` subclass whose fields carry their docu
 - flags `--field-name VALUE` override everything (`--flag` / `--no-flag` for booleans; lists
   and dicts as JSON).
 
+A field may be a section (a nested pydantic model): in a file it is a mapping, in the
+environment `<ENV_PREFIX><SECTION>__<FIELD>` (where the service sets `env_nested_delimiter`),
+on the command line `--section.field VALUE` (or `--section JSON`).
+
 The resolved config is logged at start-up (`describe()`), secrets masked.
 """
 
@@ -21,6 +25,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Self, get_origin
 
 import yaml
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 _FILE_VALUES: dict[str, Any] = {}
@@ -50,6 +56,29 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return {k.replace("-", "_"): v for k, v in data.items()}
 
 
+def _section(field: FieldInfo) -> type[BaseModel] | None:
+    ann = field.annotation
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def _flat_fields(cls: type[BaseModel]) -> list[tuple[str, FieldInfo]]:
+    """Every field, and every field of a section (a nested model) as `section.field`."""
+    out: list[tuple[str, FieldInfo]] = []
+    for name, field in cls.model_fields.items():
+        out.append((name, field))
+        section = _section(field)
+        if section is not None:
+            out += [(f"{name}.{sub}", f) for sub, f in section.model_fields.items()]
+    return out
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
 class ServiceConfig(BaseSettings):
     """Base of every service's config. Subclasses set `env_prefix` in `model_config`."""
 
@@ -72,9 +101,10 @@ class ServiceConfig(BaseSettings):
     def arg_parser(cls, prog: str | None = None) -> argparse.ArgumentParser:
         parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
         parser.add_argument("--config", help="YAML, TOML or JSON file with config values")
-        for name, field in cls.model_fields.items():
+        for name, field in _flat_fields(cls):
             flag = "--" + name.replace("_", "-")
-            help_text = (field.description or "") + f" (default: {field.default!r})"
+            default = field.default if field.default_factory is None else "(section)"
+            help_text = (field.description or "") + f" (default: {default!r})"
             if field.annotation is bool:
                 parser.add_argument(
                     flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
@@ -87,11 +117,26 @@ class ServiceConfig(BaseSettings):
     @classmethod
     def load(cls, argv: list[str] | None = None, prog: str | None = None) -> Self:
         args = cls.arg_parser(prog).parse_args(argv)
-        values = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
-        for name, value in list(values.items()):
-            ann = cls.model_fields[name].annotation
-            if isinstance(value, str) and get_origin(ann) in (list, dict, tuple):
-                values[name] = json.loads(value)
+        flat = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
+        fields = dict(_flat_fields(cls))
+        values: dict[str, Any] = {}
+        for name, value in flat.items():
+            field = fields[name]
+            if isinstance(value, str) and (get_origin(field.annotation) in (list, dict, tuple)
+                                           or _section(field) is not None):
+                value = _json_or_text(value)
+            head, _, rest = name.partition(".")
+            if rest:  # a section's field: --section.field VALUE
+                section = values.setdefault(head, {})
+                if not isinstance(section, dict):
+                    raise ValueError(f"--{head} and --{name.replace('_', '-')}: give the "
+                                     f"section whole or field by field, not both")
+                section[rest] = value
+            elif head in values:
+                raise ValueError(f"--{head} and --{head}.<field>: give the section whole or "
+                                 f"field by field, not both")
+            else:
+                values[head] = value
         _FILE_VALUES.clear()
         if args.config:
             _FILE_VALUES.update(read_config_file(args.config))

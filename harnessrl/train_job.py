@@ -106,7 +106,7 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
         "--served-model-name", stack.cfg.served_model_name,
         "--bind", f"127.0.0.1:{procs.free_port()}",
         "--ready-file", str(ready), "--resume" if args.resume else "--no-resume",
-        "--push-backend", stack.cfg.weight_transfer_backend or "gloo",
+        "--push.backend", stack.cfg.weight_transfer_backend or "gloo",
         "--device", "cuda" if stack.cfg.weight_transfer_backend == "nccl" else "cpu")
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
@@ -119,6 +119,8 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
     if getattr(args, "tasks_per_step", None):
         argv += ["--tasks-per-step", str(args.tasks_per_step)]
     argv += list(getattr(args, "trainer_flags", None) or ())
+    if getattr(args, "mode", "sync") != "sync":
+        argv += ["--mode.kind", args.mode]
     if not args.resume and (out / "checkpoints").exists():
         console.print(f"[yellow]{out}/checkpoints exists; starting over (pass --resume to "
                       "continue from it)")

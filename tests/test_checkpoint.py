@@ -140,7 +140,7 @@ def make_config(tmp: Path, name: str, model: Path, steps: int, **kw: Any) -> Tra
         model_path=str(model), output_dir=str(tmp / name), steps=steps, seed=3,
         tasks_file=str(tasks), tasks_per_step=TASKS_PER_STEP, group_size=GROUP_SIZE,
         harness_command=["/bin/true"], grader_command=["/bin/true"], stream=f"s-{name}",
-        lr=3e-3, micro_batch_size=5, **kw)
+        optimizer={"lr": 3e-3, "micro_batch_size": 5}, **kw)
 
 
 def trainer(cfg: TrainerConfig, store: StoreClient, sink: RecordingSink, vocab: int,
@@ -298,14 +298,23 @@ def test_checkpoint_loads_in_transformers_keeps_last_k_and_is_atomic(
     assert (state["step"], state["policy_version"]) == (4, 4)
 
 
-def test_step_tasks_are_deterministic_and_config_rejects_later_modes(tmp_path: Path) -> None:
+def test_step_tasks_are_deterministic_and_config_sections(tmp_path: Path) -> None:
     tasks = [{"id": f"t{i}"} for i in range(20)]
     a = step_tasks(tasks, seed=1, step=5, k=4)
     assert a == step_tasks(tasks, seed=1, step=5, k=4)
     assert a != step_tasks(tasks, seed=1, step=6, k=4)
     assert len({t["id"] for t in a}) == 4
-    for mode in ("async", "collocated"):
-        with pytest.raises(ValueError, match="not implemented yet"):
-            TrainerConfig(mode=mode)
+    for mode in ("sync", "async", "collocated"):
+        assert TrainerConfig(mode=mode).mode.kind == mode
     with pytest.raises(ValueError):
         TrainerConfig(mode="bogus")
+    # sections from flags, the environment and a file, flags winning
+    (tmp_path / "t.yaml").write_text("optimizer: {lr: 0.5, beta1: 0.8}\nmode: {max_staleness: 4}\n")
+    cfg = TrainerConfig.load(["--config", str(tmp_path / "t.yaml"), "--optimizer.lr", "0.25",
+                              "--mode.kind", "async", "--no-advantage.filter-zero-variance",
+                              "--push.attempts", "5"])
+    assert (cfg.optimizer.lr, cfg.optimizer.beta1, cfg.mode.kind, cfg.mode.max_staleness,
+            cfg.advantage.filter_zero_variance, cfg.push.attempts) == \
+        (0.25, 0.8, "async", 4, False, 5)
+    with pytest.raises(ValueError):
+        TrainerConfig(loss={"is_cap": 0.5})

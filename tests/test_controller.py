@@ -592,3 +592,34 @@ def test_store_gone_past_the_bound_fails_the_run_loudly(redis_url: str, key_pref
         assert s.store.get_run("outage").status == c.RUN_STATUS_SUCCEEDED
     finally:
         s.stop()
+
+
+def test_admission_starts_groups_only_as_the_trainer_consumes_them(svc: Services) -> None:
+    """RunSpec.admission_*: window (0 + 1) x 1 group; a group starts only when the trainer's
+    AdmissionUpdate has consumed the one before (docs/modes.md)."""
+    tasks = [{"id": f"a{i}", "x": i} for i in range(3)]
+    run = svc.ctl.create_run(svc.spec(tasks, group_size=2, stream="adm-test",
+                                      admission_max_staleness=0, admission_batch_groups=1))
+
+    def status_when(pred: Any, consumed: int) -> cpb.AdmissionStatus:
+        deadline = time.monotonic() + 60
+        while True:
+            st = svc.ctl.admission_update(run.run_id, consumed, consumed)
+            if pred(st) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.2)
+
+    st = status_when(lambda s: s.groups_done == 1, 0)
+    assert (st.groups_admitted, st.groups_done, st.limit, st.groups_waiting) == (1, 1, 1, 2)
+    time.sleep(1.0)  # nothing more starts while the trainer has consumed nothing
+    pending = [ro for ro in svc.store.list_rollouts(run.run_id).rollouts
+               if ro.status == c.ROLLOUT_STATUS_PENDING]
+    assert len(pending) == 4 and svc.ctl.admission_update(run.run_id, 0, 0).groups_admitted == 1
+    st = status_when(lambda s: s.groups_done == 2, 1)
+    assert (st.groups_admitted, st.groups_consumed, st.limit) == (2, 1, 2)
+    st = status_when(lambda s: s.groups_done == 3, 2)
+    done = list(svc.ctl.watch_run(run.run_id, timeout=60))[-1].run
+    assert done.status == c.RUN_STATUS_SUCCEEDED and done.num_succeeded == 6
+    with pytest.raises(grpc.RpcError) as e:
+        svc.ctl.admission_update("no-such-run", 0, 0)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND

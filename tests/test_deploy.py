@@ -153,7 +153,7 @@ def test_gpu_requests_only_in_the_gpu_overlay(manifests) -> None:  # type: ignor
     args = pod_spec(engine)["containers"][0]["args"]  # type: ignore[index]
     assert args[args.index("--weight-transfer-config") + 1] == backend
     trainer_env = env_of(pod_spec(trainer)["containers"][0])  # type: ignore[index]
-    assert trainer_env["HARNESSRL_TRAINER_PUSH_BACKEND"] == backend.split('"')[3]
+    assert trainer_env["HARNESSRL_TRAINER_PUSH__BACKEND"] == backend.split('"')[3]
     mounts = {m["mountPath"] for m in pod_spec(trainer)["containers"][0]["volumeMounts"]}  # type: ignore[index]
     assert {"/checkpoints", "/models"} <= mounts
 
@@ -557,7 +557,7 @@ def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) 
                          env={**os.environ, **trainer_env}, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     trainer = json.loads(out.stdout)
-    assert Path(trainer["tasks_file"]).exists() and trainer["push_backend"] == "gloo"
+    assert Path(trainer["tasks_file"]).exists() and trainer["push"]["backend"] == "gloo"
     try:
         run.up(timeout=600)
         gateway_http = published_port(svcs["gateway"])

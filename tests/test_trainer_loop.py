@@ -53,11 +53,11 @@ def test_two_steps_push_versions_that_later_calls_carry_and_grpc_stop(
         stack: Stack, tmp_path: Path, tiny_model_dir: Path) -> None:
     trainer = start_trainer(stack, tmp_path, tiny_model_dir, "--steps", "6",
                             "--tasks-per-step", "3", "--group-size", "4", "--concurrency", "4",
-                            "--lr", "1e-4", "--run-name", "loop", "--stream", "loop",
+                            "--optimizer.lr", "1e-4", "--run-name", "loop", "--stream", "loop",
                             # every step trains (and pushes) even when all of a group's
                             # rewards are equal: what this test checks does not depend on
                             # how often the tiny model gets a task right
-                            "--no-filter-zero-variance")
+                            "--no-advantage.filter-zero-variance")
     port = trainer.wait_ready(60)["grpc_port"]
     address = f"127.0.0.1:{port}"
     assert health_check(address, "harnessrl.v1.Trainer")
@@ -176,7 +176,7 @@ def test_short_training_run_with_rollouts_as_kubernetes_jobs(
         trainer = start_trainer(stack_like, tmp_path, tiny_model_dir,  # type: ignore[arg-type]
                                 "--steps", "2", "--tasks-per-step", "2", "--group-size", "3",
                                 "--concurrency", "6", "--run-name", "k8s", "--stream", "k8s",
-                                "--no-filter-zero-variance")
+                                "--no-advantage.filter-zero-variance")
         assert trainer.proc.wait(600) == 0, trainer.log_tail(80)
     finally:
         controller.stop()
@@ -208,8 +208,8 @@ def test_two_ranks_train_push_and_answer_as_one_service(
     talks to the stack, the engine gets the sharded model's weights each step. ~2-4 min."""
     trainer = start_trainer(stack, tmp_path, tiny_model_dir, "--nproc", "2", "--steps", "2",
                             "--tasks-per-step", "2", "--group-size", "4", "--concurrency", "4",
-                            "--lr", "1e-4", "--run-name", "loop2", "--stream", "loop2",
-                            "--no-filter-zero-variance")
+                            "--optimizer.lr", "1e-4", "--run-name", "loop2", "--stream", "loop2",
+                            "--no-advantage.filter-zero-variance")
     ready = trainer.wait_ready(300)
     assert ready["pid"] != trainer.proc.pid  # rank 0 serves; the launcher only watches
     client = TrainerClient.connect(f"127.0.0.1:{ready['grpc_port']}", timeout=60)

@@ -483,6 +483,8 @@ class RunSpec(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    ADMISSION_MAX_STALENESS_FIELD_NUMBER: _builtins.int
+    ADMISSION_BATCH_GROUPS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tasks_file: _builtins.str
     """a JSONL file, one JSON object per line ("id" or "task_id" names it)"""
@@ -503,6 +505,13 @@ class RunSpec(_message.Message):
     """model name given to the harness as HARNESSRL_MODEL"""
     backend: _builtins.str
     """job backend: "local", "kubernetes"; "" = the controller's default"""
+    admission_max_staleness: _builtins.int
+    """Admission control (async training, docs/modes.md): when admission_batch_groups > 0 the
+    controller starts a group's rollouts only while groups admitted - groups the trainer has
+    consumed < (admission_max_staleness + 1) x admission_batch_groups; the trainer reports what
+    it consumed with Controller.AdmissionUpdate. 0: no admission control (every group may start).
+    """
+    admission_batch_groups: _builtins.int
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
         """inline tasks; or"""
@@ -545,10 +554,12 @@ class RunSpec(_message.Message):
         model: _builtins.str = ...,
         backend: _builtins.str = ...,
         sampling: Global___SamplingPolicy | None = ...,
+        admission_max_staleness: _builtins.int = ...,
+        admission_batch_groups: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_batch_groups", b"admission_batch_groups", "admission_max_staleness", b"admission_max_staleness", "backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,27 +25,31 @@ _sym_db = _symbol_database.Default()
 from harnessrl.v1 import common_pb2 as harnessrl_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dharnessrl/v1/controller.proto\x12\x0charnessrl.v1\x1a\x19harnessrl/v1/common.proto\"G\n\x10\x43reateRunRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.harnessrl.v1.RunSpec\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"\"\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"?\n\x16ListRunRolloutsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rinclude_calls\x18\x02 \x01(\x08\"B\n\x17ListRunRolloutsResponse\x12\'\n\x08rollouts\x18\x01 \x03(\x0b\x32\x15.harnessrl.v1.Rollout\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xc0\x01\n\x08RunEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.harnessrl.v1.RunEvent.Kind\x12&\n\x07rollout\x18\x02 \x01(\x0b\x32\x15.harnessrl.v1.Rollout\x12\x1e\n\x03run\x18\x03 \x01(\x0b\x32\x11.harnessrl.v1.Run\"A\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cKIND_ROLLOUT\x10\x01\x12\x11\n\rKIND_RUN_DONE\x10\x02\x32\xeb\x02\n\nController\x12>\n\tCreateRun\x12\x1e.harnessrl.v1.CreateRunRequest\x1a\x11.harnessrl.v1.Run\x12\x38\n\x06GetRun\x12\x1b.harnessrl.v1.GetRunRequest\x1a\x11.harnessrl.v1.Run\x12^\n\x0fListRunRollouts\x12$.harnessrl.v1.ListRunRolloutsRequest\x1a%.harnessrl.v1.ListRunRolloutsResponse\x12>\n\tCancelRun\x12\x1e.harnessrl.v1.CancelRunRequest\x1a\x11.harnessrl.v1.Run\x12\x43\n\x08WatchRun\x12\x1d.harnessrl.v1.WatchRunRequest\x1a\x16.harnessrl.v1.RunEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dharnessrl/v1/controller.proto\x12\x0charnessrl.v1\x1a\x19harnessrl/v1/common.proto\"Y\n\x16\x41\x64missionUpdateRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0fgroups_consumed\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"\xa7\x01\n\x0f\x41\x64missionStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x17\n\x0fgroups_admitted\x18\x02 \x01(\x03\x12\x13\n\x0bgroups_done\x18\x03 \x01(\x03\x12\x17\n\x0fgroups_consumed\x18\x04 \x01(\x03\x12\r\n\x05limit\x18\x05 \x01(\x03\x12\x16\n\x0egroups_waiting\x18\x06 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x07 \x01(\x03\"G\n\x10\x43reateRunRequest\x12#\n\x04spec\x18\x01 \x01(\x0b\x32\x15.harnessrl.v1.RunSpec\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"\"\n\x10\x43\x61ncelRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"?\n\x16ListRunRolloutsRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x15\n\rinclude_calls\x18\x02 \x01(\x08\"B\n\x17ListRunRolloutsResponse\x12\'\n\x08rollouts\x18\x01 \x03(\x0b\x32\x15.harnessrl.v1.Rollout\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\xc0\x01\n\x08RunEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.harnessrl.v1.RunEvent.Kind\x12&\n\x07rollout\x18\x02 \x01(\x0b\x32\x15.harnessrl.v1.Rollout\x12\x1e\n\x03run\x18\x03 \x01(\x0b\x32\x11.harnessrl.v1.Run\"A\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x10\n\x0cKIND_ROLLOUT\x10\x01\x12\x11\n\rKIND_RUN_DONE\x10\x02\x32\xc3\x03\n\nController\x12>\n\tCreateRun\x12\x1e.harnessrl.v1.CreateRunRequest\x1a\x11.harnessrl.v1.Run\x12\x38\n\x06GetRun\x12\x1b.harnessrl.v1.GetRunRequest\x1a\x11.harnessrl.v1.Run\x12^\n\x0fListRunRollouts\x12$.harnessrl.v1.ListRunRolloutsRequest\x1a%.harnessrl.v1.ListRunRolloutsResponse\x12>\n\tCancelRun\x12\x1e.harnessrl.v1.CancelRunRequest\x1a\x11.harnessrl.v1.Run\x12\x43\n\x08WatchRun\x12\x1d.harnessrl.v1.WatchRunRequest\x1a\x16.harnessrl.v1.RunEvent0\x01\x12V\n\x0f\x41\x64missionUpdate\x12$.harnessrl.v1.AdmissionUpdateRequest\x1a\x1d.harnessrl.v1.AdmissionStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'harnessrl.v1.controller_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CREATERUNREQUEST']._serialized_start=74
-  _globals['_CREATERUNREQUEST']._serialized_end=145
-  _globals['_CANCELRUNREQUEST']._serialized_start=147
-  _globals['_CANCELRUNREQUEST']._serialized_end=181
-  _globals['_LISTRUNROLLOUTSREQUEST']._serialized_start=183
-  _globals['_LISTRUNROLLOUTSREQUEST']._serialized_end=246
-  _globals['_LISTRUNROLLOUTSRESPONSE']._serialized_start=248
-  _globals['_LISTRUNROLLOUTSRESPONSE']._serialized_end=314
-  _globals['_WATCHRUNREQUEST']._serialized_start=316
-  _globals['_WATCHRUNREQUEST']._serialized_end=349
-  _globals['_RUNEVENT']._serialized_start=352
-  _globals['_RUNEVENT']._serialized_end=544
-  _globals['_RUNEVENT_KIND']._serialized_start=479
-  _globals['_RUNEVENT_KIND']._serialized_end=544
-  _globals['_CONTROLLER']._serialized_start=547
-  _globals['_CONTROLLER']._serialized_end=910
+  _globals['_ADMISSIONUPDATEREQUEST']._serialized_start=74
+  _globals['_ADMISSIONUPDATEREQUEST']._serialized_end=163
+  _globals['_ADMISSIONSTATUS']._serialized_start=166
+  _globals['_ADMISSIONSTATUS']._serialized_end=333
+  _globals['_CREATERUNREQUEST']._serialized_start=335
+  _globals['_CREATERUNREQUEST']._serialized_end=406
+  _globals['_CANCELRUNREQUEST']._serialized_start=408
+  _globals['_CANCELRUNREQUEST']._serialized_end=442
+  _globals['_LISTRUNROLLOUTSREQUEST']._serialized_start=444
+  _globals['_LISTRUNROLLOUTSREQUEST']._serialized_end=507
+  _globals['_LISTRUNROLLOUTSRESPONSE']._serialized_start=509
+  _globals['_LISTRUNROLLOUTSRESPONSE']._serialized_end=575
+  _globals['_WATCHRUNREQUEST']._serialized_start=577
+  _globals['_WATCHRUNREQUEST']._serialized_end=610
+  _globals['_RUNEVENT']._serialized_start=613
+  _globals['_RUNEVENT']._serialized_end=805
+  _globals['_RUNEVENT_KIND']._serialized_start=740
+  _globals['_RUNEVENT_KIND']._serialized_end=805
+  _globals['_CONTROLLER']._serialized_start=808
+  _globals['_CONTROLLER']._serialized_end=1259
 # @@protoc_insertion_point(module_scope)

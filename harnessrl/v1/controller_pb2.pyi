@@ -21,6 +21,74 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class AdmissionUpdateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    GROUPS_CONSUMED_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    groups_consumed: _builtins.int
+    policy_version: _builtins.int
+    """the trainer's, for the record"""
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        groups_consumed: _builtins.int = ...,
+        policy_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups_consumed", b"groups_consumed", "policy_version", b"policy_version", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmissionUpdateRequest: _TypeAlias = AdmissionUpdateRequest  # noqa: Y015
+
+@_typing.final
+class AdmissionStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    GROUPS_ADMITTED_FIELD_NUMBER: _builtins.int
+    GROUPS_DONE_FIELD_NUMBER: _builtins.int
+    GROUPS_CONSUMED_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    GROUPS_WAITING_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    groups_admitted: _builtins.int
+    """groups whose rollouts were allowed to start"""
+    groups_done: _builtins.int
+    """admitted groups whose every rollout ended"""
+    groups_consumed: _builtins.int
+    """as the trainer last reported"""
+    limit: _builtins.int
+    """groups_admitted may grow to this: window + groups_consumed"""
+    groups_waiting: _builtins.int
+    """groups not admitted yet"""
+    policy_version: _builtins.int
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        groups_admitted: _builtins.int = ...,
+        groups_done: _builtins.int = ...,
+        groups_consumed: _builtins.int = ...,
+        limit: _builtins.int = ...,
+        groups_waiting: _builtins.int = ...,
+        policy_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups_admitted", b"groups_admitted", "groups_consumed", b"groups_consumed", "groups_done", b"groups_done", "groups_waiting", b"groups_waiting", "limit", b"limit", "policy_version", b"policy_version", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmissionStatus: _TypeAlias = AdmissionStatus  # noqa: Y015
+
+@_typing.final
 class CreateRunRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -60,6 +60,11 @@ class ControllerStub:
                 request_serializer=harnessrl_dot_v1_dot_controller__pb2.WatchRunRequest.SerializeToString,
                 response_deserializer=harnessrl_dot_v1_dot_controller__pb2.RunEvent.FromString,
                 _registered_method=True)
+        self.AdmissionUpdate = channel.unary_unary(
+                '/harnessrl.v1.Controller/AdmissionUpdate',
+                request_serializer=harnessrl_dot_v1_dot_controller__pb2.AdmissionUpdateRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_controller__pb2.AdmissionStatus.FromString,
+                _registered_method=True)
 
 
 class ControllerServicer:
@@ -97,6 +102,15 @@ class ControllerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdmissionUpdate(self, request, context):
+        """The trainer of an admission-controlled run (RunSpec.admission_batch_groups > 0) tells the
+        controller how many of the run's groups it has consumed (trained, skipped or dropped);
+        idempotent (the latest report wins). Answers the run's admission state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControllerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +138,11 @@ def add_ControllerServicer_to_server(servicer, server):
                     servicer.WatchRun,
                     request_deserializer=harnessrl_dot_v1_dot_controller__pb2.WatchRunRequest.FromString,
                     response_serializer=harnessrl_dot_v1_dot_controller__pb2.RunEvent.SerializeToString,
+            ),
+            'AdmissionUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdmissionUpdate,
+                    request_deserializer=harnessrl_dot_v1_dot_controller__pb2.AdmissionUpdateRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_controller__pb2.AdmissionStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +280,33 @@ class Controller:
             '/harnessrl.v1.Controller/WatchRun',
             harnessrl_dot_v1_dot_controller__pb2.WatchRunRequest.SerializeToString,
             harnessrl_dot_v1_dot_controller__pb2.RunEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmissionUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Controller/AdmissionUpdate',
+            harnessrl_dot_v1_dot_controller__pb2.AdmissionUpdateRequest.SerializeToString,
+            harnessrl_dot_v1_dot_controller__pb2.AdmissionStatus.FromString,
             options,
             channel_credentials,
             insecure,

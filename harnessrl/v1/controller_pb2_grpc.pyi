@@ -40,6 +40,11 @@ class ControllerStub:
     """Streams the run's rollout events until the run ends; the first events replay every
     rollout's current state.
     """
+    AdmissionUpdate: _grpc.UnaryUnaryMultiCallable[_controller_pb2.AdmissionUpdateRequest, _controller_pb2.AdmissionStatus]
+    """The trainer of an admission-controlled run (RunSpec.admission_batch_groups > 0) tells the
+    controller how many of the run's groups it has consumed (trained, skipped or dropped);
+    idempotent (the latest report wins). Answers the run's admission state.
+    """
 
 @_typing.type_check_only
 class ControllerAsyncStub(ControllerStub):
@@ -51,6 +56,11 @@ class ControllerAsyncStub(ControllerStub):
     WatchRun: _aio.UnaryStreamMultiCallable[_controller_pb2.WatchRunRequest, _controller_pb2.RunEvent]  # type: ignore[assignment]
     """Streams the run's rollout events until the run ends; the first events replay every
     rollout's current state.
+    """
+    AdmissionUpdate: _aio.UnaryUnaryMultiCallable[_controller_pb2.AdmissionUpdateRequest, _controller_pb2.AdmissionStatus]  # type: ignore[assignment]
+    """The trainer of an admission-controlled run (RunSpec.admission_batch_groups > 0) tells the
+    controller how many of the run's groups it has consumed (trained, skipped or dropped);
+    idempotent (the latest report wins). Answers the run's admission state.
     """
 
 class ControllerServicer(metaclass=_abc_1.ABCMeta):
@@ -90,6 +100,17 @@ class ControllerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_controller_pb2.RunEvent], _abc.AsyncIterator[_controller_pb2.RunEvent]]:
         """Streams the run's rollout events until the run ends; the first events replay every
         rollout's current state.
+        """
+
+    @_abc_1.abstractmethod
+    def AdmissionUpdate(
+        self,
+        request: _controller_pb2.AdmissionUpdateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_controller_pb2.AdmissionStatus, _abc.Awaitable[_controller_pb2.AdmissionStatus]]:
+        """The trainer of an admission-controlled run (RunSpec.admission_batch_groups > 0) tells the
+        controller how many of the run's groups it has consumed (trained, skipped or dropped);
+        idempotent (the latest report wins). Answers the run's admission state.
         """
 
 def add_ControllerServicer_to_server(servicer: ControllerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

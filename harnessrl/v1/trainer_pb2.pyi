@@ -34,6 +34,13 @@ class StepMetrics(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
     GRAD_NORM_FIELD_NUMBER: _builtins.int
+    GROUPS_DROPPED_FIELD_NUMBER: _builtins.int
+    STALENESS_MEAN_FIELD_NUMBER: _builtins.int
+    STALENESS_MAX_FIELD_NUMBER: _builtins.int
+    GROUPS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    ENGINE_BUSY_FRACTION_FIELD_NUMBER: _builtins.int
+    TRAINER_BUSY_FRACTION_FIELD_NUMBER: _builtins.int
+    HELD_CALLS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     policy_version: _builtins.int
     reward_mean: _builtins.float
@@ -47,6 +54,21 @@ class StepMetrics(_message.Message):
     step_time_s: _builtins.float
     groups: _builtins.int
     grad_norm: _builtins.float
+    groups_dropped: _builtins.int
+    """async/collocated (docs/modes.md)
+    taken off the stream and not trained: too stale
+    """
+    staleness_mean: _builtins.float
+    """over the step's trained samples: trainer version - call version"""
+    staleness_max: _builtins.int
+    groups_in_flight: _builtins.int
+    """admitted by the controller, not done (at the step's end)"""
+    engine_busy_fraction: _builtins.float
+    """of the step's wall time, an engine had a call in flight"""
+    trainer_busy_fraction: _builtins.float
+    """of the step's wall time, training or pushing"""
+    held_calls: _builtins.int
+    """calls of the step's groups the gateway held during a pause"""
     def __init__(
         self,
         *,
@@ -62,10 +84,17 @@ class StepMetrics(_message.Message):
         step_time_s: _builtins.float = ...,
         groups: _builtins.int = ...,
         grad_norm: _builtins.float = ...,
+        groups_dropped: _builtins.int = ...,
+        staleness_mean: _builtins.float = ...,
+        staleness_max: _builtins.int = ...,
+        groups_in_flight: _builtins.int = ...,
+        engine_busy_fraction: _builtins.float = ...,
+        trainer_busy_fraction: _builtins.float = ...,
+        held_calls: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_fraction", b"clip_fraction", "entropy", b"entropy", "grad_norm", b"grad_norm", "groups", b"groups", "kl", b"kl", "loss", b"loss", "policy_version", b"policy_version", "reward_mean", b"reward_mean", "reward_std", b"reward_std", "step", b"step", "step_time_s", b"step_time_s", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_fraction", b"clip_fraction", "engine_busy_fraction", b"engine_busy_fraction", "entropy", b"entropy", "grad_norm", b"grad_norm", "groups", b"groups", "groups_dropped", b"groups_dropped", "groups_in_flight", b"groups_in_flight", "held_calls", b"held_calls", "kl", b"kl", "loss", b"loss", "policy_version", b"policy_version", "reward_mean", b"reward_mean", "reward_std", b"reward_std", "staleness_max", b"staleness_max", "staleness_mean", b"staleness_mean", "step", b"step", "step_time_s", b"step_time_s", "tokens", b"tokens", "trainer_busy_fraction", b"trainer_busy_fraction"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -75,21 +104,61 @@ Global___StepMetrics: _TypeAlias = StepMetrics  # noqa: Y015
 class TrainerStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class DropReasonsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     STATE_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     POLICY_VERSION_FIELD_NUMBER: _builtins.int
     LAST_CHECKPOINT_FIELD_NUMBER: _builtins.int
     RECENT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    GROUPS_TRAINED_FIELD_NUMBER: _builtins.int
+    GROUPS_DROPPED_FIELD_NUMBER: _builtins.int
+    DROP_REASONS_FIELD_NUMBER: _builtins.int
+    GROUPS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    GROUPS_ADMITTED_FIELD_NUMBER: _builtins.int
+    STALENESS_MAX_FIELD_NUMBER: _builtins.int
     state: _builtins.str
     """"starting", "generating", "training", "pushing", "checkpointing", "stopped" """
     step: _builtins.int
     policy_version: _builtins.int
     last_checkpoint: _builtins.str
     error: _builtins.str
+    mode: _builtins.str
+    """Nothing lost silently: groups in = groups_trained + groups_dropped (+ not yet taken)."""
+    groups_trained: _builtins.int
+    """taken by a step (with samples or skipped as zero-variance)"""
+    groups_dropped: _builtins.int
+    groups_in_flight: _builtins.int
+    groups_admitted: _builtins.int
+    staleness_max: _builtins.int
+    """over every trained sample so far"""
     @_builtins.property
     def recent(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepMetrics]:
         """last steps, oldest first"""
+
+    @_builtins.property
+    def drop_reasons(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """reason -> groups"""
 
     def __init__(
         self,
@@ -100,10 +169,17 @@ class TrainerStatus(_message.Message):
         last_checkpoint: _builtins.str = ...,
         recent: _abc.Iterable[Global___StepMetrics] | None = ...,
         error: _builtins.str = ...,
+        mode: _builtins.str = ...,
+        groups_trained: _builtins.int = ...,
+        groups_dropped: _builtins.int = ...,
+        drop_reasons: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        groups_in_flight: _builtins.int = ...,
+        groups_admitted: _builtins.int = ...,
+        staleness_max: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "last_checkpoint", b"last_checkpoint", "policy_version", b"policy_version", "recent", b"recent", "state", b"state", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drop_reasons", b"drop_reasons", "error", b"error", "groups_admitted", b"groups_admitted", "groups_dropped", b"groups_dropped", "groups_in_flight", b"groups_in_flight", "groups_trained", b"groups_trained", "last_checkpoint", b"last_checkpoint", "mode", b"mode", "policy_version", b"policy_version", "recent", b"recent", "staleness_max", b"staleness_max", "state", b"state", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -30,7 +30,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from harnessrl.errors import HarnessRLError
 from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as spb
 from services.controller import grading, metrics
+from services.controller.admission import Admission
 from services.controller.backends import GraderStep, JobBackend, JobResult, JobSpec
 from services.controller.config import ControllerConfig
 from services.controller.run_spec import task_env
@@ -71,6 +72,20 @@ def _short_hash(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
+def _started_and_done_groups(rollouts: "Iterable[c.Rollout]") -> tuple[set[str], set[str]]:
+    """Groups with a rollout past PENDING, and groups whose every rollout ended."""
+    started: set[str] = set()
+    open_groups: set[str] = set()
+    seen: set[str] = set()
+    for ro in rollouts:
+        seen.add(ro.group_id)
+        if ro.status != c.ROLLOUT_STATUS_PENDING:
+            started.add(ro.group_id)
+        if ro.status not in TERMINAL:
+            open_groups.add(ro.group_id)
+    return started, (seen - open_groups) & started
+
+
 def _safe_name(text: str) -> str:
     """A file/job-name-safe form of `text`, unique per text."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", text)[:80]
@@ -96,6 +111,9 @@ class RunExecution:
         self._run_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._extra = {"run": run.run_id}
+        self.admission = Admission(run.run_id, self.spec.admission_max_staleness,
+                                   self.spec.admission_batch_groups) \
+            if self.spec.admission_batch_groups > 0 else None
 
     # -- the run's rollouts and its record ---------------------------------------------------
     def _planned(self) -> list[c.Rollout]:
@@ -159,6 +177,9 @@ class RunExecution:
         metrics.rollout_state_changed(old.status if old is not None else None, ro.status)
         self.rollouts[ro.rollout_id] = ro
         self._publish(cpb.RunEvent(kind=cpb.RunEvent.KIND_ROLLOUT, rollout=ro))
+        if ro.status in TERMINAL and self.admission is not None and all(
+                r.status in TERMINAL for r in self.rollouts.values() if r.group_id == ro.group_id):
+            self.admission.group_done(ro.group_id)
         if ro.status in TERMINAL:
             run = self.snapshot()
             done = run.num_succeeded + run.num_failed + run.num_cancelled
@@ -184,6 +205,8 @@ class RunExecution:
                 if ro.rollout_id in self.rollouts:
                     metrics.rollout_state_changed(self.rollouts[ro.rollout_id].status, ro.status)
                     self.rollouts[ro.rollout_id] = ro
+            if self.admission is not None:
+                self.admission.restore(*_started_and_done_groups(self.rollouts.values()))
             await self._save_run()
             # Attempts a dead controller left running go first: their jobs may be running.
             todo = sorted((rid for rid, ro in self.rollouts.items() if ro.status not in TERMINAL),
@@ -251,9 +274,24 @@ class RunExecution:
             sem.release()
         return False
 
+    async def _admitted(self, rid: str) -> bool:
+        """Waits until the rollout's group is admitted (`admission`); False when the run is
+        cancelled first."""
+        if self.admission is None:
+            return True
+        admit = asyncio.ensure_future(self.admission.admit(self.rollouts[rid].group_id))
+        cancel = asyncio.ensure_future(self._cancel_ev.wait())
+        try:
+            await asyncio.wait({admit, cancel}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancel.cancel()
+            if not admit.done():
+                admit.cancel()
+        return admit.done() and not admit.cancelled() and not self.cancelled
+
     async def _rollout(self, rid: str) -> None:
         try:
-            if not await self._acquire(self._run_slots):
+            if not await self._admitted(rid) or not await self._acquire(self._run_slots):
                 await self._cancel_in_store(rid)
                 return
             try:

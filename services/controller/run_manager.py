@@ -169,6 +169,17 @@ class RunManager:
         run.num_running = 0
         return await store.put_run(run, retry_s=retry)
 
+    async def admission_update(self, req: cpb.AdmissionUpdateRequest) -> cpb.AdmissionStatus:
+        ex = self.executions.get(req.run_id)
+        if ex is None:
+            raise NotFound(f"run {req.run_id} is not executing in this controller")
+        if ex.admission is None:
+            raise FailedPrecondition(f"run {req.run_id} has no admission control "
+                                     f"(RunSpec.admission_batch_groups is 0)")
+        if req.groups_consumed < 0:
+            raise InvalidArgument("groups_consumed must be >= 0")
+        return ex.admission.update(req.groups_consumed, req.policy_version)
+
     async def watch(self, run_id: str) -> AsyncIterator[cpb.RunEvent]:
         ex = self.executions.get(run_id)
         if ex is not None:

@@ -38,6 +38,8 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
     `InvalidArgument` says what is wrong."""
     s = c.RunSpec()
     s.CopyFrom(spec)
+    if s.admission_max_staleness < 0 or s.admission_batch_groups < 0:
+        raise InvalidArgument("admission_max_staleness and admission_batch_groups must be >= 0")
     if s.group_size < 0 or s.concurrency < 0 or s.max_attempts < 0:
         raise InvalidArgument("group_size, concurrency and max_attempts must be >= 1 "
                               "(0 takes the default)")

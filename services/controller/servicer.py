@@ -32,6 +32,10 @@ class ControllerServicer(controller_pb2_grpc.ControllerServicer):
                         context: grpc.aio.ServicerContext) -> c.Run:
         return await self.runs.cancel(request.run_id)
 
+    async def AdmissionUpdate(self, request: cpb.AdmissionUpdateRequest,
+                              context: grpc.aio.ServicerContext) -> cpb.AdmissionStatus:
+        return await self.runs.admission_update(request)
+
     async def WatchRun(self, request: cpb.WatchRunRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[cpb.RunEvent]:
         async for event in self.runs.watch(request.run_id):

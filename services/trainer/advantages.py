@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Estimator(StrEnum):
@@ -29,26 +30,21 @@ class Estimator(StrEnum):
     RLOO = "rloo"
 
 
-@dataclass(frozen=True)
-class AdvantageConfig:
+class AdvantageConfig(BaseModel):
     """How a group's rewards become advantages, and which groups are kept."""
 
-    estimator: Estimator = Estimator.GRPO
-    """Which estimator: ``grpo``, ``dr_grpo`` or ``rloo`` (see the module docstring)."""
-    eps: float = 1e-6
-    """Added to the standard deviation in ``grpo`` (A = (r - mean) / (std + eps))."""
-    filter_zero_variance: bool = True
-    """Drop groups whose rewards are all equal (they give zero advantage everywhere)."""
-    min_rollouts: int = 2
-    """Drop a group with fewer usable (succeeded, rewarded) rollouts than this; at least 2,
-    since a baseline needs another rollout to compare with."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "estimator", Estimator(self.estimator))
-        if self.eps < 0:
-            raise ValueError(f"eps must be >= 0, got {self.eps}")
-        if self.min_rollouts < 2:
-            raise ValueError(f"min_rollouts must be >= 2, got {self.min_rollouts}")
+    estimator: Estimator = Field(Estimator.GRPO, description="advantage estimator: grpo, "
+                                                             "dr_grpo or rloo (see advantages.py)")
+    eps: float = Field(1e-6, ge=0, description="added to the standard deviation in grpo "
+                                               "(A = (r - mean) / (std + eps))")
+    filter_zero_variance: bool = Field(True, description="skip groups whose rewards are all "
+                                                         "equal (zero advantage everywhere, "
+                                                         "no learning signal)")
+    min_rollouts: int = Field(2, ge=2, description="skip a group with fewer usable (succeeded, "
+                                                   "rewarded) rollouts than this; at least 2, "
+                                                   "a baseline needs another rollout")
 
 
 def is_zero_variance(rewards: Sequence[float]) -> bool:

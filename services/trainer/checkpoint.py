@@ -83,6 +83,13 @@ class TrainState:
     """Stream entry ids trained on since the previous checkpoint, not yet acknowledged."""
     run_prefix: str = ""
     """Prefix of the controller run ids of this training run."""
+    groups_trained: int = 0
+    """Groups taken by the steps so far (trained, or skipped as zero-variance / too few)."""
+    groups_dropped: int = 0
+    """Groups taken off the stream and not trained (async: too stale), by reason below."""
+    drop_reasons: dict[str, int] = field(default_factory=dict)
+    staleness_max: int = 0
+    """Largest staleness (trainer version - call version) of any trained sample."""
 
 
 def step_dir_name(step: int) -> str:
@@ -259,7 +266,12 @@ def read_state(path: str | Path) -> TrainState:
     data = json.loads((Path(path) / STATE_FILE).read_text())
     return TrainState(step=int(data["step"]), policy_version=int(data["policy_version"]),
                       consumed_entries=list(data["consumed_entries"]),
-                      run_prefix=str(data.get("run_prefix", "")))
+                      run_prefix=str(data.get("run_prefix", "")),
+                      groups_trained=int(data.get("groups_trained", 0)),
+                      groups_dropped=int(data.get("groups_dropped", 0)),
+                      drop_reasons={str(k): int(v)
+                                    for k, v in data.get("drop_reasons", {}).items()},
+                      staleness_max=int(data.get("staleness_max", 0)))
 
 
 def load_trainer_state(path: str | Path, optimizer: torch.optim.Optimizer,

@@ -14,30 +14,105 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from harnessrl.config import ServiceConfig
 from harnessrl.metrics import METRICS_BIND_HELP
 from harnessrl.weight_transfer import PushConfig
 
-from .advantages import AdvantageConfig, Estimator
-from .loss import LossConfig, Normalization
+from .advantages import AdvantageConfig
+from .loss import LossConfig
 from .step import StepConfig
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "calc"
-MODES_LATER = ("async", "collocated")
+
+
+class OptimizerConfig(BaseModel):
+    """AdamW and how one optimizer step is cut into forward/backward passes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(6e-4, gt=0, description="AdamW learning rate (constant). 6e-4 is tuned "
+                                               "for the tiny model on the calc example (2e-3 "
+                                               "broke its tool-call format within 6 steps); "
+                                               "a real LLM wants ~1e-6")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
+    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (total L2 norm)")
+    micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward pass "
+                                                       "(gradients accumulate over them)")
+    micro_batch_max_tokens: int | None = Field(None, ge=1, description="most padded tokens "
+                                                                       "per micro-batch")
+
+
+class PushSection(PushConfig):
+    """The weight push into the engines (transport settings, then retries)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bucket_mb: float = Field(128.0, gt=0, description="weights travel in buckets of at most "
+                                                      "this many MiB")
+    attempts: int = Field(
+        3, ge=1, description="tries of one version's push; engines that failed stay MARKED "
+                             "(no traffic) in between, and the trainer stops with the error "
+                             "when every try failed")
+    retry_delay_s: float = Field(2.0, ge=0, description="pause between push tries")
+
+
+class ModeConfig(BaseModel):
+    """Which training mode, and its settings (see docs/modes.md). A plain string ("async")
+    sets `kind` alone: `--mode async`, `HARNESSRL_TRAINER_MODE__KIND=async`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["sync", "async", "collocated"] = Field(
+        "sync", description="sync: generate a batch, train, push, repeat; async: rollouts "
+                            "keep running while the trainer trains and pushes, staleness "
+                            "bounded; collocated: async, but the engine is paused (calls "
+                            "held at the gateway) while the trainer steps and pushes")
+    max_staleness: int = Field(
+        1, ge=0, description="async/collocated: a call served by policy version v is trained "
+                             "on by the step that updates version s only if s - v <= this; "
+                             "an older call drops its whole group (counted, with a reason). "
+                             "The controller admits groups so that in flight + done-but-"
+                             "untrained <= (max_staleness + 1) x tasks_per_step")
+    pool_factor: float = Field(
+        2.0, ge=1, description="async/collocated: the one controller run holds "
+                               "pool_factor x steps x tasks_per_step tasks (+ the admission "
+                               "window): spares for dropped groups; never-admitted ones are "
+                               "cancelled at the end")
+    version_check: Literal["fail", "warn"] = Field(
+        "fail", description="sync: when a call of step s was served by another policy version "
+                            "than the one pushed after step s-1: 'fail' stops the trainer, "
+                            "'warn' logs and trains on it (the loss corrects off-policy)")
+    gauge_interval_s: float = Field(
+        0.5, gt=0, description="how often the trainer samples the gateway's engines (busy, "
+                               "held calls) and the controller's admission (groups in flight) "
+                               "for the over-time metrics")
+    hold_drain_timeout_s: float = Field(
+        120.0, gt=0, description="collocated: how long the pause before a step waits for "
+                                 "calls already at the engine to finish")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, value: Any) -> Any:
+        return {"kind": value} if isinstance(value, str) else value
 
 
 class TrainerConfig(ServiceConfig):
     """harnessrl trainer: learns from recorded groups, pushes weights into the engines."""
 
-    model_config = SettingsConfigDict(env_prefix="HARNESSRL_TRAINER_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="HARNESSRL_TRAINER_", extra="forbid",
+                                      env_nested_delimiter="__")
 
     # -- what to train -----------------------------------------------------------------------
-    mode: Literal["sync", "async", "collocated"] = Field(
-        "sync", description="training mode; only 'sync' (generate a batch, train, push, "
-                            "repeat) exists so far — 'async' and 'collocated' are rejected")
+    mode: ModeConfig = Field(default_factory=ModeConfig,
+                             description="training mode and its settings (ModeConfig)")
     model_path: str = Field(
         "", description="local Hugging Face model folder to start from (config, safetensors, "
                         "tokenizer); ignored when a checkpoint in output_dir is resumed. "
@@ -111,36 +186,11 @@ class TrainerConfig(ServiceConfig):
                                                            "before the trainer gives up")
 
     # -- the learning algorithm --------------------------------------------------------------
-    advantage: Estimator = Field(Estimator.GRPO, description="advantage estimator: grpo, "
-                                                             "dr_grpo or rloo")
-    filter_zero_variance: bool = Field(True, description="skip groups whose rewards are all "
-                                                         "equal (no learning signal)")
-    clip_low: float = Field(0.2, ge=0, lt=1, description="PPO clip eps_low")
-    clip_high: float = Field(0.28, ge=0, description="PPO clip eps_high (clip-higher)")
-    is_cap: float = Field(2.0, ge=1, description="truncated importance-sampling cap C on "
-                                                  "pi/mu")
-    normalization: Normalization = Field(Normalization.TOKEN_MEAN,
-                                         description="loss normalisation: token_mean, "
-                                                     "seq_mean or rollout_mean")
-    max_sample_len: int | None = Field(None, ge=2, description="longest training sample in "
-                                                               "tokens (None: no limit)")
-    lr: float = Field(6e-4, gt=0, description="AdamW learning rate (constant). 6e-4 is tuned "
-                                               "for the tiny model on the calc example (2e-3 "
-                                               "broke its tool-call format within 6 steps); "
-                                               "a real LLM wants ~1e-6")
-    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1")
-    beta2: float = Field(0.999, ge=0, lt=1, description="AdamW beta2")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
-    max_grad_norm: float = Field(1.0, gt=0, description="gradient clipping (total L2 norm)")
-    micro_batch_size: int = Field(8, ge=1, description="samples per forward/backward pass "
-                                                       "(gradients accumulate over them)")
-    micro_batch_max_tokens: int | None = Field(None, ge=1, description="most padded tokens "
-                                                                       "per micro-batch")
-    version_check: Literal["fail", "warn"] = Field(
-        "fail", description="when a call of step s was served by another policy version "
-                            "than the one pushed after step s-1: 'fail' stops the trainer, "
-                            "'warn' logs and trains on it (the loss corrects off-policy)")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig,
+                                       description="advantages and which groups are kept")
+    loss: LossConfig = Field(default_factory=LossConfig, description="the policy loss")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig,
+                                       description="AdamW and micro-batching")
 
     # -- services ----------------------------------------------------------------------------
     store_address: str = Field("127.0.0.1:50051", description="host:port of the store")
@@ -165,22 +215,8 @@ class TrainerConfig(ServiceConfig):
                                            "there is one")
 
     # -- weight push -------------------------------------------------------------------------
-    push_backend: str = Field("gloo", description="weight transport: 'gloo' (CPU, our vLLM "
-                              "plugin) or 'nccl' (GPU); must match the engines' "
-                              "--weight-transfer-config backend")
-    push_master_address: str = Field("127.0.0.1", description="address of this trainer that "
-                                     "the engines' workers connect to for the weight group")
-    push_bucket_mb: float = Field(128.0, gt=0, description="weights travel in buckets of at "
-                                                           "most this many MiB")
-    push_http_timeout_s: float = Field(60.0, gt=0, description="timeout of each control "
-                                                               "request of a push")
-    push_transfer_timeout_s: float = Field(600.0, gt=0, description="timeout of the weight "
-                                                                    "transfer itself")
-    push_attempts: int = Field(
-        3, ge=1, description="tries of one version's push; engines that failed stay MARKED "
-                             "(no traffic) in between, and the trainer stops with the error "
-                             "when every try failed")
-    push_retry_delay_s: float = Field(2.0, ge=0, description="pause between push tries")
+    push: PushSection = Field(default_factory=PushSection,
+                              description="weight transport into the engines and its retries")
 
     # -- experiment tracking (tracking.py) -----------------------------------------------------
     sample_rollouts: int = Field(
@@ -207,20 +243,12 @@ class TrainerConfig(ServiceConfig):
     metrics_bind: str = Field("", description=METRICS_BIND_HELP + " (rank 0 only)")
     log_level: str = Field("INFO", description="logging level")
 
-    @field_validator("mode")
-    @classmethod
-    def _only_sync(cls, mode: str) -> str:
-        if mode in MODES_LATER:
-            raise ValueError(f"mode {mode!r} is not implemented yet; use 'sync'")
-        return mode
-
     @model_validator(mode="after")
     def _checks(self) -> "TrainerConfig":
         if not self.harness_command or not self.harness_command[0]:
             raise ValueError("harness_command is empty")
         if not self.grader_command or not self.grader_command[0]:
             raise ValueError("grader_command is empty")
-        LossConfig(eps_low=self.clip_low, eps_high=self.clip_high, is_cap=self.is_cap)
         return self
 
     # -- derived -----------------------------------------------------------------------------
@@ -232,19 +260,8 @@ class TrainerConfig(ServiceConfig):
     def metrics_file(self) -> Path:
         return Path(self.output_dir) / "metrics.jsonl"
 
-    def push_config(self) -> PushConfig:
-        return PushConfig(backend=self.push_backend, master_address=self.push_master_address,
-                          bucket_mb=self.push_bucket_mb, http_timeout_s=self.push_http_timeout_s,
-                          transfer_timeout_s=self.push_transfer_timeout_s)
-
-    def advantage_config(self) -> AdvantageConfig:
-        return AdvantageConfig(estimator=self.advantage,
-                               filter_zero_variance=self.filter_zero_variance)
-
     def step_config(self, pad_token_id: int) -> StepConfig:
-        return StepConfig(
-            loss=LossConfig(eps_low=self.clip_low, eps_high=self.clip_high, is_cap=self.is_cap,
-                            normalization=self.normalization),
-            micro_batch_size=self.micro_batch_size,
-            micro_batch_max_tokens=self.micro_batch_max_tokens,
-            max_grad_norm=self.max_grad_norm, pad_token_id=pad_token_id)
+        o = self.optimizer
+        return StepConfig(loss=self.loss, micro_batch_size=o.micro_batch_size,
+                          micro_batch_max_tokens=o.micro_batch_max_tokens,
+                          max_grad_norm=o.max_grad_norm, pad_token_id=pad_token_id)

@@ -36,6 +36,11 @@ class TrainerControl:
             for k, v in fields.items():
                 setattr(self._status, k, v)
 
+    def set_drop_reasons(self, reasons: dict[str, int]) -> None:
+        with self._lock:
+            self._status.drop_reasons.clear()
+            self._status.drop_reasons.update(reasons)
+
     def add_step(self, metrics: tpb.StepMetrics) -> None:
         with self._lock:
             self._recent.append(metrics)

@@ -1,5 +1,12 @@
-"""The training loop. `train_sync` is the whole sync mode, top to bottom; `Trainer` holds the
-state and does each part.
+"""The training loop. `train_sync` is the whole sync mode, top to bottom, `train_async` the async
+and collocated modes (docs/modes.md); `Trainer` holds the state and does each part.
+
+One async step s (trainer at version v): the first `tasks_per_step` completed groups of the one
+admission-controlled controller run whose calls are at most `mode.max_staleness` versions old
+(older ones before them dropped, counted, with a reason) -> (collocated: the gateway holds new
+calls) -> samples -> one optimizer step -> push as v+1 -> (collocated: held calls go on) ->
+the controller is told how many groups the trainer consumed -> checkpoint -> metrics. Rollouts
+keep running throughout.
 
 One sync step s (the weights at policy version v = the version pushed after step s-1):
 
@@ -25,7 +32,7 @@ what they need through collectives: the step's groups (each rank builds the same
 trains on its share), its decisions (continue, checkpoint now), and the full weights for a push
 (gathered bucket by bucket). Checkpoints are written by all ranks together (`checkpoint`).
 
-Version check (`version_check`): in sync mode every call of step s must carry version v. A
+Version check (`mode.version_check`): in sync mode every call of step s must carry version v. A
 mismatch means the engines served other weights than the trainer's; "fail" (the default) stops
 the trainer with an error naming the calls, "warn" logs it and trains on them (the loss
 corrects for the behaviour policy with the recorded logprobs).
@@ -99,7 +106,19 @@ from . import checkpoint as ckpt
 from . import metrics as prom
 from .config import TrainerConfig
 from .control import TrainerControl
-from .rollouts import RunLauncher, StreamReader, load_tasks, run_id_for, step_spec, step_tasks
+from .gauges import GatewayHold, Gauges, GaugeWindow
+from .rollouts import (
+    AdmissionReporter,
+    RunLauncher,
+    StreamReader,
+    canonical_order,
+    load_tasks,
+    pool_spec,
+    run_id_for,
+    step_spec,
+    step_tasks,
+)
+from .staleness import call_versions, select_groups
 from .samples import group_samples
 from .sharding import Dist, ShardingConfig, device_for, shard_model, split_by_tokens
 from .step import StepMetrics, make_optimizer, train_step
@@ -123,7 +142,7 @@ def train_sync(t: "Trainer") -> None:
         metrics = t.train(groups, s)  # samples -> one optimizer step (None: no sample)
         if metrics is not None:
             t.push(version + 1, s)  # every engine serves version v+1, or we stop
-        t.finish_step(step, groups)  # step done; its entries await the next checkpoint
+        t.finish_step(step, groups, s)  # step done; its entries await the next checkpoint
         due = t.checkpoint_due()
         t.record(s, metrics, due)  # metrics.jsonl (a line the checkpoint misses is redone)
         if due:
@@ -131,6 +150,36 @@ def train_sync(t: "Trainer") -> None:
         t.answer_checkpoint_requests()
     if t.final_checkpoint_wanted():
         t.commit()  # no-op when the last step is checkpointed already
+
+
+def train_async(t: "Trainer") -> None:
+    """Async and collocated modes (docs/modes.md): rollouts keep running while the trainer
+    trains and pushes; collocated also holds new model calls while it does."""
+    t.start()  # resume or initialise; the engines get the trainer's weights
+    t.open_pool()  # one controller run of every step's tasks, admission-controlled
+    while t.more_steps():
+        step, version = t.state.step + 1, t.state.policy_version
+        s = StepRecord(step=step, behaviour_version=version)
+        groups = t.take_groups(s)  # first complete groups fresh enough; older ones dropped
+        t.hold_calls(s)  # collocated: the gateway holds new calls, the engines go idle
+        metrics = t.train(groups, s)  # samples -> one optimizer step (None: no sample)
+        if metrics is not None:
+            t.push(version + 1, s)  # every engine serves version v+1, or we stop
+        t.release_calls(s)  # collocated: held calls go on, on the new weights
+        t.finish_step(step, groups + s.dropped, s)  # its entries (dropped too) await a checkpoint
+        due = t.checkpoint_due()
+        t.record(s, metrics, due)  # metrics.jsonl (a line the checkpoint misses is redone)
+        if due:
+            t.commit()  # checkpoint, then acknowledge the entries it holds
+        t.answer_checkpoint_requests()
+    t.close_pool()  # the run's groups never admitted are cancelled
+    if t.final_checkpoint_wanted():
+        t.commit()
+
+
+def train(t: "Trainer") -> None:
+    """The loop of the configured mode."""
+    (train_sync if t.cfg.mode.kind == "sync" else train_async)(t)
 
 
 @dataclass
@@ -147,13 +196,19 @@ class StepRecord:
     trained_rollouts: list[str] = field(default_factory=list)
     dropped_rollouts: dict[str, str] = field(default_factory=dict)
     rollouts: list[dict[str, Any]] = field(default_factory=list)  # rendered, rollouts.jsonl
+    dropped: list[c.Group] = field(default_factory=list)
+    drop_reasons: dict[str, int] = field(default_factory=dict)
+    staleness: list[int] = field(default_factory=list)  # per trained sample
+    held_calls: int = 0
+    group_ids: list[str] = field(default_factory=list)  # taken: trained, skipped or dropped
 
     def timed(self, phase: str, since: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - since
 
 
 class Trainer:
-    """The trainer's state and the parts of the loop (`train_sync` strings them together).
+    """The trainer's state and the parts of the loop (`train_sync` / `train_async` string them
+    together).
 
     `launcher` runs a step's controller run, `store` reads and acknowledges the stream,
     `weights` receives the weights after each step: `ControllerRuns`, `StoreClient` and
@@ -164,8 +219,15 @@ class Trainer:
 
     def __init__(self, cfg: TrainerConfig, launcher: RunLauncher | None,
                  store: StoreClient | None, weights: WeightSink | None,
-                 control: TrainerControl | None = None, dist: Dist | None = None) -> None:
+                 control: TrainerControl | None = None, dist: Dist | None = None,
+                 gauges: Gauges | None = None, hold: GatewayHold | None = None,
+                 admission: AdmissionReporter | None = None) -> None:
         self.cfg = cfg
+        self.gauges = gauges  # engine busy, groups in flight over time (None: not measured)
+        self.hold = hold  # collocated: the gateway's call hold (None: nothing to hold)
+        self.admission = admission  # tells the controller what the trainer consumed
+        self.pool_run_id = ""
+        self.pool: dict[str, c.Group] = {}  # completed groups read, not taken yet (entry order)
         self.dist = dist or Dist.single()
         self.launcher = launcher
         self.store = store
@@ -201,9 +263,9 @@ class Trainer:
             mixed_precision=self.cfg.mixed_precision,
             activation_checkpointing=self.cfg.activation_checkpointing))
         self.tokenizer = AutoTokenizer.from_pretrained(source)
-        self.optimizer = make_optimizer(self.model, lr=self.cfg.lr,
-                                        betas=(self.cfg.beta1, self.cfg.beta2),
-                                        weight_decay=self.cfg.weight_decay, eps=self.cfg.adam_eps)
+        o = self.cfg.optimizer
+        self.optimizer = make_optimizer(self.model, lr=o.lr, betas=(o.beta1, o.beta2),
+                                        weight_decay=o.weight_decay, eps=o.eps)
         run_prefix = d.agree(self._run_prefix() if d.is_main else "")
         if found is not None:
             self.state = ckpt.load_trainer_state(found, self.optimizer, self.model, d)
@@ -217,7 +279,11 @@ class Trainer:
             self.state = ckpt.TrainState(run_prefix=run_prefix)
             log.info("starting from %s", source)
         self.control.update(step=self.state.step, policy_version=self.state.policy_version,
-                            last_checkpoint=str(self.last_checkpoint or ""))
+                            last_checkpoint=str(self.last_checkpoint or ""),
+                            mode=self.cfg.mode.kind, groups_trained=self.state.groups_trained,
+                            groups_dropped=self.state.groups_dropped,
+                            staleness_max=self.state.staleness_max)
+        self.control.set_drop_reasons(self.state.drop_reasons)
         if d.is_main:
             self._attach_stream(run_prefix)
             self.trackers = Trackers(self.cfg, self.output, run_prefix, self.state.step)
@@ -253,7 +319,7 @@ class Trainer:
 
         from .sharding import object_group
 
-        bucket = self.cfg.push_config().bucket_bytes
+        bucket = self.cfg.push.bucket_bytes
         if d.is_main:
             assert self.weights is not None
             with GatheredWeights(self.model, bucket, object_group()) as gathered:
@@ -308,6 +374,99 @@ class Trainer:
         s.timed("generate_s", t0)
         return s.run_id, [str(t["id"]) for t in tasks]
 
+    # -- async / collocated ------------------------------------------------------------------
+    def open_pool(self) -> None:
+        """Rank 0: creates (or re-attaches to) the one controller run of async mode, without
+        waiting for it; the controller admits its groups as the trainer consumes them."""
+        m = self.cfg.mode
+        if not self.dist.is_main:
+            return
+        assert self.launcher is not None
+        self.pool_run_id = f"{self.state.run_prefix}-{m.kind}"
+        spec = pool_spec(self.cfg, self.tasks)
+        self.launcher.start(self.pool_run_id, spec)
+        self._report_consumed()
+
+    def _report_consumed(self) -> None:
+        if self.admission is not None and self.pool_run_id:
+            self.admission.report(self.pool_run_id, self.state.groups_trained +
+                                  self.state.groups_dropped, self.state.policy_version)
+
+    def take_groups(self, s: StepRecord) -> list[c.Group]:
+        """The first `tasks_per_step` completed groups (stream order) whose calls are at most
+        `max_staleness` versions old; older ones before them are dropped (s.dropped, with a
+        reason). Rank 0 reads; every rank gets the same groups."""
+        self.control.set_state("generating")
+        if not self.dist.is_main:
+            return self.dist.agree([])
+        assert self.reader is not None
+        t0 = time.perf_counter()
+        version, batch = self.state.policy_version, self.cfg.tasks_per_step
+        deadline = time.monotonic() + self.cfg.run_timeout_s
+        kept: list[c.Group] = []
+        while True:
+            known = set(self.state.consumed_entries) | set(self.pool) | \
+                {g.entry_id for g in kept + s.dropped}
+            for g in self.reader.poll(self.pool_run_id, known):
+                self.pool[g.entry_id] = g
+            sel = select_groups(list(self.pool.values()), version,
+                                self.cfg.mode.max_staleness, batch - len(kept))
+            for g, reason in sel.dropped:
+                del self.pool[g.entry_id]
+                s.dropped.append(g)
+                key = reason.split(":")[0]
+                s.drop_reasons[key] = s.drop_reasons.get(key, 0) + 1
+                s.dropped_rollouts.update((ro.rollout_id, reason) for ro in g.rollouts)
+                log.warning("step %d: dropping group %s: %s", s.step, g.group_id, reason,
+                            extra={"step": s.step})
+            for g in sel.kept:
+                del self.pool[g.entry_id]
+                kept.append(g)
+            self._report_consumed_pending(len(kept) + len(s.dropped))
+            if len(kept) == batch:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {s.step}: {len(kept)} of {batch} groups of run "
+                                   f"{self.pool_run_id} after {self.cfg.run_timeout_s:.0f}s")
+            time.sleep(0.2)
+        for g in kept:
+            canonical_order(g)
+            s.staleness += [version - min(call_versions(g) or [version])] * len(g.rollouts)
+            if self.hold is not None:
+                s.held_calls += sum(1 for r in g.rollouts for call in r.calls
+                                    if self.hold.held(call.started_at))
+        s.counts.update(rollouts=sum(len(g.rollouts) for g in kept),
+                        rollouts_failed=sum(1 for g in kept for r in g.rollouts
+                                            if r.status != c.ROLLOUT_STATUS_SUCCEEDED))
+        s.run_id = self.pool_run_id
+        s.timed("generate_s", t0)
+        return self.dist.agree(kept)
+
+    def _report_consumed_pending(self, taken: int) -> None:
+        """While a step waits: the controller counts what this step took already, so the
+        window keeps moving (and a restarted controller hears from the trainer)."""
+        if self.admission is not None and self.pool_run_id:
+            self.admission.report(self.pool_run_id, self.state.groups_trained +
+                                  self.state.groups_dropped + taken,
+                                  self.state.policy_version)
+
+    def hold_calls(self, s: StepRecord) -> None:
+        if self.cfg.mode.kind == "collocated" and self.hold is not None and self.dist.is_main:
+            self.control.set_state("holding")
+            t0 = time.perf_counter()
+            self.hold.hold()
+            s.timed("hold_s", t0)
+
+    def release_calls(self, s: StepRecord) -> None:
+        if self.cfg.mode.kind == "collocated" and self.hold is not None and self.dist.is_main:
+            self.hold.release()
+
+    def close_pool(self) -> None:
+        """Rank 0: the async run's groups never admitted are not needed any more."""
+        if self.dist.is_main and self.pool_run_id and self.launcher is not None \
+                and not self.control.stop_requested:
+            self.launcher.cancel(self.pool_run_id)
+
     def read_groups(self, run_id: str, step: int, tasks: list[str]) -> list[c.Group]:
         if not self.dist.is_main:
             return self.dist.agree([])
@@ -324,16 +483,19 @@ class Trainer:
         if bad:
             msg = (f"step {s.step}: {len(bad)} calls were served by another policy version "
                    f"than {version} (rollout, seq, version): {bad[:5]}")
-            if self.cfg.version_check == "fail":
+            if self.cfg.mode.version_check == "fail":
                 raise RuntimeError(msg)
             log.warning("%s", msg, extra={"step": s.step})
 
     def train(self, groups: list[c.Group], s: StepRecord) -> StepMetrics | None:
         self.control.set_state("training")
         t0 = time.perf_counter()
-        results = [group_samples(g, self.cfg.advantage_config(), self.cfg.max_sample_len)
+        results = [group_samples(g, self.cfg.advantage, self.cfg.loss.max_sample_len)
                    for g in groups]
         samples = [x for r in results for x in r.samples]
+        s.staleness = [self.state.policy_version - min(x.policy_versions or
+                                                       [self.state.policy_version])
+                       for x in samples]
         s.rewards = [rw for r in results for rw in r.rewards]
         s.trained_rollouts = sorted({x.rollout_id for x in samples})
         for g, r in zip(groups, results, strict=True):
@@ -372,10 +534,27 @@ class Trainer:
         self.control.update(policy_version=version)
         s.timed("push_s", t0)
 
-    def finish_step(self, step: int, groups: list[c.Group]) -> None:
-        self.state.step = step
-        self.state.consumed_entries += [g.entry_id for g in groups]
-        self.control.update(step=step)
+    def finish_step(self, step: int, groups: list[c.Group],
+                    s: StepRecord | None = None) -> None:
+        """Step done: its entries (trained, skipped or dropped) await the next checkpoint; the
+        counts that prove nothing was lost are in the state (and so in the checkpoint)."""
+        st = self.state
+        st.step = step
+        if s is not None:
+            s.group_ids = [g.group_id for g in groups]
+        st.consumed_entries += [g.entry_id for g in groups]
+        if s is not None:
+            st.groups_dropped += len(s.dropped)
+            st.groups_trained += len(groups) - len(s.dropped)
+            for k, n in s.drop_reasons.items():
+                st.drop_reasons[k] = st.drop_reasons.get(k, 0) + n
+            st.staleness_max = max([st.staleness_max, *s.staleness])
+        else:
+            st.groups_trained += len(groups)
+        self.control.update(step=step, groups_trained=st.groups_trained,
+                            groups_dropped=st.groups_dropped, staleness_max=st.staleness_max)
+        self.control.set_drop_reasons(st.drop_reasons)
+        self._report_consumed()
 
     def checkpoint_due(self) -> bool:
         return self.dist.agree(
@@ -428,7 +607,6 @@ class Trainer:
             "reward_std": statistics.pstdev(rewards) if rewards else None,
             "rollouts": 0, "rollouts_failed": 0, "groups": 0, "groups_trained": 0,
             "groups_zero_variance": 0, "groups_too_few": 0, "version_mismatches": 0,
-            "staleness_max": 0,
             **s.counts, "trained": m is not None,
             "samples": m.samples if m else 0, "tokens": m.tokens if m else 0,
             "input_tokens": m.input_tokens if m else 0,
@@ -440,10 +618,25 @@ class Trainer:
             "step_time_s": time.perf_counter() - s.started,
             "tokens_per_s": m.input_tokens / s.phases["train_s"]
             if m and s.phases.get("train_s") else None,
+            "mode": self.cfg.mode.kind, "groups_dropped": len(s.dropped),
+            "group_ids": s.group_ids,
+            "drop_reasons": s.drop_reasons,
+            "staleness_hist": {str(k): s.staleness.count(k) for k in sorted(set(s.staleness))},
+            "staleness_max": max(s.staleness, default=None),
+            "held_calls": s.held_calls if self.hold is not None else None,
+            "total_groups_trained": self.state.groups_trained,
+            "total_groups_dropped": self.state.groups_dropped,
             "checkpoint": str(self.cfg.checkpoints_dir / ckpt.step_dir_name(s.step))
             if checkpoint else None,
             "trained_rollouts": s.trained_rollouts, "dropped_rollouts": s.dropped_rollouts,
         }
+        row["trainer_busy_fraction"] = (row["train_s"] + row["push_s"]) / row["step_time_s"]
+        w = self.gauges.take() if self.gauges is not None else GaugeWindow()
+        row.update(engine_busy_fraction=w.engine_busy_fraction,
+                   groups_in_flight=w.groups_in_flight, groups_admitted=w.groups_admitted)
+        if w.groups_in_flight is not None:
+            self.control.update(groups_in_flight=w.groups_in_flight,
+                                groups_admitted=w.groups_admitted or 0)
         _append_jsonl(self.cfg.metrics_file, row)
         for rendered in s.rollouts:
             _append_jsonl(self.rollouts_file, rendered)
@@ -456,13 +649,21 @@ class Trainer:
             loss=_num(row["loss"]), kl=_num(row["kl"]),
             clip_fraction=_num(row["clip_fraction"]), entropy=_num(row["entropy"]),
             tokens=row["tokens"], step_time_s=row["step_time_s"], groups=row["groups"],
-            grad_norm=_num(row["grad_norm"])))
+            grad_norm=_num(row["grad_norm"]), groups_dropped=row["groups_dropped"],
+            staleness_mean=statistics.fmean(s.staleness) if s.staleness else math.nan,
+            staleness_max=row["staleness_max"] or 0,
+            groups_in_flight=row["groups_in_flight"] or 0,
+            engine_busy_fraction=_num(row["engine_busy_fraction"]),
+            trainer_busy_fraction=row["trainer_busy_fraction"],
+            held_calls=row["held_calls"] or 0))
         log.info("step %d: reward %.3f, loss %s, kl %s, %d tokens, %.1fs", s.step,
                  _num(row["reward_mean"]), row["loss"], row["kl"], row["tokens"],
                  row["step_time_s"], extra={"step": s.step, "version": row["policy_version"]})
         return row
 
     def close(self) -> None:
+        if self.gauges is not None:
+            self.gauges.close()
         if self.weights is not None:
             self.weights.close()
         if self.trackers is not None:
@@ -509,6 +710,12 @@ def build_trainer(cfg: TrainerConfig, control: TrainerControl | None = None,
     store = StoreClient.connect(cfg.store_address)
     launcher = ControllerRuns(ControllerClient.connect(cfg.controller_address),
                               cfg.run_timeout_s)
-    weights = EngineWeights(GatewayAdminClient.connect(cfg.gateway_admin_address),
-                            cfg.push_config(), cfg.push_attempts, cfg.push_retry_delay_s)
-    return Trainer(cfg, launcher, store, weights, control, dist)
+    admin = GatewayAdminClient.connect(cfg.gateway_admin_address)
+    weights = EngineWeights(admin, cfg.push, cfg.push.attempts, cfg.push.retry_delay_s)
+    controller = ControllerClient.connect(cfg.controller_address)
+    gauges = Gauges(GatewayAdminClient.connect(cfg.gateway_admin_address), controller,
+                    cfg.mode.gauge_interval_s)
+    hold = GatewayHold(admin, cfg.mode.hold_drain_timeout_s) \
+        if cfg.mode.kind == "collocated" else None
+    return Trainer(cfg, launcher, store, weights, control, dist, gauges=gauges, hold=hold,
+                   admission=gauges)

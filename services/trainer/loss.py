@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Normalization(StrEnum):
@@ -77,26 +78,31 @@ class Normalization(StrEnum):
     ROLLOUT_MEAN = "rollout_mean"
 
 
-@dataclass(frozen=True)
-class LossConfig:
+class LossConfig(BaseModel):
     """The policy loss's hyper-parameters (see the module docstring for the formula)."""
 
-    eps_low: float = 0.2
-    """Lower clip: tokens with A < 0 and r < 1 - eps_low give no gradient."""
-    eps_high: float = 0.28
-    """Upper clip: tokens with A > 0 and r > 1 + eps_high give no gradient."""
-    is_cap: float = 2.0
-    """C: the importance weight pi/mu applied to a token's gradient is min(pi/mu, C)."""
-    normalization: Normalization = Normalization.TOKEN_MEAN
-    """How token losses are averaged: token_mean, seq_mean or rollout_mean."""
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "normalization", Normalization(self.normalization))
+    eps_low: float = Field(0.2, description="lower clip: tokens with A < 0 and r < 1 - eps_low "
+                                            "give no gradient (PPO eps_low)")
+    eps_high: float = Field(0.28, description="upper clip: tokens with A > 0 and "
+                                              "r > 1 + eps_high give no gradient (clip-higher)")
+    is_cap: float = Field(2.0, description="C: the importance weight pi/mu applied to a token's "
+                                           "gradient is min(pi/mu, C) (truncated IS)")
+    normalization: Normalization = Field(Normalization.TOKEN_MEAN,
+                                         description="how token losses are averaged: "
+                                                     "token_mean, seq_mean or rollout_mean")
+    max_sample_len: int | None = Field(None, ge=2, description="longest training sample in "
+                                                               "tokens (None: no limit)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "LossConfig":
         if not 0.0 <= self.eps_low < 1.0 or self.eps_high < 0.0:
             raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got "
                              f"{self.eps_low}, {self.eps_high}")
         if not (math.isfinite(self.is_cap) and self.is_cap >= 1.0):
             raise ValueError(f"is_cap must be finite and >= 1, got {self.is_cap}")
+        return self
 
 
 def sample_weights(

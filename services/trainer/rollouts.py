@@ -58,9 +58,20 @@ def step_of_run(prefix: str, run_id: str) -> int | None:
 
 
 class RunLauncher(Protocol):
-    """Produces a step's rollouts: runs `spec` under `run_id` until it is done."""
+    """Produces rollouts: `run` runs `spec` under `run_id` until it is done (sync mode);
+    `start` creates it and returns at once, `cancel` ends it (async mode's one run)."""
 
     def run(self, run_id: str, spec: c.RunSpec) -> c.Run: ...
+
+    def start(self, run_id: str, spec: c.RunSpec) -> c.Run: ...
+
+    def cancel(self, run_id: str) -> c.Run: ...
+
+
+class AdmissionReporter(Protocol):
+    """Tells the controller how many groups of `run_id` the trainer consumed (async mode)."""
+
+    def report(self, run_id: str, consumed: int, version: int) -> None: ...
 
 
 class ControllerRuns:
@@ -96,6 +107,16 @@ class ControllerRuns:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run {run_id} not done after {self.timeout_s:.0f}s")
             time.sleep(1.0)
+
+
+    def start(self, run_id: str, spec: c.RunSpec) -> c.Run:
+        run = self.controller.create_run(spec, run_id=run_id)
+        if run.status not in (c.RUN_STATUS_RUNNING, c.RUN_STATUS_SUCCEEDED):
+            raise RuntimeError(f"run {run_id} is {c.RunStatus.Name(run.status)}: {run.error}")
+        return run
+
+    def cancel(self, run_id: str) -> c.Run:
+        return self.controller.cancel_run(run_id)
 
 
 class StreamReader:
@@ -150,10 +171,58 @@ class StreamReader:
         order = {t: i for i, t in enumerate(task_order)}
         groups = sorted(got.values(), key=lambda g: (order.get(g.task_id, expected), g.task_id))
         for g in groups:  # canonical order: the same batch, whatever order groups completed in
-            rollouts = sorted(g.rollouts, key=lambda r: r.index_in_group)
-            del g.rollouts[:]
-            g.rollouts.extend(rollouts)
+            canonical_order(g)
         return groups
+
+    def poll(self, run_id: str, known: set[str]) -> list[c.Group]:
+        """Completed groups of `run_id` in stream order, but those in `known` (taken since the
+        last checkpoint, or read already); other runs' entries are acknowledged and skipped."""
+        resp = self.store.read_groups(
+            stream=self.stream, consumer_group=self.consumer_group, consumer=self.consumer,
+            max_groups=len(known) + 64, block_ms=200, include_calls=True)
+        new, stray = [], []
+        for g in resp.groups:
+            if g.entry_id in known:
+                continue
+            if g.run_id == run_id:
+                new.append(g)
+            else:
+                log.warning("stream %s: acknowledging entry %s of run %s without training it "
+                            "(not this trainer's async run)", self.stream, g.entry_id,
+                            g.run_id)
+                stray.append(g.entry_id)
+        self.ack(stray)
+        return new
+
+
+def canonical_order(g: c.Group) -> None:
+    """Rollouts by index in group."""
+    rollouts = sorted(g.rollouts, key=lambda r: r.index_in_group)
+    del g.rollouts[:]
+    g.rollouts.extend(rollouts)
+
+
+def pool_tasks(cfg: Any, tasks: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Async mode's tasks: every step's tasks in step order (as sync mode would draw them),
+    then spares for dropped groups, `mode.pool_factor` x steps x tasks_per_step in all plus
+    the admission window; task ids made unique as `s<step>-<id>`."""
+    window = (cfg.mode.max_staleness + 1) * cfg.tasks_per_step
+    total = int(cfg.mode.pool_factor * cfg.steps * cfg.tasks_per_step) + window
+    out: list[dict[str, Any]] = []
+    step = 0
+    while len(out) < total:
+        step += 1
+        out += [{**t, "id": f"s{step:06d}-{t['id']}"}
+                for t in step_tasks(tasks, cfg.seed, step, cfg.tasks_per_step)]
+    return out[:total]
+
+
+def pool_spec(cfg: Any, tasks: Sequence[dict[str, Any]]) -> c.RunSpec:
+    """Async mode's one controller run (cfg: `TrainerConfig`), admission-controlled."""
+    spec = step_spec(cfg, pool_tasks(cfg, tasks))
+    spec.admission_max_staleness = cfg.mode.max_staleness
+    spec.admission_batch_groups = cfg.tasks_per_step
+    return spec
 
 
 def step_spec(cfg: Any, tasks: Sequence[dict[str, Any]]) -> c.RunSpec:

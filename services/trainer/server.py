@@ -15,7 +15,7 @@ from harnessrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 from .config import TrainerConfig
 from .control import TrainerControl
-from .loop import build_trainer, train_sync
+from .loop import build_trainer, train
 from .servicer import TrainerServicer
 
 log = logging.getLogger("harnessrl.trainer")
@@ -101,7 +101,7 @@ def serve(cfg: TrainerConfig) -> int:
         _install_signal_handlers(control)
     trainer = build_trainer(cfg, control, dist)
     try:
-        train_sync(trainer)
+        train(trainer)
         control.end()
         log.info("done: step %d, policy version %d, checkpoint %s", trainer.state.step,
                  trainer.state.policy_version, trainer.last_checkpoint)
