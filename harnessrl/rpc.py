@@ -4,6 +4,11 @@ Every service builds its server with `start_server` (asyncio) and so serves
 `grpc.health.v1.Health` and server reflection (grpcurl works against it), maps domain errors
 (`harnessrl.errors`) to explicit status codes via `@map_errors`, and stops gracefully on
 SIGTERM/SIGINT via `wait_for_termination`.
+
+Health is honest: a service passes `ready` (an async check answering whether it can do its
+job now, and why not) to `start_server`, which runs it every `ready_interval_s` and sets every
+service of the server, and the overall status "", SERVING or NOT_SERVING accordingly (readiness
+probes use it; liveness probes only check that the process answers).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -75,6 +80,7 @@ def aio_channel(address: str) -> grpc.aio.Channel:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+Readiness = Callable[[], Awaitable[tuple[bool, str]]]
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -137,12 +143,15 @@ def map_errors(cls: C) -> C:
 async def start_server(
     bind: str,
     services: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+    ready: Readiness | None = None,
+    ready_interval_s: float = 1.0,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Starts an asyncio gRPC server on `bind` ("host:port"; port 0 picks a free one).
 
     `services` holds (add_XServicer_to_server, servicer, full service name) triples. Health
-    (SERVING for each service and overall) and reflection are added. Returns the server, the
-    bound port and the health servicer.
+    (SERVING for each service and overall; with `ready`, whatever it answers, checked every
+    `ready_interval_s`) and reflection are added. Returns the server, the bound port and the
+    health servicer.
     """
     server = grpc.aio.server(options=OPTIONS)
     health = health_aio.HealthServicer()
@@ -160,7 +169,54 @@ async def start_server(
     for name in names:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    if ready is not None:
+        serving = await _apply_readiness(health, names, ready, None)
+        task = asyncio.create_task(_watch_readiness(health, names, ready, ready_interval_s,
+                                                    serving))
+        _WATCHERS.add(task)
+        task.add_done_callback(_WATCHERS.discard)
     return server, port, health
+
+
+_WATCHERS: set[asyncio.Task[None]] = set()
+
+
+async def _apply_readiness(health: health_aio.HealthServicer, names: list[str],
+                           ready: Readiness, serving: bool | None) -> bool:
+    """Runs `ready` once and sets the health status of every service when it changed."""
+    try:
+        ok, why = await ready()
+    except Exception as exc:  # noqa: BLE001 - a failing check means not ready
+        ok, why = False, f"readiness check failed: {type(exc).__name__}: {exc}"
+    if ok != serving:
+        status = health_pb2.HealthCheckResponse.SERVING if ok else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in [*names, ""]:
+            await health.set(name, status)
+        if ok:
+            log.info("health: SERVING")
+        else:
+            log.warning("health: NOT_SERVING (%s)", why)
+    return ok
+
+
+async def _watch_readiness(health: health_aio.HealthServicer, names: list[str],
+                           ready: Readiness, interval_s: float, serving: bool) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        serving = await _apply_readiness(health, names, ready, serving)
+
+
+async def peer_serving(ch: grpc.aio.Channel, timeout: float = 2.0) -> tuple[bool, str]:
+    """Whether the server behind `ch` answers SERVING to a health check (and why not)."""
+    try:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=timeout)
+    except grpc.aio.AioRpcError as err:
+        return False, f"{err.code().name}: {err.details()}"
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        return False, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    return True, ""
 
 
 async def wait_for_termination(

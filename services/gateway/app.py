@@ -38,6 +38,7 @@ from harnessrl.v1 import common_pb2 as c
 from services.gateway import anthropic, responses, sampling
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry, EngineState
+from services.gateway.health import GatewayReadiness
 from services.gateway.recorder import CallRecorder, HoldTimeout, RecordRejected
 from services.gateway.sessions import Session, Sessions
 from services.gateway.streaming import DONE, Generated, SSEDecoder, strip_chunk
@@ -135,6 +136,7 @@ class GatewayApp:
         self.recorder = recorder
         self.store = store
         self._background: set[asyncio.Task[None]] = set()
+        self.readiness: GatewayReadiness | None = None  # /health answers 503 while not ready
         self.chains = responses.Chains()
         # (method, path) -> (handler, error style)
         self.routes: dict[tuple[str, str], tuple[Route, str]] = {
@@ -184,7 +186,9 @@ class GatewayApp:
         return await self.sessions.authenticate(authorization, api_key)
 
     # routes ---------------------------------------------------------------------------------
-    async def health(self, headers: Headers, body: bytes) -> bytes:
+    async def health(self, headers: Headers, body: bytes) -> bytes | tuple[int, bytes]:
+        if self.readiness is not None and not self.readiness.ok:
+            return 503, orjson.dumps({"status": "unavailable", "reason": self.readiness.reason})
         return b'{"status":"ok"}'
 
     async def list_models(self, headers: Headers, body: bytes) -> bytes:

@@ -51,6 +51,12 @@ class EngineState:
             paused=self.paused, inflight=self.inflight, served_calls=self.served)
 
 
+def normalize_base_url(base_url: str) -> str:
+    """The engine's server root: no trailing slash, no /v1."""
+    base_url = base_url.rstrip("/")
+    return base_url[:-3] if base_url.endswith("/v1") else base_url
+
+
 class EngineRegistry:
     max_sticky = 100_000  # rollout -> engine assignments kept
 
@@ -69,9 +75,9 @@ class EngineRegistry:
     def register(self, name: str, base_url: str, model: str, policy_version: int) -> EngineState:
         if not name or not base_url:
             raise InvalidArgument("engine name and base_url are required")
-        base_url = base_url.rstrip("/")
-        if base_url.endswith("/v1"):
-            base_url = base_url[:-3]
+        if policy_version < 0:
+            raise InvalidArgument("policy_version must be >= 0")
+        base_url = normalize_base_url(base_url)
         existing = self.engines.get(name)
         if existing is not None:
             if existing.base_url != base_url:
@@ -100,6 +106,11 @@ class EngineRegistry:
 
     def update(self, name: str, policy_version: int | None, state: int, reason: str
                ) -> EngineState:
+        if state not in (gpb.ENGINE_STATE_UNSPECIFIED, gpb.ENGINE_STATE_READY,
+                         gpb.ENGINE_STATE_MARKED):
+            raise InvalidArgument(f"unknown engine state {state}")
+        if policy_version is not None and policy_version < 0:
+            raise InvalidArgument("policy_version must be >= 0")
         eng = self.get(name)
         if policy_version is not None:
             eng.policy_version = policy_version
