@@ -8,7 +8,8 @@ SIGTERM/SIGINT via `wait_for_termination`.
 Health is honest: a service passes `ready` (an async check answering whether it can do its
 job now, and why not) to `start_server`, which runs it every `ready_interval_s` and sets every
 service of the server, and the overall status "", SERVING or NOT_SERVING accordingly (readiness
-probes use it; liveness probes only check that the process answers).
+probes use it); the service name `liveness` stays SERVING while the process answers at all
+(liveness probes use it).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from harnessrl.errors import HarnessRLError
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# Health service name that answers SERVING while the process serves at all: liveness probes
+# ask for it (a service that cannot do its job should not be restarted for it), readiness
+# probes ask for the overall status "".
+LIVENESS_SERVICE = "liveness"
 KEEPALIVE_TIME_MS = 30_000
 
 
@@ -169,6 +174,7 @@ async def start_server(
     for name in names:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     if ready is not None:
         serving = await _apply_readiness(health, names, ready, None)
         task = asyncio.create_task(_watch_readiness(health, names, ready, ready_interval_s,

@@ -4,6 +4,8 @@ controller processes, the stub engine."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +29,12 @@ def health_status(address: str) -> str:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
+def healthcheck(*args: str) -> int:
+    """Exit code of `python -m harnessrl.healthcheck` (the compose probes' command)."""
+    return subprocess.run([sys.executable, "-m", "harnessrl.healthcheck", *args, "--timeout",
+                           "2"], capture_output=True, timeout=60).returncode
+
+
 def wait_for(what: str, fn: Callable[[], object], want: object, timeout: float = 20.0) -> float:
     """Seconds until fn() == want."""
     t0 = time.monotonic()
@@ -45,6 +53,9 @@ def test_store_health_follows_redis(tmp_path: Path, own_redis: RestartableRedis,
         took = wait_for("store with Redis down", lambda: health_status(store.address),
                         "NOT_SERVING")
         print(f"store NOT_SERVING {took:.1f}s after Redis died")
+        # the probes: readiness fails, liveness (the process answers) passes
+        assert healthcheck("grpc", store.address) == 1
+        assert healthcheck("grpc", store.address, "--live") == 0
         own_redis.start()
         took = wait_for("store with Redis back", lambda: health_status(store.address),
                         "SERVING")
