@@ -145,6 +145,71 @@ def map_errors(cls: C) -> C:
     return cls
 
 
+class _Undecodable:
+    """A request whose bytes are no valid message of its type."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class _RefuseUndecodable(grpc.aio.ServerInterceptor):
+    """Requests that do not parse get INVALID_ARGUMENT (gRPC itself would answer UNKNOWN)."""
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+
+        def lenient(data: bytes) -> Any:
+            try:
+                return decode(data)
+            except Exception as exc:  # noqa: BLE001 - answered INVALID_ARGUMENT
+                return _Undecodable(exc)
+
+        async def refuse(context: Any, bad: _Undecodable) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request does not parse: {bad.error}")
+
+        async def checked(requests: Any, context: Any) -> Any:
+            async for r in requests:
+                if isinstance(r, _Undecodable):
+                    await refuse(context, r)
+                yield r
+
+        kw = {"request_deserializer": lenient,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def uu(request: Any, context: Any) -> Any:
+                if isinstance(request, _Undecodable):
+                    await refuse(context, request)
+                return await inner_uu(request, context)
+            return grpc.unary_unary_rpc_method_handler(uu, **kw)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def us(request: Any, context: Any) -> Any:
+                if isinstance(request, _Undecodable):
+                    await refuse(context, request)
+                async for item in inner_us(request, context):
+                    yield item
+            return grpc.unary_stream_rpc_method_handler(us, **kw)
+        if handler.stream_unary is not None:
+            inner_su = handler.stream_unary
+
+            async def su(requests: Any, context: Any) -> Any:
+                return await inner_su(checked(requests, context), context)
+            return grpc.stream_unary_rpc_method_handler(su, **kw)
+        inner_ss = handler.stream_stream
+
+        async def ss(requests: Any, context: Any) -> Any:
+            async for item in inner_ss(checked(requests, context), context):
+                yield item
+        return grpc.stream_stream_rpc_method_handler(ss, **kw)
+
+
 async def start_server(
     bind: str,
     services: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
@@ -158,7 +223,7 @@ async def start_server(
     `ready_interval_s`) and reflection are added. Returns the server, the bound port and the
     health servicer.
     """
-    server = grpc.aio.server(options=OPTIONS)
+    server = grpc.aio.server(options=OPTIONS, interceptors=[_RefuseUndecodable()])
     health = health_aio.HealthServicer()
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME]

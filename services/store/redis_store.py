@@ -26,6 +26,7 @@ then).
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -107,10 +108,25 @@ return 1
 """
 
 
+_ENTRY_ID = re.compile(r"^([0-9]{1,20})(?:-([0-9]{1,20}))?$")
+
+
 def _id_key(entry_id: str) -> tuple[int, int]:
-    """A stream entry id ("ms-seq") as a sortable pair."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
+    """A stream entry id ("ms-seq" or "ms") as a sortable pair; ValueError when it is none."""
+    m = _ENTRY_ID.match(entry_id)
+    if m is None or int(m.group(1)) >= 2**64 or int(m.group(2) or 0) >= 2**64:
+        raise ValueError(f"not a stream entry id: {entry_id!r}")
+    return int(m.group(1)), int(m.group(2) or 0)
+
+
+def _check_entry_ids(entry_ids: Iterable[str]) -> list[str]:
+    ids = list(entry_ids)
+    for entry_id in ids:
+        try:
+            _id_key(entry_id)
+        except ValueError as exc:
+            raise InvalidArgument(f"bad stream entry id {entry_id[:100]!r}") from exc
+    return ids
 
 
 def _require(value: str, what: str) -> str:
@@ -460,12 +476,7 @@ class RolloutStore:
         delivered `max_deliveries` times; with `redeliver`, delivers the others again (XCLAIM
         counts a delivery). Returns (redelivered groups, dead-lettered entry ids)."""
         key = self._stream_key(stream)
-        ids = list(dict.fromkeys(entry_ids))
-        for entry_id in ids:
-            try:
-                _id_key(entry_id)
-            except ValueError as exc:
-                raise InvalidArgument(f"bad entry id {entry_id!r}") from exc
+        ids = list(dict.fromkeys(_check_entry_ids(entry_ids)))
         if not ids:
             return [], []
         if reason:
@@ -474,7 +485,12 @@ class RolloutStore:
         async with self.r.pipeline(transaction=False) as pipe:
             for entry_id in ids:
                 pipe.xpending_range(key, group, min=entry_id, max=entry_id, count=1)
-            infos = await pipe.execute()
+            try:
+                infos = await pipe.execute()
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    return [], []  # no such stream or consumer group: nothing is pending
+                raise
         dead, keep = [], []
         for entry_id, info in zip(ids, infos):
             if not info:
@@ -512,10 +528,7 @@ class RolloutStore:
         key = self._stream_key(stream)
         floor = None
         if below_entry_id:
-            try:
-                floor = _id_key(below_entry_id)
-            except ValueError as exc:
-                raise InvalidArgument(f"bad entry id {below_entry_id!r}") from exc
+            floor = _id_key(_check_entry_ids([below_entry_id])[0])
         try:
             groups = await self.r.xinfo_groups(key)
         except ResponseError:
@@ -553,7 +566,7 @@ class RolloutStore:
         return sorted((k.decode("utf-8", "replace"), v) for k, v in items.items())
 
     async def ack_groups(self, stream: str, group: str, entry_ids: Iterable[str]) -> int:
-        ids = list(entry_ids)
+        ids = _check_entry_ids(entry_ids)
         if not ids:
             return 0
         return int(await self.r.xack(self._stream_key(stream), group, *ids))
