@@ -32,7 +32,7 @@ def health_status(address: str) -> str:
 def healthcheck(*args: str) -> int:
     """Exit code of `python -m harnessrl.healthcheck` (the compose probes' command)."""
     return subprocess.run([sys.executable, "-m", "harnessrl.healthcheck", *args, "--timeout",
-                           "2"], capture_output=True, timeout=60).returncode
+                           "2"], capture_output=True, timeout=60, check=False).returncode
 
 
 def wait_for(what: str, fn: Callable[[], object], want: object, timeout: float = 20.0) -> float:

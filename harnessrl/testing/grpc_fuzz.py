@@ -18,7 +18,6 @@ a small harmless set, and `tasks_file` names no device or large file.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,7 +220,9 @@ def call(ch: grpc.Channel, rpc: Rpc, payload: bytes, timeout: float
          ) -> tuple[grpc.StatusCode, str]:
     """Sends `payload` as the request of `rpc`; the status code it ends with and its details
     (streams: the status after reading everything, or DEADLINE_EXCEEDED)."""
-    ident: Callable[[bytes], bytes] = lambda b: b  # noqa: E731
+    def ident(b: bytes) -> bytes:
+        return b
+
     m = rpc.method
     try:
         if m.client_streaming and m.server_streaming:
