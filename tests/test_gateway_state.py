@@ -4,6 +4,8 @@ earlier life was given. Real store, Redis, gateway processes and the stub engine
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 from conftest import GatewayService, StoreService, StubEngineService
@@ -51,16 +53,29 @@ def test_restarted_gateway_serves_at_once_with_its_registry(
         world.gateway.proc.kill()
         world.gateway = GatewayService(tmp_path / "gw3", store_service.address, [])
         world.admin.close()
-        world.admin = admin = GatewayAdminClient.connect(world.gateway.admin_address)
+        world.admin = admin = GatewayAdminClient.connect(world.gateway.admin_address, timeout=30)
         engines = {e.name: e for e in admin.list_engines().engines}
         assert engines["e0"].paused and engines["e0"].policy_version == 7
         admin.resume()
         assert not any(e.paused for e in admin.list_engines().engines)
+        # a change while the store restarts waits for it, and is saved
+        store_service.kill()
+        done: list[gpb.Engine] = []
+        t = threading.Thread(target=lambda: done.append(
+            admin.update_engine("e0", policy_version=8)))
+        t.start()
+        time.sleep(1.5)
+        assert not done, "answered before the store had it"
+        store_service.start()  # same port
+        t.join(30)
+        assert done and done[0].policy_version == 8
+        engines = {e.name: e for e in admin.list_engines().engines}
+        assert engines["e0"].policy_version == 8
         # what the store holds is what ListEngines shows
         stored = {e.key: gpb.Engine.FromString(e.value)
                   for e in store.list_state("gateway-engines").entries}
         assert {k: (v.policy_version, v.state, v.paused) for k, v in stored.items()} == {
-            "e0": (7, gpb.ENGINE_STATE_READY, False),
+            "e0": (8, gpb.ENGINE_STATE_READY, False),
             "late": (3, gpb.ENGINE_STATE_MARKED, False)}
     finally:
         store.close()

@@ -61,6 +61,9 @@ class GatewayConfig(ServiceConfig):
     state_load_timeout_s: float = Field(
         60.0, gt=0, description="at start-up, how long to wait for the store to load the "
         "engine registry from before giving up (exit 1: a supervisor restarts the gateway)")
+    state_write_timeout_s: float = Field(
+        20.0, gt=0, description="a GatewayAdmin change waits this long at most for the store "
+        "to save it (a store restarting), then answers UNAVAILABLE")
     health_interval_s: float = Field(
         1.0, gt=0, description="the store's health is checked this often; gRPC health and "
         "HTTP /health say NOT_SERVING/503 with no engine registered or the store down for "

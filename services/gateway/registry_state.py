@@ -3,7 +3,9 @@ engines, policy versions, MARKED states and pauses its earlier life was given.
 
 Each engine is one `Engine` record (name, base_url, model, policy_version, state, reason,
 paused) under the store's `PutState` namespace `state_namespace`. Every GatewayAdmin change is
-written before the RPC answers (UNAVAILABLE while the store is down: the caller retries, every
+written before the RPC answers; while the store is down the answer waits for it up to
+`state_write_timeout_s` (a weight push during a store restart just takes longer), then is
+UNAVAILABLE (the change is in effect in this gateway but not saved: the caller retries; every
 change is idempotent). At start-up the stored records are loaded first; an engine of the
 start-up configuration (`--engines`) with the same name and base_url keeps its stored state
 (the gateway restarted, the engine did not), one that differs replaces it.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -26,10 +29,30 @@ from services.gateway.engines import EngineRegistry, EngineState, normalize_base
 log = logging.getLogger("harnessrl.gateway.state")
 
 
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 class RegistryState:
-    def __init__(self, store: StoreClient, namespace: str) -> None:
+    def __init__(self, store: StoreClient, namespace: str, write_timeout_s: float = 20.0
+                 ) -> None:
         self.store = store
         self.namespace = namespace
+        self.write_timeout_s = write_timeout_s
+
+    async def _write(self, what: str, fn: Callable[[], Awaitable[object]]) -> None:
+        """Runs one store write, retrying a store that is unavailable for `write_timeout_s`."""
+        deadline = time.monotonic() + self.write_timeout_s
+        delay = 0.1
+        while True:
+            try:
+                await fn()
+                return
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in _RETRYABLE or time.monotonic() + delay > deadline:
+                    raise Unavailable(f"{what}: the store did not take it: {err.code().name} "
+                                      f"{err.details()}") from err
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def save(self, *engines: EngineState) -> None:
         for eng in engines:
@@ -37,18 +60,13 @@ class RegistryState:
             record.inflight = record.served_calls = 0
             if eng.marked:
                 record.reason = eng.reason
-            try:
-                await self.store.put_state(self.namespace, eng.name, record.SerializeToString())
-            except grpc.aio.AioRpcError as err:
-                raise Unavailable(f"engine {eng.name}: could not save it in the store: "
-                                  f"{err.code().name} {err.details()}") from err
+            data = record.SerializeToString()
+            await self._write(f"saving engine {eng.name}", lambda n=eng.name, d=data:
+                              self.store.put_state(self.namespace, n, d))
 
     async def delete(self, name: str) -> None:
-        try:
-            await self.store.delete_state(self.namespace, name)
-        except grpc.aio.AioRpcError as err:
-            raise Unavailable(f"engine {name}: could not remove it from the store: "
-                              f"{err.code().name} {err.details()}") from err
+        await self._write(f"removing engine {name}",
+                          lambda: self.store.delete_state(self.namespace, name))
 
     async def load(self, timeout_s: float) -> list[gpb.Engine]:
         """The stored engines; retries a store that is unavailable for up to `timeout_s`."""

@@ -45,7 +45,7 @@ async def serve(cfg: GatewayConfig) -> None:
     signer = CredentialSigner(load_secret(cfg.secret, cfg.secret_file))
     store = StoreClient.connect_async(cfg.store_address, timeout=10.0)
     registry = EngineRegistry()
-    state = RegistryState(store, cfg.state_namespace)
+    state = RegistryState(store, cfg.state_namespace, cfg.state_write_timeout_s)
     await state.restore(registry, cfg.engines, cfg.state_load_timeout_s)
     readiness = GatewayReadiness(registry, store.channel, cfg.hold_timeout_s)
     http = aiohttp.ClientSession()  # health probes of unreachable engines only
