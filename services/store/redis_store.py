@@ -158,6 +158,8 @@ class RolloutStore:
     # runs -----------------------------------------------------------------------------------
     async def put_run(self, run: c.Run) -> c.Run:
         _require(run.run_id, "run.run_id")
+        if not math.isfinite(run.created_at):
+            raise InvalidArgument("run.created_at must be a finite number")
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.set(self._k("run", run.run_id), run.SerializeToString())
             pipe.zadd(self._k("runs"), {run.run_id: run.created_at or time.time()}, nx=True)
