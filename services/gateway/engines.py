@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
-from harnessrl.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from harnessrl.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from harnessrl.v1 import gateway_pb2 as gpb
 from services.gateway.upstream import UpstreamPool
 
@@ -51,6 +58,9 @@ class EngineState:
             paused=self.paused, inflight=self.inflight, served_calls=self.served)
 
 
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
 def normalize_base_url(base_url: str) -> str:
     """The engine's server root: no trailing slash, no /v1."""
     base_url = base_url.rstrip("/")
@@ -59,6 +69,7 @@ def normalize_base_url(base_url: str) -> str:
 
 class EngineRegistry:
     max_sticky = 100_000  # rollout -> engine assignments kept
+    max_engines = 1024
 
     def __init__(self) -> None:
         self.engines: dict[str, EngineState] = {}
@@ -77,6 +88,13 @@ class EngineRegistry:
             raise InvalidArgument("engine name and base_url are required")
         if policy_version < 0:
             raise InvalidArgument("policy_version must be >= 0")
+        if not _NAME.match(name):
+            raise InvalidArgument(f"engine name {name[:100]!r}: use 1-128 of [A-Za-z0-9._-]")
+        if len(base_url) > 2048 or not base_url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"base_url {base_url[:100]!r}: an http(s):// URL of at most "
+                                  "2048 characters")
+        if len(model) > 512:
+            raise InvalidArgument("model name longer than 512 characters")
         base_url = normalize_base_url(base_url)
         existing = self.engines.get(name)
         if existing is not None:
@@ -86,6 +104,8 @@ class EngineRegistry:
             existing.policy_version = policy_version
             self._notify()
             return existing
+        if len(self.engines) >= self.max_engines:
+            raise ResourceExhausted(f"{self.max_engines} engines are registered already")
         eng = EngineState(name, base_url, model, policy_version)
         self.engines[name] = eng
         log.info("engine registered", extra={"engine": name, "version": policy_version})
@@ -115,7 +135,7 @@ class EngineRegistry:
         if policy_version is not None:
             eng.policy_version = policy_version
         if state == gpb.ENGINE_STATE_MARKED:
-            eng.marked, eng.reason = True, reason or "marked"
+            eng.marked, eng.reason = True, (reason or "marked")[:4096]
             log.warning("engine marked: %s", eng.reason, extra={"engine": name})
         elif state == gpb.ENGINE_STATE_READY:
             eng.marked, eng.reason = False, ""
