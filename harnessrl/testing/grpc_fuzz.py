@@ -110,6 +110,11 @@ def field_value(f: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
         return one
     if f.type == FieldDescriptor.TYPE_MESSAGE:
         huge = st.builds(lambda: [f.message_type._concrete_class()] * HUGE_MESSAGES)
+    elif f.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES):
+        # many short elements (100,000 copies of a 100,000-character string would be 10 GB)
+        small = st.sampled_from(["", "a", "0-1", "é"] if f.type == FieldDescriptor.TYPE_STRING
+                                else [b"", b"a", b"\xff"])
+        huge = small.map(lambda v: [v] * HUGE)
     else:
         huge = one.map(lambda v: [v] * HUGE)
     return st.one_of(st.lists(one, max_size=3), huge)
