@@ -5,7 +5,8 @@
 - **mutated** (at least half): a well-formed request (`seed`, naming the fuzzer's own objects)
   with one field, top-level or one message down, replaced by a value of its type drawn from
   the edges: out-of-range and extreme numbers, NaN and infinities, unknown enum values, empty,
-  enormous (100,000 characters or elements) and odd strings and bytes;
+  enormous (100,000 characters or elements) and odd strings and bytes; or with a field no
+  message declares added (the only mutation of a request without fields);
 - **generated**: every field drawn that way, messages nested up to three deep;
 - **garbage**: bytes that are no valid protobuf message at all.
 
@@ -191,6 +192,35 @@ def mutated(seed: pb_message.Message) -> st.SearchStrategy[Any]:
     return build()
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def unknown_field() -> st.SearchStrategy[bytes]:
+    """One field no harnessrl message declares (number >= 100), varint or length-delimited."""
+    def encode(t: tuple[int, int, bytes, int]) -> bytes:
+        number, wire, payload, value = t
+        key = _varint((number << 3) | wire)
+        return key + (_varint(value) if wire == 0 else _varint(len(payload)) + payload)
+    return st.tuples(st.integers(100, 2**29 - 1), st.sampled_from([0, 2]),
+                     st.binary(max_size=16), st.integers(0, 2**64 - 1)).map(encode)
+
+
+def mutated_bytes(seed: pb_message.Message) -> st.SearchStrategy[bytes]:
+    """`mutated(seed)` serialized; for a message without fields (or one time in four), with an
+    unknown field added instead of or besides the mutation."""
+    base = mutated(seed).map(lambda m: m.SerializeToString())
+    extra = st.tuples(base, unknown_field()).map(lambda t: t[0] + t[1])
+    if not seed.DESCRIPTOR.fields:
+        return extra
+    return st.one_of(base, base, base, extra)
+
+
 @dataclass(frozen=True)
 class Rpc:
     service: str  # full name, e.g. harnessrl.v1.Store
@@ -211,7 +241,7 @@ def request_strategy(rpc: Rpc) -> st.SearchStrategy[tuple[str, bytes]]:
     garbage = st.one_of(st.binary(min_size=1, max_size=64),
                         st.sampled_from([b"\xff" * 16, b"\x0a\xff\xff\xff\xff\x0f",
                                          b"\x08" + b"\xff" * 11]))
-    kinds = {"mutated": mutated(rpc.seed).map(lambda m: m.SerializeToString()),
+    kinds = {"mutated": mutated_bytes(rpc.seed),
              "generated": message_strategy(rpc.request_desc).map(
                  lambda m: m.SerializeToString()),
              "garbage": garbage}
