@@ -111,13 +111,50 @@ class StoreClient(_Client[store_pb2_grpc.StoreStub]):
 
     def read_groups(self, stream: str = "train", consumer_group: str = "trainer",
                     consumer: str = "trainer-0", max_groups: int = 1, block_ms: int = 0,
-                    include_calls: bool = True) -> spb.ReadGroupsResponse:
+                    include_calls: bool = True, max_deliveries: int = 0,
+                    new_only: bool = False) -> spb.ReadGroupsResponse:
         return self.stub.ReadGroups(
             spb.ReadGroupsRequest(stream=stream, consumer_group=consumer_group,
                                   consumer=consumer, max_groups=max_groups, block_ms=block_ms,
-                                  include_calls=include_calls),
+                                  include_calls=include_calls, max_deliveries=max_deliveries,
+                                  new_only=new_only),
             timeout=self.timeout + block_ms / 1000.0,
         )
+
+    def nack_groups(self, entry_ids: Iterable[str], reason: str, max_deliveries: int,
+                    redeliver: bool = False, stream: str = "train",
+                    consumer_group: str = "trainer", consumer: str = "trainer-0",
+                    include_calls: bool = True) -> spb.NackGroupsResponse:
+        return self.stub.NackGroups(
+            spb.NackGroupsRequest(stream=stream, consumer_group=consumer_group,
+                                  consumer=consumer, entry_ids=list(entry_ids), reason=reason,
+                                  max_deliveries=max_deliveries, redeliver=redeliver,
+                                  include_calls=include_calls),
+            timeout=self.timeout,
+        )
+
+    def list_dead_letters(self, stream: str = "train", limit: int = 100
+                          ) -> spb.ListDeadLettersResponse:
+        return self.stub.ListDeadLetters(spb.ListDeadLettersRequest(stream=stream, limit=limit),
+                                         timeout=self.timeout)
+
+    def trim_groups(self, below_entry_id: str = "", stream: str = "train"
+                    ) -> spb.TrimGroupsResponse:
+        return self.stub.TrimGroups(
+            spb.TrimGroupsRequest(stream=stream, below_entry_id=below_entry_id),
+            timeout=self.timeout)
+
+    def put_state(self, namespace: str, key: str, value: bytes) -> spb.PutStateResponse:
+        return self.stub.PutState(spb.PutStateRequest(namespace=namespace, key=key, value=value),
+                                  timeout=self.timeout)
+
+    def delete_state(self, namespace: str, key: str) -> spb.DeleteStateResponse:
+        return self.stub.DeleteState(spb.DeleteStateRequest(namespace=namespace, key=key),
+                                     timeout=self.timeout)
+
+    def list_state(self, namespace: str) -> spb.ListStateResponse:
+        return self.stub.ListState(spb.ListStateRequest(namespace=namespace),
+                                   timeout=self.timeout)
 
     def ack_groups(self, entry_ids: Iterable[str], stream: str = "train",
                    consumer_group: str = "trainer") -> spb.AckGroupsResponse:
@@ -126,6 +163,17 @@ class StoreClient(_Client[store_pb2_grpc.StoreStub]):
                                  entry_ids=list(entry_ids)),
             timeout=self.timeout,
         )
+
+
+def dead_letters(store_address: str, stream: str = "train", limit: int = 100
+                 ) -> list[spb.DeadLetter]:
+    """The groups of `stream` that went to its dead-letter stream (failed `max_deliveries`
+    times), newest first: what a `harnessrl deadletters` command shows."""
+    client = StoreClient.connect(store_address)
+    try:
+        return list(client.list_dead_letters(stream, limit).dead_letters)
+    finally:
+        client.close()
 
 
 class ControllerClient(_Client[controller_pb2_grpc.ControllerStub]):

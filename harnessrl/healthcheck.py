@@ -1,10 +1,13 @@
-"""`python -m harnessrl.healthcheck grpc HOST:PORT | http URL [--timeout S] [--wait S]`
+"""`python -m harnessrl.healthcheck grpc HOST:PORT | http URL [--timeout S] [--wait S] [--live]`
 
 Exits 0 when the target is healthy, 1 otherwise: `grpc` asks the standard `grpc.health.v1`
-service every harnessrl service serves (overall status SERVING), `http` expects a 200 (vLLM's
-`/health`). Container healthchecks (docker-compose.yml) use it, so the images need no
-grpc_health_probe binary or curl. `--wait S` retries for up to S seconds before giving up (a
-one-shot "wait until ready" step).
+service every harnessrl service serves (overall status SERVING: ready, i.e. able to do its job
+— the store with Redis answering, the gateway with an engine and a store, the controller with a
+store), `http` expects a 200 (vLLM's `/health`, the gateway's `/health`). With `--live`, `grpc`
+asks for the `liveness` service instead, SERVING while the process answers at all. Container
+healthchecks (docker-compose.yml) use it, so the images need no grpc_health_probe binary or
+curl. `--wait S` retries for up to S seconds before giving up (a one-shot "wait until ready"
+step).
 """
 
 from __future__ import annotations
@@ -14,11 +17,11 @@ import sys
 import time
 
 
-def healthy(kind: str, target: str, timeout: float) -> bool:
+def healthy(kind: str, target: str, timeout: float, live: bool = False) -> bool:
     if kind == "grpc":
-        from harnessrl.rpc import health_check
+        from harnessrl.rpc import LIVENESS_SERVICE, health_check
 
-        return health_check(target, timeout=timeout)
+        return health_check(target, service=LIVENESS_SERVICE if live else "", timeout=timeout)
     import httpx  # the images that probe over HTTP (engine, trainer) have it
 
     try:
@@ -34,10 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("target", help="host:port (grpc) or URL (http)")
     ap.add_argument("--timeout", type=float, default=3.0, help="seconds per check")
     ap.add_argument("--wait", type=float, default=0.0, help="retry for this many seconds")
+    ap.add_argument("--live", action="store_true",
+                    help="grpc: only whether the process answers (liveness), not readiness")
     args = ap.parse_args(argv)
     deadline = time.monotonic() + args.wait
     while True:
-        if healthy(args.kind, args.target, args.timeout):
+        if healthy(args.kind, args.target, args.timeout, args.live):
             return 0
         if time.monotonic() >= deadline:
             print(f"{args.target}: not healthy", file=sys.stderr)

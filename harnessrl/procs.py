@@ -132,9 +132,13 @@ def redis_alive(url: str) -> bool:
         return False
 
 
-def start_redis(data_dir: Path, port: int | None = None) -> tuple[str, ServiceProcess]:
-    """Starts a private redis-server with AOF persistence (appendfsync everysec) in `data_dir`;
-    returns its URL and process."""
+def start_redis(data_dir: Path, port: int | None = None, appendfsync: str = "everysec"
+                ) -> tuple[str, ServiceProcess]:
+    """Starts a private redis-server with AOF persistence in `data_dir`; returns its URL and
+    process. `appendfsync everysec` (the default, and what `harnessrl up` uses): every write
+    is in the AOF (the OS page cache) before Redis replies, so a kill -9 of Redis loses no
+    acknowledged write; a crash of the machine loses at most about the last second. `always`
+    fsyncs before replying (nothing lost even then, at several times the write cost)."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server not found: install Redis 7 (apt-get install "
@@ -142,7 +146,7 @@ def start_redis(data_dir: Path, port: int | None = None) -> tuple[str, ServicePr
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-            "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+            "--appendonly", "yes", "--appendfsync", appendfsync, "--save", "",
             "--daemonize", "no"]
     proc = ServiceProcess("redis", argv, data_dir).start()
     url = f"redis://127.0.0.1:{port}/0"

@@ -4,6 +4,12 @@ Every service builds its server with `start_server` (asyncio) and so serves
 `grpc.health.v1.Health` and server reflection (grpcurl works against it), maps domain errors
 (`harnessrl.errors`) to explicit status codes via `@map_errors`, and stops gracefully on
 SIGTERM/SIGINT via `wait_for_termination`.
+
+Health is honest: a service passes `ready` (an async check answering whether it can do its
+job now, and why not) to `start_server`, which runs it every `ready_interval_s` and sets every
+service of the server, and the overall status "", SERVING or NOT_SERVING accordingly (readiness
+probes use it); the service name `liveness` stays SERVING while the process answers at all
+(liveness probes use it).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +35,10 @@ from harnessrl.errors import HarnessRLError
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# Health service name that answers SERVING while the process serves at all: liveness probes
+# ask for it (a service that cannot do its job should not be restarted for it), readiness
+# probes ask for the overall status "".
+LIVENESS_SERVICE = "liveness"
 KEEPALIVE_TIME_MS = 30_000
 
 
@@ -75,6 +85,7 @@ def aio_channel(address: str) -> grpc.aio.Channel:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+Readiness = Callable[[], Awaitable[tuple[bool, str]]]
 
 
 def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -134,17 +145,85 @@ def map_errors(cls: C) -> C:
     return cls
 
 
+class _Undecodable:
+    """A request whose bytes are no valid message of its type."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class _RefuseUndecodable(grpc.aio.ServerInterceptor):
+    """Requests that do not parse get INVALID_ARGUMENT (gRPC itself would answer UNKNOWN)."""
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+
+        def lenient(data: bytes) -> Any:
+            try:
+                return decode(data)
+            except Exception as exc:  # noqa: BLE001 - answered INVALID_ARGUMENT
+                return _Undecodable(exc)
+
+        async def refuse(context: Any, bad: _Undecodable) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request does not parse: {bad.error}")
+
+        async def checked(requests: Any, context: Any) -> Any:
+            async for r in requests:
+                if isinstance(r, _Undecodable):
+                    await refuse(context, r)
+                yield r
+
+        kw = {"request_deserializer": lenient,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def uu(request: Any, context: Any) -> Any:
+                if isinstance(request, _Undecodable):
+                    await refuse(context, request)
+                return await inner_uu(request, context)
+            return grpc.unary_unary_rpc_method_handler(uu, **kw)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def us(request: Any, context: Any) -> Any:
+                if isinstance(request, _Undecodable):
+                    await refuse(context, request)
+                async for item in inner_us(request, context):
+                    yield item
+            return grpc.unary_stream_rpc_method_handler(us, **kw)
+        if handler.stream_unary is not None:
+            inner_su = handler.stream_unary
+
+            async def su(requests: Any, context: Any) -> Any:
+                return await inner_su(checked(requests, context), context)
+            return grpc.stream_unary_rpc_method_handler(su, **kw)
+        inner_ss = handler.stream_stream
+
+        async def ss(requests: Any, context: Any) -> Any:
+            async for item in inner_ss(checked(requests, context), context):
+                yield item
+        return grpc.stream_stream_rpc_method_handler(ss, **kw)
+
+
 async def start_server(
     bind: str,
     services: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+    ready: Readiness | None = None,
+    ready_interval_s: float = 1.0,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Starts an asyncio gRPC server on `bind` ("host:port"; port 0 picks a free one).
 
     `services` holds (add_XServicer_to_server, servicer, full service name) triples. Health
-    (SERVING for each service and overall) and reflection are added. Returns the server, the
-    bound port and the health servicer.
+    (SERVING for each service and overall; with `ready`, whatever it answers, checked every
+    `ready_interval_s`) and reflection are added. Returns the server, the bound port and the
+    health servicer.
     """
-    server = grpc.aio.server(options=OPTIONS)
+    server = grpc.aio.server(options=OPTIONS, interceptors=[_RefuseUndecodable()])
     health = health_aio.HealthServicer()
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME]
@@ -160,7 +239,55 @@ async def start_server(
     for name in names:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    if ready is not None:
+        serving = await _apply_readiness(health, names, ready, None)
+        task = asyncio.create_task(_watch_readiness(health, names, ready, ready_interval_s,
+                                                    serving))
+        _WATCHERS.add(task)
+        task.add_done_callback(_WATCHERS.discard)
     return server, port, health
+
+
+_WATCHERS: set[asyncio.Task[None]] = set()
+
+
+async def _apply_readiness(health: health_aio.HealthServicer, names: list[str],
+                           ready: Readiness, serving: bool | None) -> bool:
+    """Runs `ready` once and sets the health status of every service when it changed."""
+    try:
+        ok, why = await ready()
+    except Exception as exc:  # noqa: BLE001 - a failing check means not ready
+        ok, why = False, f"readiness check failed: {type(exc).__name__}: {exc}"
+    if ok != serving:
+        status = health_pb2.HealthCheckResponse.SERVING if ok else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in [*names, ""]:
+            await health.set(name, status)
+        if ok:
+            log.info("health: SERVING")
+        else:
+            log.warning("health: NOT_SERVING (%s)", why)
+    return ok
+
+
+async def _watch_readiness(health: health_aio.HealthServicer, names: list[str],
+                           ready: Readiness, interval_s: float, serving: bool) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        serving = await _apply_readiness(health, names, ready, serving)
+
+
+async def peer_serving(ch: grpc.aio.Channel, timeout: float = 2.0) -> tuple[bool, str]:
+    """Whether the server behind `ch` answers SERVING to a health check (and why not)."""
+    try:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=timeout)
+    except grpc.aio.AioRpcError as err:
+        return False, f"{err.code().name}: {err.details()}"
+    if resp.status != health_pb2.HealthCheckResponse.SERVING:
+        return False, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    return True, ""
 
 
 async def wait_for_termination(

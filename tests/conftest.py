@@ -139,3 +139,36 @@ def fake_kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
                                images=["harnessrl/harness:dev"]).start()
     yield server
     server.stop()
+
+
+class RestartableRedis:
+    """A private redis-server (AOF on) that a test can stop, kill -9 and start again on the
+    same port and data dir (the session's `redis_url` server is shared and stays up)."""
+
+    def __init__(self, data_dir: Path, appendfsync: str = "everysec") -> None:
+        self.data_dir = data_dir
+        self.appendfsync = appendfsync
+        self.port = procs.free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: procs.ServiceProcess | None = None
+
+    def start(self) -> "RestartableRedis":
+        _, self.proc = procs.start_redis(self.data_dir, self.port,
+                                         appendfsync=self.appendfsync)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+    def kill(self) -> None:
+        """kill -9: no shutdown, no final fsync."""
+        if self.proc is not None:
+            self.proc.kill()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
+    r = RestartableRedis(tmp_path / "own-redis").start()
+    yield r
+    r.stop()

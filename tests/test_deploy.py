@@ -135,9 +135,14 @@ def test_grpc_services_use_native_grpc_probes(manifests) -> None:  # type: ignor
         ct = pod_spec(find(docs, "Deployment", name))["containers"][0]  # type: ignore[index]
         assert ct["readinessProbe"]["grpc"]["port"] == port, name
         assert ct["livenessProbe"]["grpc"]["port"] == port, name
+        # readiness: the overall status (NOT_SERVING while the service cannot do its job);
+        # liveness: only that the process answers (a Redis outage restarts nothing)
+        assert not ct["readinessProbe"]["grpc"].get("service"), name
+        assert ct["livenessProbe"]["grpc"]["service"] == "liveness", name
         assert any(p["containerPort"] == port for p in ct["ports"]), name
     trainer = pod_spec(find(docs, "Job", "harnessrl-trainer"))["containers"][0]  # type: ignore[index]
     assert trainer["readinessProbe"]["grpc"]["port"] == 50054
+    assert trainer["livenessProbe"]["grpc"]["service"] == "liveness"
 
 
 def test_gpu_requests_only_in_the_gpu_overlay(manifests) -> None:  # type: ignore[no-untyped-def]

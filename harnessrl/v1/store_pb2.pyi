@@ -363,6 +363,8 @@ class ReadGroupsRequest(_message.Message):
     MAX_GROUPS_FIELD_NUMBER: _builtins.int
     BLOCK_MS_FIELD_NUMBER: _builtins.int
     INCLUDE_CALLS_FIELD_NUMBER: _builtins.int
+    MAX_DELIVERIES_FIELD_NUMBER: _builtins.int
+    NEW_ONLY_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     """default "train" """
     consumer_group: _builtins.str
@@ -374,6 +376,15 @@ class ReadGroupsRequest(_message.Message):
     block_ms: _builtins.int
     """wait this long for new groups; 0 returns at once"""
     include_calls: _builtins.bool
+    max_deliveries: _builtins.int
+    """An entry of this consumer's pending list delivered this many times already (never
+    acknowledged: each restarted reader, each NackGroups with redeliver, counts one) goes to
+    the dead-letter stream instead of being returned. 0: no bound.
+    """
+    new_only: _builtins.bool
+    """Only entries never delivered before: the pending list is not read (a reader that keeps
+    what it was given reads it once, when it starts, so each delivery counts once).
+    """
     def __init__(
         self,
         *,
@@ -383,10 +394,12 @@ class ReadGroupsRequest(_message.Message):
         max_groups: _builtins.int = ...,
         block_ms: _builtins.int = ...,
         include_calls: _builtins.bool = ...,
+        max_deliveries: _builtins.int = ...,
+        new_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ms", b"block_ms", "consumer", b"consumer", "consumer_group", b"consumer_group", "include_calls", b"include_calls", "max_groups", b"max_groups", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ms", b"block_ms", "consumer", b"consumer", "consumer_group", b"consumer_group", "include_calls", b"include_calls", "max_deliveries", b"max_deliveries", "max_groups", b"max_groups", "new_only", b"new_only", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -456,3 +469,361 @@ class AckGroupsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AckGroupsResponse: _TypeAlias = AckGroupsResponse  # noqa: Y015
+
+@_typing.final
+class NackGroupsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    CONSUMER_GROUP_FIELD_NUMBER: _builtins.int
+    CONSUMER_FIELD_NUMBER: _builtins.int
+    ENTRY_IDS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    MAX_DELIVERIES_FIELD_NUMBER: _builtins.int
+    REDELIVER_FIELD_NUMBER: _builtins.int
+    INCLUDE_CALLS_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    """default "train" """
+    consumer_group: _builtins.str
+    """default "trainer" """
+    consumer: _builtins.str
+    """default "trainer-0" """
+    reason: _builtins.str
+    """why the delivery failed (kept, shown with a dead letter)"""
+    max_deliveries: _builtins.int
+    """0: no bound (nothing goes to the dead-letter stream)"""
+    redeliver: _builtins.bool
+    """deliver the entries that stay again at once, in the response"""
+    include_calls: _builtins.bool
+    @_builtins.property
+    def entry_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        consumer_group: _builtins.str = ...,
+        consumer: _builtins.str = ...,
+        entry_ids: _abc.Iterable[_builtins.str] | None = ...,
+        reason: _builtins.str = ...,
+        max_deliveries: _builtins.int = ...,
+        redeliver: _builtins.bool = ...,
+        include_calls: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer", b"consumer", "consumer_group", b"consumer_group", "entry_ids", b"entry_ids", "include_calls", b"include_calls", "max_deliveries", b"max_deliveries", "reason", b"reason", "redeliver", b"redeliver", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NackGroupsRequest: _TypeAlias = NackGroupsRequest  # noqa: Y015
+
+@_typing.final
+class NackGroupsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEAD_LETTERS_FIELD_NUMBER: _builtins.int
+    REDELIVERED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def dead_letters(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeadLetter]:
+        """entries moved to the dead-letter stream now"""
+
+    @_builtins.property
+    def redelivered(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Group]:
+        """with redeliver: the others, delivered again"""
+
+    def __init__(
+        self,
+        *,
+        dead_letters: _abc.Iterable[Global___DeadLetter] | None = ...,
+        redelivered: _abc.Iterable[_common_pb2.Group] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_letters", b"dead_letters", "redelivered", b"redelivered"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NackGroupsResponse: _TypeAlias = NackGroupsResponse  # noqa: Y015
+
+@_typing.final
+class DeadLetter(_message.Message):
+    """A group that failed too often; its entry is acknowledged on the original stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRY_ID_FIELD_NUMBER: _builtins.int
+    ORIGINAL_ENTRY_ID_FIELD_NUMBER: _builtins.int
+    STREAM_FIELD_NUMBER: _builtins.int
+    CONSUMER_GROUP_FIELD_NUMBER: _builtins.int
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    DELIVERIES_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    DEAD_AT_FIELD_NUMBER: _builtins.int
+    entry_id: _builtins.str
+    """in the dead-letter stream"""
+    original_entry_id: _builtins.str
+    stream: _builtins.str
+    consumer_group: _builtins.str
+    group_id: _builtins.str
+    run_id: _builtins.str
+    task_id: _builtins.str
+    deliveries: _builtins.int
+    reason: _builtins.str
+    dead_at: _builtins.float
+    """unix seconds"""
+    def __init__(
+        self,
+        *,
+        entry_id: _builtins.str = ...,
+        original_entry_id: _builtins.str = ...,
+        stream: _builtins.str = ...,
+        consumer_group: _builtins.str = ...,
+        group_id: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        task_id: _builtins.str = ...,
+        deliveries: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        dead_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["consumer_group", b"consumer_group", "dead_at", b"dead_at", "deliveries", b"deliveries", "entry_id", b"entry_id", "group_id", b"group_id", "original_entry_id", b"original_entry_id", "reason", b"reason", "run_id", b"run_id", "stream", b"stream", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeadLetter: _TypeAlias = DeadLetter  # noqa: Y015
+
+@_typing.final
+class ListDeadLettersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    """default "train" """
+    limit: _builtins.int
+    """default 100"""
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDeadLettersRequest: _TypeAlias = ListDeadLettersRequest  # noqa: Y015
+
+@_typing.final
+class ListDeadLettersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEAD_LETTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def dead_letters(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeadLetter]: ...
+    def __init__(
+        self,
+        *,
+        dead_letters: _abc.Iterable[Global___DeadLetter] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_letters", b"dead_letters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListDeadLettersResponse: _TypeAlias = ListDeadLettersResponse  # noqa: Y015
+
+@_typing.final
+class TrimGroupsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    BELOW_ENTRY_ID_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    """default "train" """
+    below_entry_id: _builtins.str
+    """"": only what every consumer group has acknowledged"""
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        below_entry_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["below_entry_id", b"below_entry_id", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrimGroupsRequest: _TypeAlias = TrimGroupsRequest  # noqa: Y015
+
+@_typing.final
+class TrimGroupsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRIMMED_FIELD_NUMBER: _builtins.int
+    MIN_ENTRY_ID_FIELD_NUMBER: _builtins.int
+    trimmed: _builtins.int
+    min_entry_id: _builtins.str
+    """the stream now starts at or after this id"""
+    def __init__(
+        self,
+        *,
+        trimmed: _builtins.int = ...,
+        min_entry_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_entry_id", b"min_entry_id", "trimmed", b"trimmed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrimGroupsResponse: _TypeAlias = TrimGroupsResponse  # noqa: Y015
+
+@_typing.final
+class PutStateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    key: _builtins.str
+    value: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        key: _builtins.str = ...,
+        value: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "namespace", b"namespace", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutStateRequest: _TypeAlias = PutStateRequest  # noqa: Y015
+
+@_typing.final
+class PutStateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutStateResponse: _TypeAlias = PutStateResponse  # noqa: Y015
+
+@_typing.final
+class DeleteStateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    key: _builtins.str
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteStateRequest: _TypeAlias = DeleteStateRequest  # noqa: Y015
+
+@_typing.final
+class DeleteStateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELETED_FIELD_NUMBER: _builtins.int
+    deleted: _builtins.bool
+    def __init__(
+        self,
+        *,
+        deleted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteStateResponse: _TypeAlias = DeleteStateResponse  # noqa: Y015
+
+@_typing.final
+class ListStateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListStateRequest: _TypeAlias = ListStateRequest  # noqa: Y015
+
+@_typing.final
+class StateEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    value: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        value: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StateEntry: _TypeAlias = StateEntry  # noqa: Y015
+
+@_typing.final
+class ListStateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___StateEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___StateEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListStateResponse: _TypeAlias = ListStateResponse  # noqa: Y015

@@ -100,6 +100,36 @@ class StoreStub:
                 request_serializer=harnessrl_dot_v1_dot_store__pb2.AckGroupsRequest.SerializeToString,
                 response_deserializer=harnessrl_dot_v1_dot_store__pb2.AckGroupsResponse.FromString,
                 _registered_method=True)
+        self.NackGroups = channel.unary_unary(
+                '/harnessrl.v1.Store/NackGroups',
+                request_serializer=harnessrl_dot_v1_dot_store__pb2.NackGroupsRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_store__pb2.NackGroupsResponse.FromString,
+                _registered_method=True)
+        self.ListDeadLetters = channel.unary_unary(
+                '/harnessrl.v1.Store/ListDeadLetters',
+                request_serializer=harnessrl_dot_v1_dot_store__pb2.ListDeadLettersRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_store__pb2.ListDeadLettersResponse.FromString,
+                _registered_method=True)
+        self.TrimGroups = channel.unary_unary(
+                '/harnessrl.v1.Store/TrimGroups',
+                request_serializer=harnessrl_dot_v1_dot_store__pb2.TrimGroupsRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_store__pb2.TrimGroupsResponse.FromString,
+                _registered_method=True)
+        self.PutState = channel.unary_unary(
+                '/harnessrl.v1.Store/PutState',
+                request_serializer=harnessrl_dot_v1_dot_store__pb2.PutStateRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_store__pb2.PutStateResponse.FromString,
+                _registered_method=True)
+        self.DeleteState = channel.unary_unary(
+                '/harnessrl.v1.Store/DeleteState',
+                request_serializer=harnessrl_dot_v1_dot_store__pb2.DeleteStateRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_store__pb2.DeleteStateResponse.FromString,
+                _registered_method=True)
+        self.ListState = channel.unary_unary(
+                '/harnessrl.v1.Store/ListState',
+                request_serializer=harnessrl_dot_v1_dot_store__pb2.ListStateRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_store__pb2.ListStateResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -196,6 +226,51 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NackGroups(self, request, context):
+        """A delivery of these entries failed (samples could not be built, the step failed): the
+        reason is kept, and an entry delivered `max_deliveries` times already goes to the
+        dead-letter stream (acknowledged here). With redeliver, the others are delivered again at
+        once (a new delivery, counted) and returned.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDeadLetters(self, request, context):
+        """The dead-letter stream of a stream: groups that failed `max_deliveries` times, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TrimGroups(self, request, context):
+        """Trims the stream below `below_entry_id`, never past an entry any consumer group has not
+        acknowledged or not yet read.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutState(self, request, context):
+        """A small key-value space for services' own durable state (the gateway keeps its engine
+        registry here). Values up to 1 MiB, 10,000 keys per namespace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +338,36 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.AckGroups,
                     request_deserializer=harnessrl_dot_v1_dot_store__pb2.AckGroupsRequest.FromString,
                     response_serializer=harnessrl_dot_v1_dot_store__pb2.AckGroupsResponse.SerializeToString,
+            ),
+            'NackGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.NackGroups,
+                    request_deserializer=harnessrl_dot_v1_dot_store__pb2.NackGroupsRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_store__pb2.NackGroupsResponse.SerializeToString,
+            ),
+            'ListDeadLetters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDeadLetters,
+                    request_deserializer=harnessrl_dot_v1_dot_store__pb2.ListDeadLettersRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_store__pb2.ListDeadLettersResponse.SerializeToString,
+            ),
+            'TrimGroups': grpc.unary_unary_rpc_method_handler(
+                    servicer.TrimGroups,
+                    request_deserializer=harnessrl_dot_v1_dot_store__pb2.TrimGroupsRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_store__pb2.TrimGroupsResponse.SerializeToString,
+            ),
+            'PutState': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutState,
+                    request_deserializer=harnessrl_dot_v1_dot_store__pb2.PutStateRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_store__pb2.PutStateResponse.SerializeToString,
+            ),
+            'DeleteState': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteState,
+                    request_deserializer=harnessrl_dot_v1_dot_store__pb2.DeleteStateRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_store__pb2.DeleteStateResponse.SerializeToString,
+            ),
+            'ListState': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListState,
+                    request_deserializer=harnessrl_dot_v1_dot_store__pb2.ListStateRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_store__pb2.ListStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -616,6 +721,168 @@ class Store:
             '/harnessrl.v1.Store/AckGroups',
             harnessrl_dot_v1_dot_store__pb2.AckGroupsRequest.SerializeToString,
             harnessrl_dot_v1_dot_store__pb2.AckGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NackGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Store/NackGroups',
+            harnessrl_dot_v1_dot_store__pb2.NackGroupsRequest.SerializeToString,
+            harnessrl_dot_v1_dot_store__pb2.NackGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDeadLetters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Store/ListDeadLetters',
+            harnessrl_dot_v1_dot_store__pb2.ListDeadLettersRequest.SerializeToString,
+            harnessrl_dot_v1_dot_store__pb2.ListDeadLettersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TrimGroups(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Store/TrimGroups',
+            harnessrl_dot_v1_dot_store__pb2.TrimGroupsRequest.SerializeToString,
+            harnessrl_dot_v1_dot_store__pb2.TrimGroupsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Store/PutState',
+            harnessrl_dot_v1_dot_store__pb2.PutStateRequest.SerializeToString,
+            harnessrl_dot_v1_dot_store__pb2.PutStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Store/DeleteState',
+            harnessrl_dot_v1_dot_store__pb2.DeleteStateRequest.SerializeToString,
+            harnessrl_dot_v1_dot_store__pb2.DeleteStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Store/ListState',
+            harnessrl_dot_v1_dot_store__pb2.ListStateRequest.SerializeToString,
+            harnessrl_dot_v1_dot_store__pb2.ListStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

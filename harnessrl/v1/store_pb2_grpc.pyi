@@ -61,6 +61,24 @@ class StoreStub:
     given and has not acknowledged (so a restarted reader gets them again), then new ones.
     """
     AckGroups: _grpc.UnaryUnaryMultiCallable[_store_pb2.AckGroupsRequest, _store_pb2.AckGroupsResponse]
+    NackGroups: _grpc.UnaryUnaryMultiCallable[_store_pb2.NackGroupsRequest, _store_pb2.NackGroupsResponse]
+    """A delivery of these entries failed (samples could not be built, the step failed): the
+    reason is kept, and an entry delivered `max_deliveries` times already goes to the
+    dead-letter stream (acknowledged here). With redeliver, the others are delivered again at
+    once (a new delivery, counted) and returned.
+    """
+    ListDeadLetters: _grpc.UnaryUnaryMultiCallable[_store_pb2.ListDeadLettersRequest, _store_pb2.ListDeadLettersResponse]
+    """The dead-letter stream of a stream: groups that failed `max_deliveries` times, newest first."""
+    TrimGroups: _grpc.UnaryUnaryMultiCallable[_store_pb2.TrimGroupsRequest, _store_pb2.TrimGroupsResponse]
+    """Trims the stream below `below_entry_id`, never past an entry any consumer group has not
+    acknowledged or not yet read.
+    """
+    PutState: _grpc.UnaryUnaryMultiCallable[_store_pb2.PutStateRequest, _store_pb2.PutStateResponse]
+    """A small key-value space for services' own durable state (the gateway keeps its engine
+    registry here). Values up to 1 MiB, 10,000 keys per namespace.
+    """
+    DeleteState: _grpc.UnaryUnaryMultiCallable[_store_pb2.DeleteStateRequest, _store_pb2.DeleteStateResponse]
+    ListState: _grpc.UnaryUnaryMultiCallable[_store_pb2.ListStateRequest, _store_pb2.ListStateResponse]
 
 @_typing.type_check_only
 class StoreAsyncStub(StoreStub):
@@ -94,6 +112,24 @@ class StoreAsyncStub(StoreStub):
     given and has not acknowledged (so a restarted reader gets them again), then new ones.
     """
     AckGroups: _aio.UnaryUnaryMultiCallable[_store_pb2.AckGroupsRequest, _store_pb2.AckGroupsResponse]  # type: ignore[assignment]
+    NackGroups: _aio.UnaryUnaryMultiCallable[_store_pb2.NackGroupsRequest, _store_pb2.NackGroupsResponse]  # type: ignore[assignment]
+    """A delivery of these entries failed (samples could not be built, the step failed): the
+    reason is kept, and an entry delivered `max_deliveries` times already goes to the
+    dead-letter stream (acknowledged here). With redeliver, the others are delivered again at
+    once (a new delivery, counted) and returned.
+    """
+    ListDeadLetters: _aio.UnaryUnaryMultiCallable[_store_pb2.ListDeadLettersRequest, _store_pb2.ListDeadLettersResponse]  # type: ignore[assignment]
+    """The dead-letter stream of a stream: groups that failed `max_deliveries` times, newest first."""
+    TrimGroups: _aio.UnaryUnaryMultiCallable[_store_pb2.TrimGroupsRequest, _store_pb2.TrimGroupsResponse]  # type: ignore[assignment]
+    """Trims the stream below `below_entry_id`, never past an entry any consumer group has not
+    acknowledged or not yet read.
+    """
+    PutState: _aio.UnaryUnaryMultiCallable[_store_pb2.PutStateRequest, _store_pb2.PutStateResponse]  # type: ignore[assignment]
+    """A small key-value space for services' own durable state (the gateway keeps its engine
+    registry here). Values up to 1 MiB, 10,000 keys per namespace.
+    """
+    DeleteState: _aio.UnaryUnaryMultiCallable[_store_pb2.DeleteStateRequest, _store_pb2.DeleteStateResponse]  # type: ignore[assignment]
+    ListState: _aio.UnaryUnaryMultiCallable[_store_pb2.ListStateRequest, _store_pb2.ListStateResponse]  # type: ignore[assignment]
 
 class StoreServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -202,5 +238,59 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         request: _store_pb2.AckGroupsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_store_pb2.AckGroupsResponse, _abc.Awaitable[_store_pb2.AckGroupsResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def NackGroups(
+        self,
+        request: _store_pb2.NackGroupsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.NackGroupsResponse, _abc.Awaitable[_store_pb2.NackGroupsResponse]]:
+        """A delivery of these entries failed (samples could not be built, the step failed): the
+        reason is kept, and an entry delivered `max_deliveries` times already goes to the
+        dead-letter stream (acknowledged here). With redeliver, the others are delivered again at
+        once (a new delivery, counted) and returned.
+        """
+
+    @_abc_1.abstractmethod
+    def ListDeadLetters(
+        self,
+        request: _store_pb2.ListDeadLettersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.ListDeadLettersResponse, _abc.Awaitable[_store_pb2.ListDeadLettersResponse]]:
+        """The dead-letter stream of a stream: groups that failed `max_deliveries` times, newest first."""
+
+    @_abc_1.abstractmethod
+    def TrimGroups(
+        self,
+        request: _store_pb2.TrimGroupsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.TrimGroupsResponse, _abc.Awaitable[_store_pb2.TrimGroupsResponse]]:
+        """Trims the stream below `below_entry_id`, never past an entry any consumer group has not
+        acknowledged or not yet read.
+        """
+
+    @_abc_1.abstractmethod
+    def PutState(
+        self,
+        request: _store_pb2.PutStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.PutStateResponse, _abc.Awaitable[_store_pb2.PutStateResponse]]:
+        """A small key-value space for services' own durable state (the gateway keeps its engine
+        registry here). Values up to 1 MiB, 10,000 keys per namespace.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteState(
+        self,
+        request: _store_pb2.DeleteStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.DeleteStateResponse, _abc.Awaitable[_store_pb2.DeleteStateResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListState(
+        self,
+        request: _store_pb2.ListStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.ListStateResponse, _abc.Awaitable[_store_pb2.ListStateResponse]]: ...
 
 def add_StoreServicer_to_server(servicer: StoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

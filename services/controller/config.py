@@ -89,7 +89,10 @@ class ControllerConfig(ServiceConfig):
         30.0, ge=0, description="activeDeadlineSeconds = attempt timeout + this; the "
                                 "controller ends a Job at its timeout itself, the deadline "
                                 "bounds Jobs no controller watches")
-    ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
+    health_interval_s: float = Field(
+        1.0, gt=0, description="the store's health is checked this often; gRPC health says "
+        "NOT_SERVING while the store (or its Redis) is down (readiness probes use it)")
+        ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
                                            "serving")
     metrics_bind: str = Field("", description=METRICS_BIND_HELP)
     log_level: str = Field("INFO", description="logging level")

@@ -24,6 +24,9 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_GRADER_TIMEOUT_S = 60.0
 DEFAULT_MAX_ATTEMPTS = 1
 DEFAULT_STREAM = "train"
+MAX_GROUP_SIZE = 4096
+MAX_ROLLOUTS_PER_RUN = 100_000  # tasks x group_size; the run's records are built at once
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 _RUN_ID = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 
 
@@ -43,10 +46,13 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
     if s.group_size < 0 or s.concurrency < 0 or s.max_attempts < 0:
         raise InvalidArgument("group_size, concurrency and max_attempts must be >= 1 "
                               "(0 takes the default)")
+    if s.group_size > MAX_GROUP_SIZE:
+        raise InvalidArgument(f"group_size {s.group_size} is over {MAX_GROUP_SIZE}")
     for name in ("timeout_s", "grader_timeout_s"):
         v = getattr(s, name)
-        if v < 0 or not math.isfinite(v):
-            raise InvalidArgument(f"{name} must be a positive number of seconds (0: default)")
+        if v < 0 or not math.isfinite(v) or v > MAX_TIMEOUT_S:
+            raise InvalidArgument(f"{name} must be a positive number of seconds up to "
+                                  f"{MAX_TIMEOUT_S:.0f} (0: default)")
     s.group_size = s.group_size or DEFAULT_GROUP_SIZE
     s.concurrency = s.concurrency or DEFAULT_CONCURRENCY
     s.timeout_s = s.timeout_s or DEFAULT_TIMEOUT_S
@@ -85,16 +91,21 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
 def resolve_tasks(spec: c.RunSpec) -> list[c.Task]:
     """The run's tasks with ids and canonical JSON; `InvalidArgument` for a bad file or task."""
     if spec.tasks_file:
-        return [c.Task(task_id=tid, data_json=json.dumps(data))
-                for tid, data in load_task_file(spec.tasks_file)]
-    tasks: list[c.Task] = []
-    for i, t in enumerate(spec.tasks):
-        where = f"task {i}" + (f" ({t.task_id})" if t.task_id else "")
-        data = task_object(t.data_json or "{}", where)
-        tid = t.task_id or task_id(data, str(i), where)
-        tasks.append(c.Task(task_id=tid, data_json=json.dumps(data)))
+        tasks = [c.Task(task_id=tid, data_json=json.dumps(data))
+                 for tid, data in load_task_file(spec.tasks_file)]
+    else:
+        tasks = []
+        for i, t in enumerate(spec.tasks):
+            where = f"task {i}" + (f" ({t.task_id})" if t.task_id else "")
+            data = task_object(t.data_json or "{}", where)
+            tid = t.task_id or task_id(data, str(i), where)
+            tasks.append(c.Task(task_id=tid, data_json=json.dumps(data)))
     if not tasks:
-        raise InvalidArgument("the run has no tasks")
+        raise InvalidArgument("the run has no tasks" +
+                              (f" ({spec.tasks_file} is empty)" if spec.tasks_file else ""))
+    if len(tasks) * max(1, spec.group_size) > MAX_ROLLOUTS_PER_RUN:
+        raise InvalidArgument(f"{len(tasks)} tasks x group_size {spec.group_size} is over "
+                              f"{MAX_ROLLOUTS_PER_RUN} rollouts per run")
     check_task_ids([t.task_id for t in tasks])
     return tasks
 

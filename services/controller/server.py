@@ -51,10 +51,15 @@ async def serve(cfg: ControllerConfig) -> None:
                                  job_slots=asyncio.Semaphore(cfg.max_jobs)))
     # Runs an earlier controller left running are resumed (their jobs adopted) first.
     await runs.recover()
+    async def ready() -> tuple[bool, str]:
+        """SERVING while the store answers SERVING (runs cannot progress without it)."""
+        ok, why = await rpc.peer_serving(store.client.channel, cfg.health_interval_s * 2)
+        return ok, "" if ok else f"store at {cfg.store_address} unavailable: {why}"
+
     server, port, _ = await rpc.start_server(cfg.bind, [
         (controller_pb2_grpc.add_ControllerServicer_to_server, ControllerServicer(runs),
          controller_pb2.DESCRIPTOR.services_by_name["Controller"].full_name),
-    ])
+    ], ready=ready, ready_interval_s=cfg.health_interval_s)
     log.info("controller serving on port %d, store %s, gateway %s, backends %s", port,
              cfg.store_address, cfg.gateway_url, ", ".join(backends))
     rpc.write_ready_file(cfg.ready_file, grpc_port=port,

@@ -2,29 +2,45 @@
 
 from __future__ import annotations
 
+import math
+
 import grpc
 
+from harnessrl.errors import InvalidArgument
 from harnessrl.rpc import map_errors
 from harnessrl.v1 import gateway_pb2 as gpb
 from harnessrl.v1 import gateway_pb2_grpc
-from services.gateway.engines import EngineRegistry
+from services.gateway.engines import EngineRegistry, EngineState
+from services.gateway.registry_state import RegistryState
 from services.gateway.weightcheck import WeightCheck
 
 
 @map_errors
 class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
-    def __init__(self, registry: EngineRegistry, weights: WeightCheck | None = None) -> None:
+    """Every change is saved in the store (`registry_state`) before the RPC answers."""
+
+    def __init__(self, registry: EngineRegistry, weights: WeightCheck | None = None,
+                 state: RegistryState | None = None) -> None:
         self.registry = registry
         self.weights = weights  # checks an engine's own weights before it is resumed
+        self.state = state
+
+    async def _save(self, *engines: EngineState) -> None:
+        if self.state is not None:
+            await self.state.save(*engines)
 
     async def RegisterEngine(self, request: gpb.RegisterEngineRequest,
                              context: grpc.aio.ServicerContext) -> gpb.Engine:
         e = request.engine
-        return self.registry.register(e.name, e.base_url, e.model, e.policy_version).to_proto()
+        eng = self.registry.register(e.name, e.base_url, e.model, e.policy_version)
+        await self._save(eng)
+        return eng.to_proto()
 
     async def RemoveEngine(self, request: gpb.RemoveEngineRequest,
                            context: grpc.aio.ServicerContext) -> gpb.RemoveEngineResponse:
         self.registry.remove(request.name)
+        if self.state is not None:
+            await self.state.delete(request.name)
         return gpb.RemoveEngineResponse()
 
     async def ListEngines(self, request: gpb.ListEnginesRequest,
@@ -35,14 +51,19 @@ class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
     async def UpdateEngine(self, request: gpb.UpdateEngineRequest,
                            context: grpc.aio.ServicerContext) -> gpb.Engine:
         version = request.policy_version if request.HasField("policy_version") else None
-        return self.registry.update(request.name, version, request.state,
-                                    request.reason).to_proto()
+        eng = self.registry.update(request.name, version, request.state, request.reason)
+        await self._save(eng)
+        return eng.to_proto()
 
     async def Pause(self, request: gpb.PauseRequest, context: grpc.aio.ServicerContext
                     ) -> gpb.PauseResponse:
+        timeout_s = request.drain_timeout_s or 60.0
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            raise InvalidArgument("drain_timeout_s must be a finite number >= 0")
         engines = self.registry.pause(list(request.engines))
+        await self._save(*engines)
         if request.drain:
-            await self.registry.drain(engines, request.drain_timeout_s or 60.0)
+            await self.registry.drain(engines, timeout_s)
         return gpb.PauseResponse(engines=[e.to_proto() for e in engines])
 
     async def Resume(self, request: gpb.ResumeRequest, context: grpc.aio.ServicerContext
@@ -52,4 +73,5 @@ class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
                 if eng.paused and eng.reachable and not eng.marked:
                     await self.weights.verify(eng)
         engines = self.registry.resume(list(request.engines))
+        await self._save(*engines)
         return gpb.ResumeResponse(engines=[e.to_proto() for e in engines])

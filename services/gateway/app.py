@@ -43,6 +43,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry, EngineState
 from services.gateway.http_server import TextBody
 from services.gateway.metrics import HELD_RECORDS, RouteMetrics
+from services.gateway.health import GatewayReadiness
 from services.gateway.recorder import CallRecorder, HoldTimeout, RecordRejected
 from services.gateway.sessions import Session, Sessions
 from services.gateway.streaming import DONE, Generated, SSEDecoder, strip_chunk
@@ -146,6 +147,7 @@ class GatewayApp:
         self.recorder = recorder
         self.store = store
         self._background: set[asyncio.Task[None]] = set()
+        self.readiness: GatewayReadiness | None = None  # /health answers 503 while not ready
         self.chains = responses.Chains()
         self.tokens = TokenReuse(cfg.tokens_max_rollouts, cfg.tokens_per_rollout)
         # (method, path) -> (handler, error style)
@@ -209,7 +211,9 @@ class GatewayApp:
         return await self.sessions.authenticate(authorization, api_key)
 
     # routes ---------------------------------------------------------------------------------
-    async def health(self, headers: Headers, body: bytes) -> bytes:
+    async def health(self, headers: Headers, body: bytes) -> bytes | tuple[int, bytes]:
+        if self.readiness is not None and not self.readiness.ok:
+            return 503, orjson.dumps({"status": "unavailable", "reason": self.readiness.reason})
         return b'{"status":"ok"}'
 
     async def metrics(self, headers: Headers, body: bytes) -> TextBody:

@@ -62,5 +62,18 @@ class GatewayConfig(ServiceConfig):
                                     "per attempt a turn may extend (side conversations, "
                                     "branches)")
     engine_probe_interval_s: float = Field(2.0, description="health probe of unhealthy engines")
+    state_namespace: str = Field(
+        "gateway-engines", description="store namespace (PutState) of the engine registry: "
+        "engines, policy versions, MARKED states, pauses survive a gateway restart")
+    state_load_timeout_s: float = Field(
+        60.0, gt=0, description="at start-up, how long to wait for the store to load the "
+        "engine registry from before giving up (exit 1: a supervisor restarts the gateway)")
+    state_write_timeout_s: float = Field(
+        20.0, gt=0, description="a GatewayAdmin change waits this long at most for the store "
+        "to save it (a store restarting), then answers UNAVAILABLE")
+    health_interval_s: float = Field(
+        1.0, gt=0, description="the store's health is checked this often; gRPC health and "
+        "HTTP /health say NOT_SERVING/503 with no engine registered or the store down for "
+        "longer than hold_timeout_s")
     ready_file: str = Field("", description="write {pid, http_port, grpc_port} once serving")
     log_level: str = Field("INFO", description="logging level")

@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
-from harnessrl.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from harnessrl.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from harnessrl.v1 import gateway_pb2 as gpb
 from services.gateway.upstream import UpstreamPool
 
@@ -53,8 +60,18 @@ class EngineState:
             weight_version=self.weight_version)
 
 
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def normalize_base_url(base_url: str) -> str:
+    """The engine's server root: no trailing slash, no /v1."""
+    base_url = base_url.rstrip("/")
+    return base_url[:-3] if base_url.endswith("/v1") else base_url
+
+
 class EngineRegistry:
     max_sticky = 100_000  # rollout -> engine assignments kept
+    max_engines = 1024
 
     def __init__(self) -> None:
         self.engines: dict[str, EngineState] = {}
@@ -71,9 +88,16 @@ class EngineRegistry:
     def register(self, name: str, base_url: str, model: str, policy_version: int) -> EngineState:
         if not name or not base_url:
             raise InvalidArgument("engine name and base_url are required")
-        base_url = base_url.rstrip("/")
-        if base_url.endswith("/v1"):
-            base_url = base_url[:-3]
+        if policy_version < 0:
+            raise InvalidArgument("policy_version must be >= 0")
+        if not _NAME.match(name):
+            raise InvalidArgument(f"engine name {name[:100]!r}: use 1-128 of [A-Za-z0-9._-]")
+        if len(base_url) > 2048 or not base_url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"base_url {base_url[:100]!r}: an http(s):// URL of at most "
+                                  "2048 characters")
+        if len(model) > 512:
+            raise InvalidArgument("model name longer than 512 characters")
+        base_url = normalize_base_url(base_url)
         existing = self.engines.get(name)
         if existing is not None:
             if existing.base_url != base_url:
@@ -82,6 +106,8 @@ class EngineRegistry:
             existing.policy_version = policy_version
             self._notify()
             return existing
+        if len(self.engines) >= self.max_engines:
+            raise ResourceExhausted(f"{self.max_engines} engines are registered already")
         eng = EngineState(name, base_url, model, policy_version)
         self.engines[name] = eng
         log.info("engine registered", extra={"engine": name, "version": policy_version})
@@ -102,11 +128,16 @@ class EngineRegistry:
 
     def update(self, name: str, policy_version: int | None, state: int, reason: str
                ) -> EngineState:
+        if state not in (gpb.ENGINE_STATE_UNSPECIFIED, gpb.ENGINE_STATE_READY,
+                         gpb.ENGINE_STATE_MARKED):
+            raise InvalidArgument(f"unknown engine state {state}")
+        if policy_version is not None and policy_version < 0:
+            raise InvalidArgument("policy_version must be >= 0")
         eng = self.get(name)
         if policy_version is not None:
             eng.policy_version = policy_version
         if state == gpb.ENGINE_STATE_MARKED:
-            eng.marked, eng.reason = True, reason or "marked"
+            eng.marked, eng.reason = True, (reason or "marked")[:4096]
             log.warning("engine marked: %s", eng.reason, extra={"engine": name})
         elif state == gpb.ENGINE_STATE_READY:
             eng.marked, eng.reason = False, ""

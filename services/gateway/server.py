@@ -17,8 +17,10 @@ from services.gateway.admin import GatewayAdminServicer
 from services.gateway.app import GatewayApp
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry
+from services.gateway.health import GatewayReadiness
 from services.gateway.http_server import serve_http
 from services.gateway.recorder import CallRecorder
+from services.gateway.registry_state import RegistryState
 from services.gateway.sessions import Sessions
 from services.gateway.weightcheck import WeightCheck
 
@@ -44,19 +46,21 @@ async def serve(cfg: GatewayConfig) -> None:
     signer = CredentialSigner(load_secret(cfg.secret, cfg.secret_file))
     store = StoreClient.connect_async(cfg.store_address, timeout=10.0)
     registry = EngineRegistry()
-    for e in cfg.engines:
-        registry.register(e.name, e.base_url, e.model, e.policy_version)
+    state = RegistryState(store, cfg.state_namespace, cfg.state_write_timeout_s)
+    await state.restore(registry, cfg.engines, cfg.state_load_timeout_s)
+    readiness = GatewayReadiness(registry, store.channel, cfg.hold_timeout_s)
     http = httpx.AsyncClient()  # health probes of unreachable engines; weight checks
     weights = WeightCheck(registry, http)
     recorder = CallRecorder(store, cfg.hold_timeout_s, cfg.record_batch_max,
                             cfg.record_writers, cfg.record_batch_timeout_s)
     app = GatewayApp(cfg, registry, Sessions(signer, store), recorder, store)
+    app.readiness = readiness
 
     grpc_server, grpc_port, _ = await rpc.start_server(cfg.grpc_bind, [
         (gateway_pb2_grpc.add_GatewayAdminServicer_to_server,
-         GatewayAdminServicer(registry, weights),
+         GatewayAdminServicer(registry, weights, state),
          gateway_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name),
-    ])
+    ], ready=readiness.check, ready_interval_s=cfg.health_interval_s)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.http_host, cfg.http_port))

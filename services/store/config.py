@@ -21,7 +21,14 @@ class StoreConfig(ServiceConfig):
         False, description="start a private redis-server with AOF when none answers at redis_url"
     )
     redis_data_dir: str = Field(".harnessrl/redis", description="data dir of a started Redis")
-    ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
+    health_interval_s: float = Field(
+        1.0, gt=0, description="Redis is pinged this often; health answers NOT_SERVING while "
+        "a ping fails or takes longer than this (readiness probes use it)")
+    max_state_value_bytes: int = Field(
+        1024 * 1024, ge=1, description="largest value PutState accepts (INVALID_ARGUMENT above)")
+    max_state_keys: int = Field(
+        10_000, ge=1, description="keys per PutState namespace (RESOURCE_EXHAUSTED above)")
+        ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
                                            "serving")
     metrics_bind: str = Field("", description=METRICS_BIND_HELP)
     metrics_refresh_s: float = Field(5.0, gt=0, description="refresh the stream metrics (entries, "

@@ -11,6 +11,9 @@ Keys (all under the configured prefix P):
 - `P runro:{run_id}` / `P grp:{group_id}` LISTs of rollout ids, in creation order.
 - `P gdone:{group_id}` SET of terminal rollouts; `P gpub:{group_id}` published flag.
 - `P stream:{name}` the Redis Stream of completed groups, read through consumer groups.
+- `P dead:{name}` its dead-letter stream: groups delivered `max_deliveries` times without being
+  acknowledged (`dead_letter`); `P nack:{name}:{group}` HASH entry id -> last failure reason.
+- `P state:{namespace}` HASH key -> bytes: services' own small durable state (`put_state`).
 
 Appends are checked and written by one Lua script per batch, so a call can never land in an
 attempt that has finished (scripts touch several keys: a single Redis, not Redis Cluster).
@@ -23,13 +26,14 @@ then).
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError, WatchError
 
-from harnessrl.errors import FailedPrecondition, InvalidArgument, NotFound
+from harnessrl.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
@@ -78,6 +82,53 @@ redis.call('XADD', KEYS[3], '*', 'group_id', ARGV[2], 'run_id', ARGV[3], 'task_i
 return 1
 """
 
+_DEAD_LETTER_LUA = """
+-- KEYS: stream, dead stream, reasons hash; ARGV: consumer group, entry id, deliveries,
+-- dead_at, default reason. Acknowledges the entry and copies it to the dead-letter stream,
+-- once (an entry acknowledged already is left alone). 1 when moved, 0 otherwise.
+local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+local reason = redis.call('HGET', KEYS[3], ARGV[2]) or ARGV[5]
+local fields = {'original_entry_id', ARGV[2], 'consumer_group', ARGV[1],
+                'deliveries', ARGV[3], 'reason', reason, 'dead_at', ARGV[4]}
+if entry[1] then
+  for _, v in ipairs(entry[1][2]) do fields[#fields + 1] = v end
+end
+redis.call('XADD', KEYS[2], '*', unpack(fields))
+redis.call('HDEL', KEYS[3], ARGV[2])
+return 1
+"""
+
+_PUT_STATE_LUA = """
+-- KEYS: state hash; ARGV: key, value, max keys. 1 stored, -1 namespace full.
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 and
+   redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then return -1 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+
+_ENTRY_ID = re.compile(r"^([0-9]{1,20})(?:-([0-9]{1,20}))?$")
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id ("ms-seq" or "ms") as a sortable pair; ValueError when it is none."""
+    m = _ENTRY_ID.match(entry_id)
+    if m is None or int(m.group(1)) >= 2**64 or int(m.group(2) or 0) >= 2**64:
+        raise ValueError(f"not a stream entry id: {entry_id!r}")
+    return int(m.group(1)), int(m.group(2) or 0)
+
+
+def _check_entry_ids(entry_ids: Iterable[str]) -> list[str]:
+    ids = list(entry_ids)
+    for entry_id in ids:
+        try:
+            _id_key(entry_id)
+        except ValueError as exc:
+            raise InvalidArgument(f"bad stream entry id {entry_id[:100]!r}") from exc
+    return ids
+
+
 def _require(value: str, what: str) -> str:
     if not value:
         raise InvalidArgument(f"{what} is required")
@@ -91,6 +142,8 @@ class RolloutStore:
         self._append = redis.register_script(_APPEND_LUA)
         self._create = redis.register_script(_CREATE_LUA)
         self._publish = redis.register_script(_PUBLISH_LUA)
+        self._dead_letter = redis.register_script(_DEAD_LETTER_LUA)
+        self._put_state = redis.register_script(_PUT_STATE_LUA)
 
     # keys -----------------------------------------------------------------------------------
     def _k(self, *parts: str) -> str:
@@ -105,6 +158,8 @@ class RolloutStore:
     # runs -----------------------------------------------------------------------------------
     async def put_run(self, run: c.Run) -> c.Run:
         _require(run.run_id, "run.run_id")
+        if not math.isfinite(run.created_at):
+            raise InvalidArgument("run.created_at must be a finite number")
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.set(self._k("run", run.run_id), run.SerializeToString())
             pipe.zadd(self._k("runs"), {run.run_id: run.created_at or time.time()}, nx=True)
@@ -370,18 +425,34 @@ class RolloutStore:
                 raise
 
     async def read_groups(self, stream: str, group: str, consumer: str, max_groups: int,
-                          block_ms: int, include_calls: bool) -> list[c.Group]:
+                          block_ms: int, include_calls: bool, max_deliveries: int = 0,
+                          new_only: bool = False) -> list[c.Group]:
         key = self._stream_key(stream)
         await self._ensure_consumer_group(key, group)
         count = max(1, max_groups)
-        # Entries given to this consumer earlier and never acknowledged come first.
-        entries = _entries(await self.r.xreadgroup(group, consumer, {key: "0"}, count=count))
+        entries: list[tuple[str, dict[str, str]]] = []
+        if not new_only:
+            if max_deliveries > 0:  # exhausted entries go to the dead-letter stream first
+                pending = await self.r.xpending_range(key, group, min="-", max="+",
+                                                      count=count + 1000, consumername=consumer)
+                for p in pending:
+                    if p["times_delivered"] >= max_deliveries:
+                        await self.dead_letter(stream, group, p["message_id"].decode(),
+                                               p["times_delivered"])
+            # Entries given to this consumer earlier and never acknowledged come first (each
+            # such read counts as a delivery).
+            entries = _entries(await self.r.xreadgroup(group, consumer, {key: "0"},
+                                                       count=count))
         if len(entries) < count:
             fresh = await self.r.xreadgroup(group, consumer, {key: ">"},
                                             count=count - len(entries),
                                             block=block_ms if block_ms > 0 and not entries
                                             else None)
             entries += _entries(fresh)
+        return await self._groups(entries, include_calls)
+
+    async def _groups(self, entries: list[tuple[str, dict[str, str]]], include_calls: bool
+                      ) -> list[c.Group]:
         groups = []
         for entry_id, fields in entries:
             g = c.Group(entry_id=entry_id, group_id=fields["group_id"], run_id=fields["run_id"],
@@ -412,8 +483,114 @@ class RolloutStore:
             out.append((key[len(head):], length, stats))
         return out
 
+    # bounded redelivery -------------------------------------------------------------------
+    async def dead_letter(self, stream: str, group: str, entry_id: str, deliveries: int) -> bool:
+        """Moves a pending entry to the dead-letter stream (acknowledging it); idempotent."""
+        moved = await self._dead_letter(
+            keys=[self._stream_key(stream), self._k("dead", stream or "train"),
+                  self._k("nack", stream or "train", group)],
+            args=[group, entry_id, deliveries, time.time(),
+                  f"delivered {deliveries} times without being acknowledged"])
+        return bool(moved)
+
+    async def nack_groups(self, stream: str, group: str, consumer: str, entry_ids: list[str],
+                          reason: str, max_deliveries: int, redeliver: bool,
+                          include_calls: bool) -> tuple[list[c.Group], list[str]]:
+        """A failed delivery of `entry_ids`: keeps the reason; dead-letters the entries
+        delivered `max_deliveries` times; with `redeliver`, delivers the others again (XCLAIM
+        counts a delivery). Returns (redelivered groups, dead-lettered entry ids)."""
+        key = self._stream_key(stream)
+        ids = list(dict.fromkeys(_check_entry_ids(entry_ids)))
+        if not ids:
+            return [], []
+        if reason:
+            await self.r.hset(self._k("nack", stream or "train", group),
+                              mapping={i: reason[:4000] for i in ids})
+        async with self.r.pipeline(transaction=False) as pipe:
+            for entry_id in ids:
+                pipe.xpending_range(key, group, min=entry_id, max=entry_id, count=1)
+            try:
+                infos = await pipe.execute()
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    return [], []  # no such stream or consumer group: nothing is pending
+                raise
+        dead, keep = [], []
+        for entry_id, info in zip(ids, infos):
+            if not info:
+                continue  # not pending (acknowledged, unknown): nothing to do
+            delivered = int(info[0]["times_delivered"])
+            if max_deliveries > 0 and delivered >= max_deliveries:
+                if await self.dead_letter(stream, group, entry_id, delivered):
+                    dead.append(entry_id)
+            else:
+                keep.append(entry_id)
+        redelivered: list[c.Group] = []
+        if redeliver and keep:
+            claimed = await self.r.xclaim(key, group, consumer, min_idle_time=0,
+                                          message_ids=keep)
+            redelivered = await self._groups(_entries([(key, claimed)]), include_calls)
+        return redelivered, dead
+
+    async def list_dead_letters(self, stream: str, limit: int) -> list[spb.DeadLetter]:
+        entries = await self.r.xrevrange(self._k("dead", stream or "train"),
+                                         count=max(1, min(limit or 100, 10_000)))
+        out = []
+        for entry_id, raw in entries:
+            f = {k.decode(): v.decode("utf-8", "replace") for k, v in raw.items()}
+            out.append(spb.DeadLetter(
+                entry_id=entry_id.decode(), original_entry_id=f.get("original_entry_id", ""),
+                stream=stream or "train", consumer_group=f.get("consumer_group", ""),
+                group_id=f.get("group_id", ""), run_id=f.get("run_id", ""),
+                task_id=f.get("task_id", ""), deliveries=int(f.get("deliveries", 0)),
+                reason=f.get("reason", ""), dead_at=float(f.get("dead_at", 0))))
+        return out
+
+    async def trim_groups(self, stream: str, below_entry_id: str) -> tuple[int, str]:
+        """Trims the stream below `below_entry_id` (empty: no bound of the caller's), and never
+        past the first entry any consumer group has pending or has not read yet."""
+        key = self._stream_key(stream)
+        floor = None
+        if below_entry_id:
+            floor = _id_key(_check_entry_ids([below_entry_id])[0])
+        try:
+            groups = await self.r.xinfo_groups(key)
+        except ResponseError:
+            return 0, ""  # no such stream
+        for g in groups:
+            name = g["name"].decode() if isinstance(g["name"], bytes) else str(g["name"])
+            summary = await self.r.xpending(key, name)
+            if summary["pending"]:
+                cand = _id_key(summary["min"].decode() if isinstance(summary["min"], bytes)
+                               else str(summary["min"]))
+            else:
+                last = g["last-delivered-id"]
+                ms, seq = _id_key(last.decode() if isinstance(last, bytes) else str(last))
+                cand = (ms, seq + 1)  # entries after the last delivered one are unread
+            floor = cand if floor is None else min(floor, cand)
+        if floor is None:
+            return 0, ""
+        min_id = f"{floor[0]}-{floor[1]}"
+        trimmed = await self.r.xtrim(key, minid=min_id, approximate=False)
+        return int(trimmed), min_id
+
+    # services' own state ------------------------------------------------------------------
+    async def put_state(self, namespace: str, key: str, value: bytes, max_keys: int) -> None:
+        if await self._put_state(keys=[self._k("state", _require(namespace, "namespace"))],
+                                 args=[_require(key, "key"), value, max_keys]) == -1:
+            raise ResourceExhausted(f"state namespace {namespace!r} holds {max_keys} keys "
+                                    "already")
+
+    async def delete_state(self, namespace: str, key: str) -> bool:
+        return bool(await self.r.hdel(self._k("state", _require(namespace, "namespace")),
+                                      _require(key, "key")))
+
+    async def list_state(self, namespace: str) -> list[tuple[str, bytes]]:
+        items = await self.r.hgetall(self._k("state", _require(namespace, "namespace")))
+        return sorted((k.decode("utf-8", "replace"), v) for k, v in items.items())
+
     async def ack_groups(self, stream: str, group: str, entry_ids: Iterable[str]) -> int:
-        ids = list(entry_ids)
+        ids = _check_entry_ids(entry_ids)
         if not ids:
             return 0
         return int(await self.r.xack(self._stream_key(stream), group, *ids))

@@ -30,10 +30,20 @@ async def serve(cfg: StoreConfig) -> None:
                                      health_check_interval=10)
     await client.ping()
     store = RolloutStore(client, cfg.key_prefix)
+
+    async def ready() -> tuple[bool, str]:
+        """SERVING while Redis answers a PING within the check interval."""
+        try:
+            await asyncio.wait_for(client.ping(), cfg.health_interval_s)
+        except Exception as exc:  # noqa: BLE001 - any failure: Redis unreachable
+            return False, f"redis unreachable at {cfg.redis_url}: {type(exc).__name__} {exc}"
+        return True, ""
+
     server, port, _ = await rpc.start_server(cfg.bind, [
-        (store_pb2_grpc.add_StoreServicer_to_server, StoreServicer(store),
+        (store_pb2_grpc.add_StoreServicer_to_server,
+         StoreServicer(store, cfg.max_state_value_bytes, cfg.max_state_keys),
          store_pb2.DESCRIPTOR.services_by_name["Store"].full_name),
-    ])
+    ], ready=ready, ready_interval_s=cfg.health_interval_s)
     log.info("store serving on port %d, redis %s, prefix %r", port, cfg.redis_url,
              cfg.key_prefix)
     metrics_port = serve_metrics(cfg.metrics_bind)

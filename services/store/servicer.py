@@ -11,7 +11,7 @@ import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from harnessrl.errors import Unavailable
+from harnessrl.errors import InvalidArgument, Unavailable
 from harnessrl.rpc import map_errors
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
@@ -35,8 +35,11 @@ def _redis_unavailable(fn: F) -> F:
 
 @map_errors
 class StoreServicer(store_pb2_grpc.StoreServicer):
-    def __init__(self, store: RolloutStore) -> None:
+    def __init__(self, store: RolloutStore, max_state_value_bytes: int = 1024 * 1024,
+                 max_state_keys: int = 10_000) -> None:
         self.store = store
+        self.max_state_value_bytes = max_state_value_bytes
+        self.max_state_keys = max_state_keys
 
     @_redis_unavailable
     async def PutRun(self, request: spb.PutRunRequest, context: grpc.aio.ServicerContext
@@ -112,8 +115,9 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                          context: grpc.aio.ServicerContext) -> spb.ReadGroupsResponse:
         groups = await self.store.read_groups(
             request.stream or "train", request.consumer_group or "trainer",
-            request.consumer or "trainer-0", request.max_groups or 1, request.block_ms,
-            request.include_calls)
+            request.consumer or "trainer-0", _bounded(request.max_groups or 1, 10_000),
+            _bounded(request.block_ms, 60_000), request.include_calls,
+            max(0, request.max_deliveries), request.new_only)
         return spb.ReadGroupsResponse(groups=groups)
 
     @_redis_unavailable
@@ -122,3 +126,70 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         n = await self.store.ack_groups(request.stream or "train",
                                         request.consumer_group or "trainer", request.entry_ids)
         return spb.AckGroupsResponse(acknowledged=n)
+
+    @_redis_unavailable
+    async def NackGroups(self, request: spb.NackGroupsRequest,
+                         context: grpc.aio.ServicerContext) -> spb.NackGroupsResponse:
+        stream = request.stream or "train"
+        redelivered, dead = await self.store.nack_groups(
+            stream, request.consumer_group or "trainer", request.consumer or "trainer-0",
+            list(request.entry_ids), request.reason, max(0, request.max_deliveries),
+            request.redeliver, request.include_calls)
+        letters = []
+        if dead:  # the newest dead letters hold them
+            wanted = set(dead)
+            letters = [d for d in await self.store.list_dead_letters(stream, 10 * len(dead) + 100)
+                       if d.original_entry_id in wanted]
+        return spb.NackGroupsResponse(dead_letters=letters, redelivered=redelivered)
+
+    @_redis_unavailable
+    async def ListDeadLetters(self, request: spb.ListDeadLettersRequest,
+                              context: grpc.aio.ServicerContext) -> spb.ListDeadLettersResponse:
+        letters = await self.store.list_dead_letters(request.stream or "train", request.limit)
+        return spb.ListDeadLettersResponse(dead_letters=letters)
+
+    @_redis_unavailable
+    async def TrimGroups(self, request: spb.TrimGroupsRequest,
+                         context: grpc.aio.ServicerContext) -> spb.TrimGroupsResponse:
+        trimmed, min_id = await self.store.trim_groups(request.stream or "train",
+                                                       request.below_entry_id)
+        return spb.TrimGroupsResponse(trimmed=trimmed, min_entry_id=min_id)
+
+    @_redis_unavailable
+    async def PutState(self, request: spb.PutStateRequest,
+                       context: grpc.aio.ServicerContext) -> spb.PutStateResponse:
+        if len(request.value) > self.max_state_value_bytes:
+            raise InvalidArgument(f"state value of {len(request.value)} bytes is over the "
+                                  f"{self.max_state_value_bytes}-byte limit")
+        _check_name(request.namespace, "namespace")
+        _check_name(request.key, "key")
+        await self.store.put_state(request.namespace, request.key, request.value,
+                                   self.max_state_keys)
+        return spb.PutStateResponse()
+
+    @_redis_unavailable
+    async def DeleteState(self, request: spb.DeleteStateRequest,
+                          context: grpc.aio.ServicerContext) -> spb.DeleteStateResponse:
+        _check_name(request.namespace, "namespace")
+        _check_name(request.key, "key")
+        return spb.DeleteStateResponse(
+            deleted=await self.store.delete_state(request.namespace, request.key))
+
+    @_redis_unavailable
+    async def ListState(self, request: spb.ListStateRequest,
+                        context: grpc.aio.ServicerContext) -> spb.ListStateResponse:
+        _check_name(request.namespace, "namespace")
+        entries = await self.store.list_state(request.namespace)
+        return spb.ListStateResponse(entries=[spb.StateEntry(key=k, value=v)
+                                              for k, v in entries])
+
+
+def _bounded(value: int, most: int) -> int:
+    return max(0, min(value, most))
+
+
+def _check_name(value: str, what: str) -> None:
+    if not value:
+        raise InvalidArgument(f"{what} is required")
+    if len(value) > 256:
+        raise InvalidArgument(f"{what} is longer than 256 characters")

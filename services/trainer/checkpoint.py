@@ -262,6 +262,26 @@ def prune(root: Path, keep: int) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def retained_consumed_floor(root: str | Path) -> str:
+    """The lowest stream entry id consumed by a retained checkpoint other than the oldest: the
+    stream may be trimmed below it and every retained checkpoint can still be resumed from with
+    the entries its later steps consumed ("" when nothing bounds it)."""
+    root = Path(root)
+    if not root.exists():
+        return ""
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).exists())
+    ids = [e for _, p in steps[1:] for e in read_state(p).consumed_entries]
+    if not ids:
+        return ""
+
+    def key(entry_id: str) -> tuple[int, int]:
+        ms, _, seq = entry_id.partition("-")
+        return int(ms), int(seq or 0)
+
+    return min(ids, key=key)
+
+
 def read_state(path: str | Path) -> TrainState:
     data = json.loads((Path(path) / STATE_FILE).read_text())
     return TrainState(step=int(data["step"]), policy_version=int(data["policy_version"]),

@@ -205,6 +205,16 @@ class TrainerConfig(ServiceConfig):
     consumer: str = Field("trainer-0", description="consumer name within the group")
     read_timeout_s: float = Field(60.0, gt=0, description="after a run ends, how long to wait "
                                                           "for all its groups in the stream")
+    max_group_deliveries: int = Field(
+        5, ge=0, description="a group delivered this many times without being acknowledged "
+        "goes to the stream's dead-letter stream (`harnessrl.clients.dead_letters`) instead of "
+        "blocking the trainer: a delivery is the first read, each redelivery to a restarted "
+        "trainer, and each retry after its samples could not be built; a failed optimizer "
+        "step counts against every group of its step (the trainer exits; its restart "
+        "redelivers them). The step trains without dead-lettered groups. 0: no bound")
+    trim_stream: bool = Field(
+        True, description="after each checkpoint, trim the stream below what every retained "
+        "checkpoint has consumed (never what a consumer group has pending or not yet read)")
 
     # -- checkpoints -------------------------------------------------------------------------
     checkpoint_every: int = Field(1, ge=1, description="checkpoint every N steps (and after "

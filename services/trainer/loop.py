@@ -53,6 +53,8 @@ resume, lines of steps after the checkpoint are dropped, so each step appears on
     groups_trained     int    groups that gave samples
     groups_zero_variance int  groups skipped because all rewards were equal
     groups_too_few     int    groups skipped for too few succeeded rollouts
+    groups_dead_lettered int  groups of the step's run moved to the dead-letter stream
+                              (delivered `max_group_deliveries` times); trained without
     trained            bool   whether an optimizer step was taken
     samples            int    training sequences
     tokens             int    loss tokens (completion tokens trained on)
@@ -94,6 +96,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -239,6 +242,8 @@ class Trainer:
         self.tokenizer: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.reader: StreamReader | None = None
+        self._built: dict[str, Any] = {}  # entry id -> its samples, built while screening
+        self._dead_in_step = 0
         self.last_checkpoint: Path | None = None
         self.checkpointed_step = -1
         self.output = Path(cfg.output_dir)
@@ -294,7 +299,8 @@ class Trainer:
         """Rank 0: the stream reader; acknowledges what the resumed checkpoint consumed."""
         assert self.store is not None
         self.reader = StreamReader(self.store, self.cfg.stream, self.cfg.consumer_group,
-                                   self.cfg.consumer, run_prefix, self.cfg.read_timeout_s)
+                                   self.cfg.consumer, run_prefix, self.cfg.read_timeout_s,
+                                   self.cfg.max_group_deliveries)
         if self.state.consumed_entries:  # in the checkpoint, so trained: acknowledge now
             n = self.reader.ack(self.state.consumed_entries)
             log.info("acknowledged %d of the %d entries the checkpoint consumed", n,
@@ -471,8 +477,40 @@ class Trainer:
         if not self.dist.is_main:
             return self.dist.agree([])
         assert self.reader is not None
-        return self.dist.agree(self.reader.read(run_id, step, tasks,
-                                                set(self.state.consumed_entries)))
+        groups = self._screen(self.reader.read(run_id, step, tasks,
+                                               set(self.state.consumed_entries)))
+        self._dead_in_step = len(self.reader.dead_groups(run_id))
+        return self.dist.agree(groups)
+
+    def _screen(self, groups: list[c.Group]) -> list[c.Group]:
+        """Rank 0 builds each group's samples before training: a group whose samples cannot
+        be built is reported to the store (NackGroups) and delivered again, until it builds
+        or has been delivered `max_group_deliveries` times (then it is dead-lettered and the
+        step trains without it). With no bound (0) the error stops the trainer."""
+        assert self.reader is not None
+        ok = []
+        for g in groups:
+            while True:
+                try:
+                    self._built[g.entry_id] = group_samples(
+                        g, self.cfg.advantage, self.cfg.loss.max_sample_len)
+                    ok.append(g)
+                    break
+                except Exception as exc:  # noqa: BLE001 - the group is reported, not lost
+                    if self.cfg.max_group_deliveries == 0:
+                        raise
+                    reason = f"samples of group {g.group_id}: {type(exc).__name__}: {exc}"
+                    log.warning("%s; reporting the failed delivery", reason)
+                    again, dead = self.reader.nack([g], reason, redeliver=True)
+                    if dead or not again:
+                        log.error("group %s dead-lettered after %s deliveries: %s", g.group_id,
+                                  dead[0].deliveries if dead else "?", reason)
+                        break
+                    g = again[0]
+                    rollouts = sorted(g.rollouts, key=lambda r: r.index_in_group)
+                    del g.rollouts[:]
+                    g.rollouts.extend(rollouts)
+        return ok
 
     def check_versions(self, groups: list[c.Group], version: int, s: StepRecord) -> None:
         bad = [(r.rollout_id, call.seq, call.policy_version) for g in groups
@@ -490,8 +528,10 @@ class Trainer:
     def train(self, groups: list[c.Group], s: StepRecord) -> StepMetrics | None:
         self.control.set_state("training")
         t0 = time.perf_counter()
-        results = [group_samples(g, self.cfg.advantage, self.cfg.loss.max_sample_len)
+        results = [self._built.pop(g.entry_id, None) or
+                   group_samples(g, self.cfg.advantage, self.cfg.loss.max_sample_len)
                    for g in groups]
+        self._built.clear()
         samples = [x for r in results for x in r.samples]
         s.staleness = [self.state.policy_version - min(x.policy_versions or
                                                        [self.state.policy_version])
@@ -509,7 +549,8 @@ class Trainer:
         s.counts.update(
             groups=len(groups), groups_trained=sum(1 for r in results if r.samples),
             groups_zero_variance=sum(1 for r in results if r.skipped == "zero_variance"),
-            groups_too_few=sum(1 for r in results if r.skipped == "too_few_rollouts"))
+            groups_too_few=sum(1 for r in results if r.skipped == "too_few_rollouts"),
+            groups_dead_lettered=self._dead_in_step)
         metrics = None
         if samples:
             assert self.optimizer is not None
@@ -518,8 +559,15 @@ class Trainer:
                 mine = split_by_tokens([len(x) for x in samples],
                                        self.dist.world_size)[self.dist.rank]
                 samples = [samples[i] for i in mine]
-            metrics = train_step(self.model, self.optimizer, samples, self.cfg.step_config(pad),
-                                 self.dist)
+            try:
+                metrics = train_step(self.model, self.optimizer, samples,
+                                     self.cfg.step_config(pad), self.dist)
+            except Exception as exc:
+                if self.reader is not None and self.cfg.max_group_deliveries:
+                    # counts against each group of the step; the restart redelivers them
+                    self.reader.nack(groups, f"training step {s.step} failed: "
+                                     f"{type(exc).__name__}: {exc}", redeliver=False)
+                raise
         else:
             log.warning("step %d: no group gave a sample (all zero-variance or failed); no "
                         "optimizer step", s.step, extra={"step": s.step})
@@ -583,10 +631,26 @@ class Trainer:
         if self.dist.is_main:
             assert self.reader is not None
             self.reader.ack(self.state.consumed_entries)
+            if self.cfg.trim_stream:
+                self._trim_stream()
         self.state.consumed_entries = []
         log.info("checkpoint %s (%.2fs)", path, time.perf_counter() - t0,
                  extra={"step": self.state.step})
         return path
+
+    def _trim_stream(self) -> None:
+        """Trims the stream below what every retained checkpoint has consumed (the store
+        keeps whatever a consumer group has pending or not yet read)."""
+        assert self.store is not None
+        below = ckpt.retained_consumed_floor(self.cfg.checkpoints_dir)
+        try:
+            resp = self.store.trim_groups(below, stream=self.cfg.stream)
+        except grpc.RpcError as err:  # trimming is housekeeping: the next checkpoint retries
+            log.warning("trimming stream %s failed: %s", self.cfg.stream, err)
+            return
+        if resp.trimmed:
+            log.info("stream %s: trimmed %d entries below %s", self.cfg.stream, resp.trimmed,
+                     resp.min_entry_id)
 
     def answer_checkpoint_requests(self) -> None:
         waiters = self.control.take_checkpoint_requests()
@@ -606,7 +670,8 @@ class Trainer:
             "reward_mean": statistics.fmean(rewards) if rewards else None,
             "reward_std": statistics.pstdev(rewards) if rewards else None,
             "rollouts": 0, "rollouts_failed": 0, "groups": 0, "groups_trained": 0,
-            "groups_zero_variance": 0, "groups_too_few": 0, "version_mismatches": 0,
+            "groups_zero_variance": 0, "groups_too_few": 0, "groups_dead_lettered": 0,
+            "version_mismatches": 0,
             **s.counts, "trained": m is not None,
             "samples": m.samples if m else 0, "tokens": m.tokens if m else 0,
             "input_tokens": m.input_tokens if m else 0,

@@ -6,11 +6,14 @@
   restarted trainer re-attaches to the run its previous life created, finished or not) and
   `WatchRun` until the run is done. A watch cut short (controller restart) re-attaches.
 - `StreamReader.read`: the completed groups of one run from the store's stream, through the
-  trainer's consumer group (pending entries first, so entries delivered to a crashed trainer
-  and never acknowledged come back). Entries of other runs found there are sorted out:
-  entries of this trainer's own later steps, or trained since the last checkpoint, stay pending;
-  entries of its earlier, checkpointed steps (their ack was lost) and of runs that are not this
-  trainer's are acknowledged and skipped — the stream is the trainer's own (see the config).
+  trainer's consumer group (its first read reads the pending entries, so entries delivered to a
+  crashed trainer and never acknowledged come back — one more delivery each; later reads take
+  new entries only). Entries of other runs found there are sorted out: entries of this
+  trainer's own later steps are kept for their step, entries trained since the last checkpoint
+  stay pending; entries of its earlier, checkpointed steps (their ack was lost) and of runs that
+  are not this trainer's are acknowledged and skipped — the stream is the trainer's own (see the
+  config). Groups delivered `max_deliveries` times go to the dead-letter stream (the store does
+  it); the run's step then has fewer groups than tasks.
 """
 
 from __future__ import annotations
@@ -123,11 +126,31 @@ class StreamReader:
     """Reads one run's groups from the trainer's stream (see the module docstring)."""
 
     def __init__(self, store: StoreClient, stream: str, consumer_group: str, consumer: str,
-                 run_prefix: str, timeout_s: float) -> None:
+                 run_prefix: str, timeout_s: float, max_deliveries: int = 0) -> None:
         self.store = store
         self.stream, self.consumer_group, self.consumer = stream, consumer_group, consumer
         self.run_prefix = run_prefix
         self.timeout_s = timeout_s
+        self.max_deliveries = max_deliveries
+        self.started = False  # the pending entries are read once per trainer life
+        self.held: dict[str, c.Group] = {}  # delivered entries of later steps
+        self.dead: dict[str, set[str]] = {}  # run id -> its dead-lettered group ids
+
+    def _note_dead(self, letters: Sequence[Any]) -> None:
+        for d in letters:
+            self.dead.setdefault(d.run_id, set()).add(d.group_id)
+
+    def nack(self, groups: Sequence[c.Group], reason: str, redeliver: bool
+             ) -> tuple[list[c.Group], list[Any]]:
+        """Reports a failed delivery; returns (redelivered groups, new dead letters)."""
+        resp = self.store.nack_groups(
+            [g.entry_id for g in groups], reason, self.max_deliveries, redeliver=redeliver,
+            stream=self.stream, consumer_group=self.consumer_group, consumer=self.consumer)
+        self._note_dead(resp.dead_letters)
+        return list(resp.redelivered), list(resp.dead_letters)
+
+    def dead_groups(self, run_id: str) -> set[str]:
+        return self.dead.get(run_id, set())
 
     def ack(self, entry_ids: Sequence[str]) -> int:
         if not entry_ids:
@@ -141,12 +164,24 @@ class StreamReader:
         expected = len(task_order)
         got: dict[str, c.Group] = {}
         deadline = time.monotonic() + self.timeout_s
-        while len(got) < expected:
+
+        def missing() -> int:
+            return expected - len(got) - len(self.dead_groups(run_id) -
+                                             {g.group_id for g in got.values()})
+
+        while missing() > 0:
+            first = not self.started
             resp = self.store.read_groups(
                 stream=self.stream, consumer_group=self.consumer_group, consumer=self.consumer,
-                max_groups=len(unacked) + expected + 16, block_ms=500, include_calls=True)
+                max_groups=len(unacked) + expected + 16, block_ms=500, include_calls=True,
+                max_deliveries=self.max_deliveries, new_only=not first)
+            self.started = True
+            if first and self.max_deliveries > 0:  # what the store dead-lettered on this read
+                self._note_dead(self.store.list_dead_letters(self.stream, 1000).dead_letters)
+            pool = [*self.held.values(), *resp.groups]
+            self.held.clear()
             stray: list[str] = []
-            for g in resp.groups:
+            for g in pool:
                 if g.run_id == run_id:
                     got[g.entry_id] = g
                     continue
@@ -154,18 +189,23 @@ class StreamReader:
                     continue  # trained since the last checkpoint; acknowledged with it
                 other = step_of_run(self.run_prefix, g.run_id)
                 if other is not None and other > step:
-                    continue  # a later step's, from before a restart: it will be read then
+                    self.held[g.entry_id] = g  # a later step's, from before a restart
+                    continue
                 log.warning("stream %s: acknowledging entry %s of run %s without training it "
                             "(%s)", self.stream, g.entry_id, g.run_id,
                             "not this trainer's run" if other is None
                             else f"step {other}, already in a checkpoint")
                 stray.append(g.entry_id)
             self.ack(stray)
-            if len(got) < expected:
+            if missing() > 0:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"run {run_id}: {len(got)} of {expected} groups in "
                                        f"stream {self.stream!r} after {self.timeout_s:.0f}s")
                 time.sleep(0.2)
+        dead = self.dead_groups(run_id)
+        if dead:
+            log.warning("run %s: %d of %d groups are dead-lettered; the step trains without "
+                        "them", run_id, len(dead), expected, extra={"run": run_id})
         if len(got) > expected:
             raise RuntimeError(f"run {run_id}: {len(got)} groups for {expected} tasks")
         order = {t: i for i, t in enumerate(task_order)}
