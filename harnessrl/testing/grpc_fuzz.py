@@ -27,6 +27,10 @@ from google.protobuf import message as pb_message
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor
 from hypothesis import strategies as st
 
+# protobuf's stubs type every descriptor link (message_type, enum_type, ...) as Optional and
+# hide _concrete_class: descriptors are handled untyped here.
+Field = Any
+
 HUGE = 100_000  # characters / elements of an "enormous" value
 HUGE_MESSAGES = 2_000  # elements of an enormous repeated message field
 
@@ -58,7 +62,7 @@ SAFE_FIELDS: dict[str, st.SearchStrategy[Any]] = {
 }
 
 
-def _scalar(f: FieldDescriptor) -> st.SearchStrategy[Any]:
+def _scalar(f: Field) -> st.SearchStrategy[Any]:
     t = f.type
     if t in (FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_SINT32,
              FieldDescriptor.TYPE_SFIXED32):
@@ -87,15 +91,15 @@ def _scalar(f: FieldDescriptor) -> st.SearchStrategy[Any]:
     raise TypeError(f"field {f.full_name}: type {t}")
 
 
-def _repeated(f: FieldDescriptor) -> bool:
+def _repeated(f: Field) -> bool:
     return bool(f.is_repeated)
 
 
-def _is_map(f: FieldDescriptor) -> bool:
+def _is_map(f: Field) -> bool:
     return f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type.GetOptions().map_entry
 
 
-def field_value(f: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
+def field_value(f: Field, depth: int) -> st.SearchStrategy[Any]:
     """A value for field `f` (a list for repeated fields, a dict for maps, a message)."""
     if f.name in SAFE_FIELDS:
         return SAFE_FIELDS[f.name]
@@ -121,7 +125,7 @@ def field_value(f: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
     return st.one_of(st.lists(one, max_size=3), huge)
 
 
-def _assign(msg: pb_message.Message, f: FieldDescriptor, value: Any) -> None:
+def _assign(msg: pb_message.Message, f: Field, value: Any) -> None:
     if _is_map(f):
         target = getattr(msg, f.name)
         target.clear()
@@ -137,7 +141,7 @@ def _assign(msg: pb_message.Message, f: FieldDescriptor, value: Any) -> None:
         setattr(msg, f.name, value)
 
 
-def message_strategy(desc: Descriptor, depth: int = 0) -> st.SearchStrategy[Any]:
+def message_strategy(desc: Field, depth: int = 0) -> st.SearchStrategy[Any]:
     """A message of type `desc` with each field set or not, values from `field_value`."""
     cls = desc._concrete_class
     if depth >= 3:
@@ -163,16 +167,16 @@ def mutated(seed: pb_message.Message) -> st.SearchStrategy[Any]:
         msg = type(seed)()
         msg.CopyFrom(seed)
         target = msg
-        fields = list(msg.DESCRIPTOR.fields)
+        fields: list[Field] = list(msg.DESCRIPTOR.fields)
         if not fields:
             return msg
         f = draw(st.sampled_from(fields))
         nested = [g for g in fields if g.type == FieldDescriptor.TYPE_MESSAGE
                   and not _repeated(g) and msg.HasField(g.name)]
-        if nested and draw(st.booleans()):
+        if draw(st.booleans()) and nested:
             parent = draw(st.sampled_from(nested))
             target = getattr(msg, parent.name)
-            inner = list(target.DESCRIPTOR.fields)
+            inner: list[Field] = list(target.DESCRIPTOR.fields)
             if inner:
                 f = draw(st.sampled_from(inner))
             else:

@@ -92,7 +92,7 @@ class ControllerConfig(ServiceConfig):
     health_interval_s: float = Field(
         1.0, gt=0, description="the store's health is checked this often; gRPC health says "
         "NOT_SERVING while the store (or its Redis) is down (readiness probes use it)")
-        ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
+    ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
                                            "serving")
     metrics_bind: str = Field("", description=METRICS_BIND_HELP)
     log_level: str = Field("INFO", description="logging level")

@@ -14,13 +14,14 @@ start-up configuration (`--engines`) with the same name and base_url keeps its s
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 import grpc
 
-from harnessrl.clients import StoreClient
+from harnessrl.clients import AsyncStoreClient
 from harnessrl.errors import Unavailable
 from harnessrl.v1 import gateway_pb2 as gpb
 from services.gateway.config import EngineSpec
@@ -33,7 +34,7 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class RegistryState:
-    def __init__(self, store: StoreClient, namespace: str, write_timeout_s: float = 20.0
+    def __init__(self, store: AsyncStoreClient, namespace: str, write_timeout_s: float = 20.0
                  ) -> None:
         self.store = store
         self.namespace = namespace
@@ -61,8 +62,8 @@ class RegistryState:
             if eng.marked:
                 record.reason = eng.reason
             data = record.SerializeToString()
-            await self._write(f"saving engine {eng.name}", lambda n=eng.name, d=data:
-                              self.store.put_state(self.namespace, n, d))
+            await self._write(f"saving engine {eng.name}", functools.partial(
+                self.store.put_state, self.namespace, eng.name, data))
 
     async def delete(self, name: str) -> None:
         await self._write(f"removing engine {name}",

@@ -28,7 +28,7 @@ class StoreConfig(ServiceConfig):
         1024 * 1024, ge=1, description="largest value PutState accepts (INVALID_ARGUMENT above)")
     max_state_keys: int = Field(
         10_000, ge=1, description="keys per PutState namespace (RESOURCE_EXHAUSTED above)")
-        ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
+    ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
                                            "serving")
     metrics_bind: str = Field("", description=METRICS_BIND_HELP)
     metrics_refresh_s: float = Field(5.0, gt=0, description="refresh the stream metrics (entries, "

@@ -436,9 +436,9 @@ class RolloutStore:
                 pending = await self.r.xpending_range(key, group, min="-", max="+",
                                                       count=count + 1000, consumername=consumer)
                 for p in pending:
-                    if p["times_delivered"] >= max_deliveries:
-                        await self.dead_letter(stream, group, p["message_id"].decode(),
-                                               p["times_delivered"])
+                    delivered = int(p["times_delivered"])
+                    if delivered >= max_deliveries:
+                        await self.dead_letter(stream, group, p["message_id"].decode(), delivered)
             # Entries given to this consumer earlier and never acknowledged come first (each
             # such read counts as a delivery).
             entries = _entries(await self.r.xreadgroup(group, consumer, {key: "0"},
@@ -587,7 +587,7 @@ class RolloutStore:
 
     async def list_state(self, namespace: str) -> list[tuple[str, bytes]]:
         items = await self.r.hgetall(self._k("state", _require(namespace, "namespace")))
-        return sorted((k.decode("utf-8", "replace"), v) for k, v in items.items())
+        return sorted((k.decode("utf-8", "replace"), bytes(v)) for k, v in items.items())
 
     async def ack_groups(self, stream: str, group: str, entry_ids: Iterable[str]) -> int:
         ids = _check_entry_ids(entry_ids)
