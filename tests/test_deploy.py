@@ -27,7 +27,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate 1.37.0 carries
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "gpu-node")
 DOCKERFILES = sorted([*REPO.glob("services/*/Dockerfile"), REPO / "examples/calc/Dockerfile"])
 ROLLOUT_LABELS = {"app.kubernetes.io/component": "rollout", "harnessrl.dev/role": "rollout"}
 # Controller settings of the Kubernetes job backend being added in parallel (not in
@@ -149,12 +149,22 @@ def test_gpu_requests_only_in_the_gpu_overlay(manifests) -> None:  # type: ignor
     overlay, docs = manifests
     engine = find(docs, "Deployment", "harnessrl-engine")
     trainer = find(docs, "Job", "harnessrl-trainer")
-    for doc, name in ((engine, "engine"), (trainer, "trainer")):
+    accel = "cpu" if overlay == "cpu" else "gpu"
+    # gpu-node: the trainer on a whole 8-GPU node, one process per GPU (--nproc)
+    want = {"cpu": (None, None), "gpu": ("1", "1"), "gpu-node": ("1", "8")}[overlay]
+    for doc, name, gpus_wanted in ((engine, "engine", want[0]), (trainer, "trainer", want[1])):
         ct = next(c for c in pod_spec(doc)["containers"] if c["name"] == name)  # type: ignore[index]
         gpus = ct["resources"]["limits"].get("nvidia.com/gpu")
-        assert (gpus == "1") if overlay == "gpu" else (gpus is None), (overlay, name)
-        assert ct["image"].endswith(f"-{overlay}"), ct["image"]
-    backend = '{"backend": "%s"}' % ("nccl" if overlay == "gpu" else "gloo")
+        assert gpus == gpus_wanted, (overlay, name, gpus)
+        assert ct["resources"]["requests"].get("nvidia.com/gpu") == gpus_wanted
+        assert ct["image"].endswith(f"-{accel}"), ct["image"]
+    trainer_ct = pod_spec(trainer)["containers"][0]  # type: ignore[index]
+    assert env_of(trainer_ct).get("HARNESSRL_TRAINER_NPROC", "1") == (want[1] or "1")
+    if overlay == "gpu-node":  # NCCL between the ranks wants a real /dev/shm
+        shm = next(v for v in pod_spec(trainer)["volumes"] if v["name"] == "shm")  # type: ignore[index]
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "shm", "mountPath": "/dev/shm"} in trainer_ct["volumeMounts"]
+    backend = '{"backend": "%s"}' % ("nccl" if accel == "gpu" else "gloo")
     args = pod_spec(engine)["containers"][0]["args"]  # type: ignore[index]
     assert args[args.index("--weight-transfer-config") + 1] == backend
     trainer_env = env_of(pod_spec(trainer)["containers"][0])  # type: ignore[index]
@@ -228,11 +238,17 @@ def config_fields() -> dict[str, set[str]]:
     from services.store.config import StoreConfig
     from services.trainer.config import TrainerConfig
 
+    from pydantic import BaseModel
+
     fields = {}
     for cls in (StoreConfig, GatewayConfig, ControllerConfig, TrainerConfig):
         prefix = cls.model_config["env_prefix"]
-        names = set(cls.model_fields)
-        fields[prefix] = {prefix + n.upper() for n in names}
+        names = {prefix + n.upper() for n in cls.model_fields}
+        for n, info in cls.model_fields.items():  # nested sections: PREFIX_SECTION__FIELD
+            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+                names |= {f"{prefix}{n.upper()}__{sub.upper()}"
+                          for sub in info.annotation.model_fields}
+        fields[prefix] = names
     return fields
 
 
@@ -300,6 +316,21 @@ def test_compose_file_validates(tmp_path: Path) -> None:
     assert gpu["capabilities"] == ["gpu"]
     env_file = (REPO / ".env").read_text()
     assert re.search(r"^COMPOSE_PROFILES=gpu$", env_file, re.M), "GPU is the default profile"
+
+
+def test_compose_trainer_takes_every_gpu_it_is_given(tmp_path: Path) -> None:
+    """TRAINER_GPUS / TRAINER_NPROC put one trainer process on each of several GPUs."""
+    default = compose_config(tmp_path)["services"]["trainer"]
+    assert default["environment"]["HARNESSRL_TRAINER_NPROC"] == "1"
+    many = compose_config(tmp_path, {"TRAINER_GPUS": "1,2,3,4", "TRAINER_NPROC": "4"})
+    trainer = many["services"]["trainer"]
+    assert trainer["environment"]["HARNESSRL_TRAINER_NPROC"] == "4"
+    device = trainer["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["device_ids"] == ["1,2,3,4"] and device["capabilities"] == ["gpu"]
+    assert trainer["shm_size"]  # NCCL's shared-memory transport between the ranks
+    from services.trainer.config import TrainerConfig
+
+    assert "nproc" in TrainerConfig.model_fields
 
 
 def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
