@@ -39,7 +39,7 @@ def main() -> int:
         build_tiny_model(work / "model", warmup_steps=0)
     res = run_chaos(work, model, seed=a.seed, steps=a.steps, kill_order=order * a.rounds,
                     gap_s=(3.0, 15.0), timeout_s=3600,
-                    trainer_flags=() if a.model_dir else ("--no-filter-zero-variance",),
+                    trainer_flags=() if a.model_dir else ("--no-advantage.filter-zero-variance",),
                     log=lambda m: print(m, file=sys.stderr, flush=True))
     for e in res.events:
         print("supervisor:", e, file=sys.stderr)

@@ -22,7 +22,7 @@ def test_kill_each_service_during_training_nothing_lost_nothing_twice(tmp_path: 
     # and every group trained even when its rewards are equal, so trained rollouts are many
     model = build_tiny_model(tmp_path / "model", warmup_steps=0)
     res = run_chaos(tmp_path, model, seed=11, steps=3, gap_s=(2.0, 6.0), timeout_s=600,
-                    trainer_flags=("--no-filter-zero-variance",))
+                    trainer_flags=("--no-advantage.filter-zero-variance",))
     print("chaos accounting:", json.dumps(res.line()))
     for e in res.events:
         print("  supervisor:", e)
