@@ -236,6 +236,8 @@ def test_fuzz_controller(tmp_path: Path, store_service: StoreService) -> None:
             "ListRunRollouts": cpb.ListRunRolloutsRequest(run_id="fz-run-1"),
             "CancelRun": cpb.CancelRunRequest(run_id="fz-run-1"),
             "WatchRun": cpb.WatchRunRequest(run_id="fz-run-1"),
+            "AdmissionUpdate": cpb.AdmissionUpdateRequest(run_id="fz-run-1", groups_consumed=1,
+                                                          policy_version=1),
         }
         problems = fuzz("controller", address, _rpcs(controller_pb2, "Controller", seeds))
         assert controller.alive
