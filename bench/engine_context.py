@@ -28,7 +28,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from harnessrl.engine import start_engine  # noqa: E402
+from harnessrl.local.engine import start_engine  # noqa: E402
 from harnessrl.model import build_tiny_model, default_model_dir  # noqa: E402
 
 

@@ -172,7 +172,7 @@ def main() -> None:
                                              "model": "stub-model"}]
         vllm = None
         if not args.no_vllm:
-            from harnessrl.engine import start_engine
+            from harnessrl.local.engine import start_engine
             from harnessrl.model.build import build_tiny_model, default_model_dir
             model_dir = build_tiny_model(default_model_dir())
             print("starting vLLM on", model_dir, flush=True)

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from harnessrl import procs  # noqa: E402
-from harnessrl.stack import Stack, StackConfig  # noqa: E402
+from harnessrl.local.stack import Stack, StackConfig  # noqa: E402
 
 MODES = ("sync", "async", "collocated")
 

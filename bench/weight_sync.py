@@ -16,7 +16,7 @@ For each model size (random float32 Qwen3 configs, untied embeddings):
    median gap without a push).
 
 The engine runs on jemalloc with page purging off (`--allocator jemalloc`, the default; see
-`harnessrl.engine.jemalloc_env`): with glibc every model-sized buffer of the update is a fresh mmap.
+`harnessrl.local.engine.jemalloc_env`): with glibc every model-sized buffer of the update is a fresh mmap.
 `--allocator system` measures without it.
 
 The floor of a push: the raw broadcast of the same bytes (1.) plus the engine's own time to
@@ -57,7 +57,7 @@ from typing import Any
 import httpx
 import torch
 
-from harnessrl.engine import jemalloc_env
+from harnessrl.local.engine import jemalloc_env
 from harnessrl.procs import free_port
 from harnessrl.weight_transfer import EngineRef, PushConfig, WeightPusher, weights_of
 from harnessrl.weight_transfer.devtools import VllmServer, random_qwen3
@@ -316,7 +316,7 @@ def main() -> None:
                         default=[], help="comma list: beside --num-buffers, push with each "
                         "of these depths too, side by side (no client streaming)")
     parser.add_argument("--allocator", choices=["jemalloc", "system"], default="jemalloc",
-                        help="the engine's malloc (see harnessrl.engine.jemalloc_env)")
+                        help="the engine's malloc (see harnessrl.local.engine.jemalloc_env)")
     parser.add_argument("--debug-client", action="store_true",
                         help="print the client's token arrivals around each push")
     parser.add_argument("--workdir", type=Path, default=None)

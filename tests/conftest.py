@@ -119,7 +119,7 @@ def tiny_model_dir() -> Path:
 def vllm_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """One vLLM server on the tiny model for the whole test session (its start takes 60-95 s
     on 2 cores); hermes tool parsing on, dev-mode endpoints on, no weight-transfer backend."""
-    from harnessrl.engine import start_engine
+    from harnessrl.local.engine import start_engine
 
     engine = start_engine(tiny_model_dir, workdir=tmp_path_factory.mktemp("vllm"))
     try:

@@ -15,7 +15,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from harnessrl.clients import ControllerClient, StoreClient
-from harnessrl.stack import Stack, StackConfig
+from harnessrl.local.stack import Stack, StackConfig
 from harnessrl.v1 import common_pb2 as c
 
 pytestmark = pytest.mark.vllm

@@ -1,4 +1,4 @@
-"""vLLM on the tiny model, started by harnessrl.engine: token ids, logprobs, tool calls."""
+"""vLLM on the tiny model, started by harnessrl.local.engine: token ids, logprobs, tool calls."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harnessrl.engine import EngineError, EngineProcess, start_engine
+from harnessrl.local.engine import EngineError, EngineProcess, start_engine
 from harnessrl.model import calc_task, load_tokenizer
 
 
@@ -77,7 +77,7 @@ def test_start_engine_refuses_a_folder_without_a_model(tmp_path: Path) -> None:
 
 
 def test_engine_command_line(tmp_path: Path) -> None:
-    from harnessrl.engine import engine_argv
+    from harnessrl.local.engine import engine_argv
 
     argv = engine_argv(tmp_path, 1234, "m", 512, "gloo", ["--seed", "3"])
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]

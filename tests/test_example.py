@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from examples.calc.evaluate import GRADER, HARNESS, task_env
-from harnessrl.engine import EngineProcess
+from harnessrl.local.engine import EngineProcess
 from harnessrl.model import calc_task
 
 TASKS = Path(__file__).resolve().parent.parent / "examples" / "calc" / "tasks.jsonl"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from harnessrl import procs
-from harnessrl.stack import Stack, StackConfig
+from harnessrl.local.stack import Stack, StackConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

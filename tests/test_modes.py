@@ -345,7 +345,7 @@ def test_collocated_loop_through_the_real_controller_gateway_and_stub_engine(
     import uuid
 
     from harnessrl.clients import ControllerClient, GatewayAdminClient
-    from harnessrl.stack import Stack, StackConfig
+    from harnessrl.local.stack import Stack, StackConfig
     from services.trainer.config import TrainerConfig
     from services.trainer.gauges import GatewayHold, Gauges
     from services.trainer.rollouts import ControllerRuns

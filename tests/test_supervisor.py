@@ -1,4 +1,4 @@
-"""The supervisor of `harnessrl up` (`harnessrl/supervisor.py`), on real processes: Redis (AOF),
+"""The supervisor of `harnessrl up` (`harnessrl/local/supervisor.py`), on real processes: Redis (AOF),
 store, gateway (in front of the stub engine), controller. Each killed with kill -9 comes back
 with the same flags on the same port, the event is recorded, and what the store held survives.
 Also: a harness whose controller never comes back is ended by its job wrapper's deadline."""
@@ -16,7 +16,7 @@ from pathlib import Path
 from harnessrl import procs
 from harnessrl.clients import GatewayAdminClient, StoreClient
 from harnessrl.rpc import health_check
-from harnessrl.stack import Stack, StackConfig
+from harnessrl.local.stack import Stack, StackConfig
 from harnessrl.v1 import common_pb2 as c
 from services.controller.backends import local
 

@@ -208,12 +208,12 @@ def test_report_page_shows_the_reward_curve_in_its_plot_area_in_headless_chromiu
     is `PLOT_BG`), spread over most of its width (a curve, not a legend swatch)."""
     from PIL import Image
 
-    from harnessrl.report import COLORS, PLOT_BG
+    from harnessrl.local.report import COLORS, PLOT_BG
 
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "chromium is missing: scripts/setup.sh installs it (apt-get install chromium)"
     page = tmp_path / "report.html"
-    done = subprocess.run([sys.executable, "-m", "harnessrl.cli", "report", str(run["out"]),
+    done = subprocess.run([sys.executable, "-m", "harnessrl.local.cli", "report", str(run["out"]),
                            "--out", str(page)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     text = page.read_text()

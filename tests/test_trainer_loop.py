@@ -17,7 +17,7 @@ from conftest import GatewayService
 from harnessrl import procs
 from harnessrl.clients import GatewayAdminClient, StoreClient, TrainerClient
 from harnessrl.rpc import health_check
-from harnessrl.stack import Stack, StackConfig
+from harnessrl.local.stack import Stack, StackConfig
 from harnessrl.v1 import common_pb2 as c, gateway_pb2 as gpb
 from harnessrl.weight_transfer import PushConfig, PushError
 from services.trainer.weights import EngineWeights

@@ -100,7 +100,7 @@ def main() -> None:
     engine = None
     base_url, model = a.base_url, a.model
     if base_url is None:
-        from harnessrl.engine import start_engine
+        from harnessrl.local.engine import start_engine
         from harnessrl.model.build import build_tiny_model, default_model_dir
 
         model_dir = a.model_dir or build_tiny_model(default_model_dir())

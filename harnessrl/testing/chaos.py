@@ -30,7 +30,7 @@ from typing import Any
 
 from harnessrl import procs
 from harnessrl.rpc import health_check
-from harnessrl.stack import Stack, StackConfig
+from harnessrl.local.stack import Stack, StackConfig
 from harnessrl.v1 import common_pb2 as c
 
 GRPC = ("store", "gateway", "controller", "trainer")
@@ -134,7 +134,7 @@ def run_chaos(workdir: Path, model_dir: Path, *, seed: int = 0, steps: int = 3,
               trainer_flags: tuple[str, ...] = (), log: Any = print) -> ChaosResult:
     """Trains `steps` steps on the example while killing each service of `kill_order` in turn,
     `gap_s` (seeded uniform) after the previous one is back; then accounts for every rollout."""
-    from harnessrl.train_job import start_trainer
+    from harnessrl.local.train_job import start_trainer
 
     rng = random.Random(seed)
     workdir = Path(workdir)

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 from harnessrl import procs
 
 if TYPE_CHECKING:
-    from harnessrl.stack import Stack
+    from harnessrl.local.stack import Stack
 
-log = logging.getLogger("harnessrl.supervisor")
+log = logging.getLogger("harnessrl.local.supervisor")
 
 
 @dataclass

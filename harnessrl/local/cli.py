@@ -10,7 +10,7 @@
   (which restarts what dies); `status`, `runs`, `rollouts RUN`, `show ROLLOUT`,
   `logs SERVICE`, `run` and `down` find it through `--state-dir` (default `.harnessrl`).
 - `harnessrl run`: creates a run of your harness on a running stack and follows it.
-- `harnessrl report RUN_DIR`: an HTML page of a training run (`harnessrl/report.py`).
+- `harnessrl report RUN_DIR`: an HTML page of a training run (`harnessrl/local/report.py`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harnessrl import log as hlog
-from harnessrl import operate, progress
+from harnessrl.local import operate, progress
 from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import controller_pb2 as cpb
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "calc"
 console = Console()
 
@@ -175,7 +175,7 @@ def _detach(args: argparse.Namespace, state: Path) -> int:
     (state / operate.STATE_FILE).unlink(missing_ok=True)
     log_path = state / "logs" / "up.log"
     given = sys.argv[1:] if args.argv is None else list(args.argv)
-    argv = [sys.executable, "-m", "harnessrl.cli", *given, "--daemon"]
+    argv = [sys.executable, "-m", "harnessrl.local.cli", *given, "--daemon"]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
@@ -214,7 +214,7 @@ def _detach(args: argparse.Namespace, state: Path) -> int:
 
 def _up(args: argparse.Namespace, state: Path) -> int:
     from harnessrl.model.build import build_tiny_model, default_model_dir
-    from harnessrl.stack import Stack, StackConfig
+    from harnessrl.local.stack import Stack, StackConfig
 
     daemon = args.daemon
     if daemon:  # `harnessrl down` sends SIGTERM: stop everything on the way out
@@ -245,7 +245,7 @@ def _up(args: argparse.Namespace, state: Path) -> int:
                       f"controller {stack.controller_address}  logs {stack.logs}")
         if args.rollouts_only:
             return _rollouts(stack, args, state, model_dir)
-        from harnessrl.train_job import run_training, start_trainer
+        from harnessrl.local.train_job import run_training, start_trainer
         assert model_dir is not None  # training starts its own engines (cmd_up checks)
         if daemon:
             start_trainer(stack, model_dir, args, console)
@@ -377,7 +377,7 @@ def _harness_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from harnessrl.report import write_report
+    from harnessrl.local.report import write_report
 
     try:
         out = write_report(Path(args.run_dir), Path(args.out) if args.out else None)

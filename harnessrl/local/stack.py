@@ -22,9 +22,9 @@ from harnessrl import procs
 from harnessrl.credentials import load_secret
 
 if TYPE_CHECKING:
-    from harnessrl.supervisor import Event, Supervisor
+    from harnessrl.local.supervisor import Event, Supervisor
 
-log = logging.getLogger("harnessrl.stack")
+log = logging.getLogger("harnessrl.local.stack")
 
 
 def default_weight_backend() -> str:
@@ -72,7 +72,7 @@ class Stack:
         self.redis_url = cfg.redis_url
         self.store_address = self.gateway_url = self.gateway_admin_address = ""
         self.controller_address = self.trainer_address = ""
-        self.engines: list = []  # harnessrl.engine.EngineProcess
+        self.engines: list = []  # harnessrl.local.engine.EngineProcess
         self.lock = threading.RLock()  # guards procs against the supervisor's restarts
         self.stopping = False
         self.supervisor: "Supervisor | None" = None
@@ -90,7 +90,7 @@ class Stack:
         self.logs.mkdir(parents=True, exist_ok=True)
         load_secret(None, self.secret_file)
         if self.cfg.model_dir is not None:  # slowest first: vLLM starts while the rest comes up
-            from harnessrl.engine import start_engine
+            from harnessrl.local.engine import start_engine
             for i in range(self.cfg.num_engines):
                 eng = start_engine(self.cfg.model_dir, workdir=self.state / "engines",
                                    served_model_name=self.cfg.served_model_name,
@@ -144,9 +144,9 @@ class Stack:
                 self.trainer_address = proc.argv[proc.argv.index("--bind") + 1]
 
     def supervise(self, on_event: "Callable[[Event], None] | None" = None) -> "Supervisor":
-        """Starts restarting what dies (see `harnessrl.supervisor`); events go to
+        """Starts restarting what dies (see `harnessrl.local.supervisor`); events go to
         `<state>/events.jsonl` and `on_event`."""
-        from harnessrl.supervisor import Supervisor
+        from harnessrl.local.supervisor import Supervisor
 
         self.supervisor = Supervisor(self, self.state / "events.jsonl", on_event=on_event)
         return self.supervisor.start()

@@ -21,7 +21,7 @@ import httpx
 
 from harnessrl import procs
 
-log = logging.getLogger("harnessrl.engine")
+log = logging.getLogger("harnessrl.local.engine")
 
 
 def jemalloc_env() -> dict[str, str]:

@@ -134,7 +134,7 @@ def status(st: dict[str, Any], console: Console) -> int:
             console.print(f"trainer: unreachable ({exc.__class__.__name__})")
     events = Path(st["state_dir"]) / "events.jsonl"
     if events.exists():
-        from harnessrl.supervisor import Event
+        from harnessrl.local.supervisor import Event
 
         lines = events.read_text().splitlines()[-5:]
         if lines:

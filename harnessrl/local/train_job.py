@@ -15,8 +15,8 @@ from rich.live import Live
 from rich.table import Table
 
 from harnessrl import procs
-from harnessrl.progress import fmt_s
-from harnessrl.stack import Stack
+from harnessrl.local.progress import fmt_s
+from harnessrl.local.stack import Stack
 
 
 def _read_metrics(path: Path) -> list[dict]:  # type: ignore[type-arg]
