@@ -13,8 +13,8 @@ What a restart needs besides the process itself:
   MARKED at the gateway (no traffic) as soon as it is seen dead; once healthy, the trainer is
   restarted (it resumes from its checkpoint and pushes its weights into every engine, which marks
   them READY again); with no trainer it is marked READY at the version the gateway had.
-- gateway: its engine registry is in memory; it restarts with the engines' last policy versions
-  seen through GatewayAdmin (polled every `poll_s`), so calls carry the right version.
+- gateway: restarts with the same flags; it reloads its engine registry (engines, policy
+  versions, MARKED states, pauses) from the store, so calls carry the right version.
 - trainer: restarts with `--resume` (`restart_argv`), after any engine being restarted is
   healthy again (its start pushes into every engine).
 - controller: adopts the jobs of its earlier life itself (`RunManager.recover`).
@@ -75,7 +75,6 @@ class Supervisor:
         self._backoff: dict[str, float] = {}
         self._crashes: dict[str, int] = {}
         self.max_crash_restarts = max_crash_restarts
-        self._engine_versions: dict[str, int] = {}
         self._thread = threading.Thread(target=self._loop, name="supervisor", daemon=True)
         self._lock = threading.Lock()
 
@@ -105,11 +104,7 @@ class Supervisor:
                 log.exception("event callback")
 
     def _loop(self) -> None:
-        last_poll = 0.0
         while not self._stop.wait(self.poll_s):
-            if time.monotonic() - last_poll > 1.0:
-                last_poll = time.monotonic()
-                self._remember_engine_versions()
             self.check_once()
 
     def check_once(self) -> None:
@@ -158,13 +153,10 @@ class Supervisor:
             is_engine = name.startswith("engine")
             if is_engine:
                 self._mark_engine(name, "restarted: serves its start-up weights until a push")
-            argv_override = self._gateway_argv(old) if name == "gateway" else None
             with self.stack.lock:
                 if self.stack.stopping or self._stop.is_set() or \
                         self.stack.procs.get(name) is not old:
                     return  # stopping, or restarted by someone else (Stack.restart)
-                if argv_override is not None:
-                    old.restart_argv = argv_override
                 new = old.respawn()
                 self.stack.procs[name] = new
             self._wait_serving(new)
@@ -197,28 +189,6 @@ class Supervisor:
         from harnessrl.clients import GatewayAdminClient
 
         return GatewayAdminClient.connect(self.stack.gateway_admin_address, timeout=5)
-
-    def _remember_engine_versions(self) -> None:
-        if not self.stack.gateway_admin_address or "gateway" in self.restarting:
-            return
-        try:
-            admin = self._admin()
-            try:
-                for e in admin.list_engines().engines:
-                    self._engine_versions[e.name] = e.policy_version
-            finally:
-                admin.close()
-        except Exception as exc:  # noqa: BLE001 - the gateway may be down right now
-            log.debug("engine versions not polled: %s", exc)
-
-    def _gateway_argv(self, old: procs.ServiceProcess) -> list[str]:
-        argv = list(old.argv)
-        i = argv.index("--engines") + 1
-        engines = json.loads(argv[i])
-        for e in engines:
-            e["policy_version"] = self._engine_versions.get(e["name"], e.get("policy_version", 0))
-        argv[i] = json.dumps(engines)
-        return argv
 
     def _mark_engine(self, name: str, reason: str) -> None:
         from harnessrl.v1 import gateway_pb2 as gpb
