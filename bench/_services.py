@@ -35,3 +35,16 @@ def start_stub_engine(workdir: Path, model: str) -> tuple[procs.ServiceProcess, 
     proc, info = procs.start_service("stub", "harnessrl.testing.stub_engine",
                                      ["--model", model], workdir)
     return proc, f"http://127.0.0.1:{info['http_port']}"
+
+
+def start_world(workdir: Path, model: str,
+                started: list[procs.ServiceProcess]) -> tuple[str, str, str]:
+    """Redis, a store on it and a stub engine serving `model`, each appended to `started` (the
+    caller stops them); returns (redis URL, store address, stub engine URL)."""
+    redis_url, redis_proc = procs.start_redis(workdir / "redis")
+    started.append(redis_proc)
+    store_proc, store_addr = start_store(workdir, redis_url)
+    started.append(store_proc)
+    stub_proc, stub_url = start_stub_engine(workdir, model)
+    started.append(stub_proc)
+    return redis_url, store_addr, stub_url

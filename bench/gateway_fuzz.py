@@ -23,7 +23,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._services import start_store, start_stub_engine  # noqa: E402
+from bench._services import start_world  # noqa: E402
 from harnessrl import procs  # noqa: E402
 from harnessrl.clients import StoreClient  # noqa: E402
 from harnessrl.credentials import CredentialSigner  # noqa: E402
@@ -42,12 +42,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="hrl-bench-fuzz-"))
     started: list[procs.ServiceProcess] = []
     try:
-        redis_url, redis_proc = procs.start_redis(work / "redis")
-        started.append(redis_proc)
-        store_proc, store_addr = start_store(work, redis_url)
-        started.append(store_proc)
-        stub_proc, stub_url = start_stub_engine(work, "tiny")
-        started.append(stub_proc)
+        _, store_addr, stub_url = start_world(work, "tiny", started)
         gw_proc, gw = procs.start_service(
             "gateway", "services.gateway",
             ["--http-port", "0", "--grpc-bind", "127.0.0.1:0", "--store-address", store_addr,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._services import start_gateway, start_store, start_stub_engine  # noqa: E402
+from bench._services import start_gateway, start_world  # noqa: E402
 from harnessrl import procs  # noqa: E402
 from harnessrl.clients import StoreClient  # noqa: E402
 from harnessrl.credentials import CredentialSigner  # noqa: E402
@@ -39,12 +39,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="hrl-bench-load-"))
     started: list[procs.ServiceProcess] = []
     try:
-        redis_url, redis_proc = procs.start_redis(work / "redis")
-        started.append(redis_proc)
-        store_proc, store_addr = start_store(work, redis_url)
-        started.append(store_proc)
-        stub_proc, stub_url = start_stub_engine(work, "tiny")
-        started.append(stub_proc)
+        _, store_addr, stub_url = start_world(work, "tiny", started)
         gw_proc, gw = start_gateway(work, store_addr, SECRET,
                                     [{"name": "stub", "base_url": stub_url, "model": "tiny"}])
         started.append(gw_proc)
