@@ -5,7 +5,7 @@ received.
 - The official SDKs' forms that tests/test_gateway_apis.py leaves open: chat completions and
   completions not streamed, Responses function calls and Anthropic tool use both streamed and
   not (each form until it has made a tool call: the model samples).
-- A prompt of 40,000 characters (the tiny model has 32,768 positions, the engine that context).
+- A prompt of 31,000 tokens (the tiny model has 32,768 positions, the engine that context).
 - A third-party agent framework, the OpenAI Agents SDK (`openai-agents`), run unchanged as a
   harness under the controller (examples/agents_sdk), configured by the environment only.
 
@@ -164,22 +164,26 @@ def test_anthropic_tool_use(world: World, streamed: bool) -> None:
     until_tool_call(f"messages, {'streamed' if streamed else 'not streamed'}", attempt)
 
 
-def long_prompt(chars: int = 40_000) -> str:
-    """`chars` characters of the project's README (prose, tables, code), repeated."""
-    text = (REPO / "README.md").read_text()
-    return (text * (chars // len(text) + 1))[:chars]
+def long_prompt(tok: PreTrainedTokenizerFast, tokens: int = 31_000) -> str:
+    """The project's README (prose, tables, code), repeated and cut after `tokens` tokens: near
+    the tiny model's 32,768 positions whatever the README says today."""
+    text = (REPO / "README.md").read_text() * 40
+    offsets = tok(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+    assert len(offsets) > tokens, "the README repeated is too short for the long prompt"
+    return text[:offsets[tokens - 1][1]]
 
 
-def test_a_40000_character_prompt_is_served(world: World) -> None:
+def test_a_long_prompt_near_the_context_limit_is_served(world: World) -> None:
     env = world.env
-    prompt = long_prompt()
+    prompt = long_prompt(env.tok)
+    assert len(prompt) > 30_000
     rid, key = env.key()
     resp = env.openai(key).chat.completions.create(
         model=env.model, messages=[{"role": "user", "content": prompt}], max_tokens=8,
         temperature=1.0)
     [call] = env.calls(rid)
     env.check(call, resp.choices[0].message.content, [])
-    assert 30_000 < len(call.prompt_token_ids) == resp.usage.prompt_tokens <= 32_768 - 8  # type: ignore[union-attr]
+    assert 31_000 <= len(call.prompt_token_ids) == resp.usage.prompt_tokens <= 32_768 - 8  # type: ignore[union-attr]
     assert prompt in env.tok.decode(call.prompt_token_ids)
 
 
