@@ -12,7 +12,7 @@ flight, sampled every 0.5 s), trainer busy fraction (train + push time over wall
 of the last steps, staleness histogram over trained samples, groups dropped. Ends with one JSON
 line and writes a PNG of reward against wall time (the --latency runs).
 
-    python bench/modes.py --steps 4 --out /tmp/modes-bench
+    python bench/modes.py --steps 6 --out /tmp/modes-bench
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ MODES = ("sync", "async", "collocated")
 
 
 def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.Namespace,
-                model_dir: Path) -> dict[str, Any]:
+                model_dir: Path, seed: int) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    name = f"{mode}-{str(latency).replace('.', 'p')}"
+    name = f"{mode}-{str(latency).replace('.', 'p')}-s{seed}"
     argv = procs.python_module(
         "services.trainer", "--bind", "127.0.0.1:0", "--store-address", stack.store_address,
         "--controller-address", stack.controller_address,
@@ -44,7 +44,7 @@ def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.
         "--output-dir", str(out / "trainer"), "--served-model-name", "tiny",
         "--steps", str(a.steps), "--tasks-per-step", str(a.tasks_per_step),
         "--group-size", str(a.group_size), "--concurrency", str(a.concurrency),
-        "--run-name", name, "--stream", f"bench-{name}-{int(time.time())}", "--seed", str(a.seed),
+        "--run-name", name, "--stream", f"bench-{name}-{int(time.time())}", "--seed", str(seed),
         "--harness-command", json.dumps([sys.executable, str(REPO / "bench" /
                                                              "_slow_tool_harness.py")]),
         "--harness-env", json.dumps({"HARNESSRL_BENCH_TOOL_MEDIAN_S": str(latency),
@@ -70,7 +70,8 @@ def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.
     last = rows[-max(1, len(rows) // 3):]
     rewards = [r["reward_mean"] for r in last if r["reward_mean"] is not None]
     return {
-        "mode": mode, "latency_median_s": latency, "steps": len(rows), "wall_s": wall,
+        "mode": mode, "latency_median_s": latency, "seed": seed, "steps": len(rows),
+        "wall_s": wall,
         "process_s": wall_process,
         "engine_busy_fraction": sum(b * t for b, t in busy) / sum(t for _, t in busy)
         if busy else None,
@@ -90,7 +91,7 @@ def plot(results: list[dict[str, Any]], latency: float, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
-        if r["latency_median_s"] == latency:
+        if r["latency_median_s"] == latency and r["seed"] == results[0]["seed"]:
             xs = [x for x, y in r["curve"] if y is not None]
             ys = [y for _, y in r["curve"] if y is not None]
             ax.plot(xs, ys, marker="o", label=f"{r['mode']} ({r['wall_s']:.0f} s)")
@@ -112,6 +113,9 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=1.2, help="tool step lognormal sigma")
     ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sync-seeds", type=int, default=3,
+                    help="sync runs at --latency with seeds seed, seed+1, ...: the spread of the "
+                         "reward that the other modes' final reward is compared with")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--skip-zero-latency", action="store_true")
     ap.add_argument("--timeout-s", type=float, default=3600)
@@ -129,22 +133,25 @@ def main() -> None:
                       gateway_flags=("--hold-timeout-s", "600"))
     latencies = [a.latency] + ([] if a.skip_zero_latency or a.latency == 0 else [0.0])
     results: list[dict[str, Any]] = []
+    runs = [(latency, mode, a.seed) for latency in latencies for mode in a.modes.split(",")]
+    runs += [(a.latency, "sync", a.seed + k) for k in range(1, a.sync_seeds)]
     with Stack(cfg) as stack:
-        for latency in latencies:
-            for mode in a.modes.split(","):
-                r = run_trainer(stack, a.out / f"{mode}-lat{latency}", mode, latency, a,
-                                model_dir)
-                results.append(r)
-                print(f"latency {latency:>4} s  {mode:<10}  {r['steps']} steps in "
-                      f"{r['wall_s']:7.1f} s  engine busy {r['engine_busy_fraction'] or 0:.2f}  "
-                      f"trainer busy {r['trainer_busy_fraction']:.2f}  reward "
-                      f"{r['final_reward']}  staleness {r['staleness_hist']}  dropped "
-                      f"{r['groups_dropped']}  held calls {r['held_calls']}", flush=True)
+        for latency, mode, seed in runs:
+            r = run_trainer(stack, a.out / f"{mode}-lat{latency}-seed{seed}", mode, latency,
+                            a, model_dir, seed)
+            results.append(r)
+            (a.out / "results.json").write_text(json.dumps(results, indent=1))  # so far
+            print(f"latency {latency:>4} s  {mode:<10} seed {seed}  {r['steps']} steps in "
+                  f"{r['wall_s']:7.1f} s  engine busy {r['engine_busy_fraction'] or 0:.2f}  "
+                  f"trainer busy {r['trainer_busy_fraction']:.2f}  reward "
+                  f"{r['final_reward']}  staleness {r['staleness_hist']}  dropped "
+                  f"{r['groups_dropped']}  held calls {r['held_calls']}", flush=True)
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
 
     def wall(mode: str, latency: float) -> float | None:
-        m = [r["wall_s"] for r in results if r["mode"] == mode and r["latency_median_s"] == latency]
+        m = [r["wall_s"] for r in results if r["mode"] == mode and r["latency_median_s"] == latency
+             and r["seed"] == a.seed]
         return m[0] if m else None
 
     def speedup(mode: str, latency: float) -> float | None:
@@ -158,13 +165,30 @@ def main() -> None:
     plot(results, a.latency, png)
     (a.out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"load average before {load_before}, after {load_after}; figure {png}")
+    sync_rewards = [r["final_reward"] for r in results if r["mode"] == "sync"
+                    and r["latency_median_s"] == a.latency and r["final_reward"] is not None]
+    spread = [min(sync_rewards), max(sync_rewards)] if sync_rewards else None
+
+    def within(mode: str) -> bool | None:
+        got = [r["final_reward"] for r in results if r["mode"] == mode and r["seed"] == a.seed
+               and r["latency_median_s"] == a.latency]
+        if not got or got[0] is None or spread is None:
+            return None
+        return spread[0] <= got[0] <= spread[1]
+
+    print(f"sync final reward over {len(sync_rewards)} seeds: {spread}; within it: async "
+          f"{within('async')}, collocated {within('collocated')}")
     print(json.dumps({
         "speedup_collocated_vs_sync": speedup("collocated", a.latency),
         "speedup_async_vs_sync": speedup("async", a.latency),
         "speedup_collocated_vs_sync_zero_latency": speedup("collocated", 0.0),
         "speedup_async_vs_sync_zero_latency": speedup("async", 0.0),
-        "final_reward": {f"{r['mode']}@{r['latency_median_s']}": r["final_reward"]
+        "final_reward": {f"{r['mode']}@{r['latency_median_s']}"
+                         + (f"/seed{r['seed']}" if r["seed"] != a.seed else ""): r["final_reward"]
                          for r in results},
+        "sync_final_reward_spread": spread,
+        "final_reward_within_sync_spread": {"async": within("async"),
+                                            "collocated": within("collocated")},
         "steps": a.steps, "tasks_per_step": a.tasks_per_step, "group_size": a.group_size,
         "concurrency": a.concurrency, "load_before": load_before, "load_after": load_after}))
 
