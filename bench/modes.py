@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,60 @@ from harnessrl import procs  # noqa: E402
 from harnessrl.local.stack import Stack, StackConfig  # noqa: E402
 
 MODES = ("sync", "async", "collocated")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_table() -> dict[int, tuple[int, float, float]]:
+    """pid -> (parent pid, own CPU s, CPU s of its reaped children), from /proc."""
+    table: dict[int, tuple[int, float, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        # after the command: state ppid ... utime(11) stime(12) cutime(13) cstime(14)
+        table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK,
+                             (int(fields[13]) + int(fields[14])) / TICK)
+    return table
+
+
+class CpuMeter:
+    """CPU seconds each part of the stack used over a bench run: a service's own, and that of
+    its children (live ones read directly, ended ones through its reaped-children counters),
+    so the controller's children are the rollout jobs (job wrapper, harness, grader). The
+    trainer is this process's child: its CPU comes from RUSAGE_CHILDREN once it has ended."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.pids = {name: p.proc.pid for name, p in stack.procs.items() if p.proc is not None}
+
+    def read(self) -> dict[str, float]:
+        table = _proc_table()
+        kids: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in table.items():
+            kids.setdefault(ppid, []).append(pid)
+
+        def tree(pid: int) -> float:  # the live descendants' CPU and what they reaped
+            return sum(table[k][1] + table[k][2] + tree(k) for k in kids.get(pid, []))
+
+        out: dict[str, float] = {}
+        for name, pid in self.pids.items():
+            if pid not in table:
+                continue
+            own, reaped = table[pid][1], table[pid][2] + tree(pid)
+            if name == "controller":
+                out["controller"], out["rollout jobs"] = own, reaped
+            else:
+                out[name] = own + reaped  # vLLM's engine core is a child of its API server
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out["trainer"] = ru.ru_utime + ru.ru_stime
+        return out
+
+    @staticmethod
+    def since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+        return {k: round(after[k] - before.get(k, 0.0), 1) for k in after}
 
 
 def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.Namespace,
@@ -52,10 +108,14 @@ def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.
                                      "PYTHONPATH": str(REPO)}),
         "--mode.kind", mode, "--mode.max-staleness", str(a.max_staleness),
         "--rollout-timeout-s", "600", "--checkpoint-every", str(a.steps), "--no-resume")
+    meter = CpuMeter(stack)
+    cpu_before = meter.read()
     t0 = time.time()
     proc = procs.ServiceProcess(f"trainer-{name}", argv, out).start()
+    assert proc.proc is not None
     rc = proc.proc.wait(a.timeout_s)
     wall_process = time.time() - t0
+    cpu = CpuMeter.since(cpu_before, meter.read())
     if rc != 0:
         raise RuntimeError(f"trainer {name} exited {rc}:\n{proc.log_tail(60)}")
     rows = [json.loads(x) for x in (out / "trainer" / "metrics.jsonl").read_text().splitlines()]
@@ -81,6 +141,9 @@ def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.
         "groups_dropped": sum(r.get("groups_dropped", 0) for r in rows),
         "held_calls": sum(r.get("held_calls") or 0 for r in rows),
         "curve": [(r["time"] - start, r["reward_mean"]) for r in rows],
+        # where the machine's CPU went over the trainer process's life (start to exit)
+        "cpu_s": cpu,
+        "cpu_busy_fraction": sum(cpu.values()) / (wall_process * (os.cpu_count() or 1)),
     }
 
 
@@ -145,7 +208,9 @@ def main() -> None:
                   f"{r['wall_s']:7.1f} s  engine busy {r['engine_busy_fraction'] or 0:.2f}  "
                   f"trainer busy {r['trainer_busy_fraction']:.2f}  reward "
                   f"{r['final_reward']}  staleness {r['staleness_hist']}  dropped "
-                  f"{r['groups_dropped']}  held calls {r['held_calls']}", flush=True)
+                  f"{r['groups_dropped']}  held calls {r['held_calls']}\n"
+                  f"    CPU s over {r['process_s']:.0f} s x {os.cpu_count()} cores "
+                  f"(busy {r['cpu_busy_fraction']:.2f}): {r['cpu_s']}", flush=True)
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
 
