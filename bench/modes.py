@@ -9,10 +9,12 @@ K x tasks_per_step x group_size trained rollouts, same harness concurrency in ev
 Reported per run: wall time to K steps (from the start of step 1 to the end of step K),
 speed-up over sync at the same latency, engine busy fraction (gateway: an engine had a call in
 flight, sampled every 0.5 s), trainer busy fraction (train + push time over wall time), reward
-of the last steps, staleness histogram over trained samples, groups dropped. Ends with one JSON
-line and writes a PNG of reward against wall time (the --latency runs).
+of the last steps, staleness histogram over trained samples, groups dropped, and where the CPU
+went (CPU seconds of each process tree: engine, rollout jobs, trainer, services). Then sync again
+with --sync-seeds - 1 more seeds, for the spread its final reward has. Ends with one JSON line
+and writes a PNG of reward against wall time (the --latency runs). Figures: docs/modes.md.
 
-    python bench/modes.py --steps 6 --out /tmp/modes-bench
+    python bench/modes.py --out /tmp/modes-bench     # 8 steps a run: ~50 min on 2 cores
 """
 
 from __future__ import annotations
