@@ -49,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench._procstat import children, proc_table  # noqa: E402
 from bench._services import start_gateway, start_store, start_stub_engine  # noqa: E402
 from harnessrl import procs  # noqa: E402
 from harnessrl.clients import StoreClient  # noqa: E402
@@ -96,12 +97,11 @@ def wrk(url: str, body: dict, key: str, connections: int, duration: int, workdir
 
 def cpu_ms(processes: dict[str, procs.ServiceProcess]) -> dict[str, float]:
     """CPU time (user + system, ms) each process has used so far, from /proc."""
-    tick_ms = 1000 / os.sysconf("SC_CLK_TCK")
+    table = proc_table()
     out = {}
     for name, p in processes.items():
         assert p.proc is not None
-        fields = Path(f"/proc/{p.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        out[name] = (int(fields[11]) + int(fields[12])) * tick_ms
+        out[name] = table[p.proc.pid].cpu_s * 1000
     return out
 
 
@@ -114,19 +114,12 @@ def pin(pids: list[int], cpus: set[int]) -> None:
 
 def process_tree(pid: int) -> list[int]:
     """`pid` and all its descendants."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
+    kids = children(proc_table())
     tree, todo = [], [pid]
     while todo:
         p = todo.pop()
         tree.append(p)
-        todo += children.get(p, [])
+        todo += kids.get(p, [])
     return tree
 
 

@@ -31,28 +31,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench._procstat import children, proc_table  # noqa: E402
 from harnessrl import procs  # noqa: E402
 from harnessrl.local.stack import Stack, StackConfig  # noqa: E402
 
 MODES = ("sync", "async", "collocated")
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _proc_table() -> dict[int, tuple[int, float, float]]:
-    """pid -> (parent pid, own CPU s, CPU s of its reaped children), from /proc."""
-    table: dict[int, tuple[int, float, float]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        # after the command: state ppid ... utime(11) stime(12) cutime(13) cstime(14)
-        table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK,
-                             (int(fields[13]) + int(fields[14])) / TICK)
-    return table
 
 
 class CpuMeter:
@@ -65,19 +48,18 @@ class CpuMeter:
         self.pids = {name: p.proc.pid for name, p in stack.procs.items() if p.proc is not None}
 
     def read(self) -> dict[str, float]:
-        table = _proc_table()
-        kids: dict[int, list[int]] = {}
-        for pid, (ppid, _, _) in table.items():
-            kids.setdefault(ppid, []).append(pid)
+        table = proc_table()
+        kids = children(table)
 
         def tree(pid: int) -> float:  # the live descendants' CPU and what they reaped
-            return sum(table[k][1] + table[k][2] + tree(k) for k in kids.get(pid, []))
+            return sum(table[k].cpu_s + table[k].reaped_cpu_s + tree(k)
+                       for k in kids.get(pid, []))
 
         out: dict[str, float] = {}
         for name, pid in self.pids.items():
             if pid not in table:
                 continue
-            own, reaped = table[pid][1], table[pid][2] + tree(pid)
+            own, reaped = table[pid].cpu_s, table[pid].reaped_cpu_s + tree(pid)
             if name == "controller":
                 out["controller"], out["rollout jobs"] = own, reaped
             else:
