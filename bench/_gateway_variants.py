@@ -11,7 +11,8 @@ runs the very same gateway (same `GatewayApp`, recorder, store) with one part sw
 - `--engine-client httpx`: `httpx.AsyncClient` (one per engine, keep-alive pool);
 - `--engine-client aiohttp`: `aiohttp.ClientSession` (one per engine, keep-alive pool).
 
-`python -m bench._gateway_variants --http-server uvicorn --engine-client builtin <gateway flags>`
+`python bench/_gateway_variants.py --http-server uvicorn --engine-client builtin <gateway flags>`
+(by its path: `bench` is not an installed package)
 """
 
 from __future__ import annotations

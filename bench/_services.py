@@ -1,11 +1,20 @@
-"""Starting the harnessrl services for benchmarks (store, gateway, stub engine)."""
+"""Starting the harnessrl services for benchmarks (store, gateway, stub engine).
+
+Services start as modules of the installed `harnessrl` and `services` packages; a helper of
+`bench/` starts by its file path, never as `python -m bench.…`: `bench` is a folder of the
+checkout, not an installed package, so a child process (whose cwd is its work folder) could not
+import it.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from harnessrl import procs
+
+VARIANTS = Path(__file__).resolve().parent / "_gateway_variants.py"
 
 
 def start_store(workdir: Path, redis_url: str) -> tuple[procs.ServiceProcess, str]:
@@ -19,16 +28,18 @@ def start_gateway(workdir: Path, store_address: str, secret: str,
                   engine_client: str = "builtin") -> tuple[procs.ServiceProcess, dict]:  # type: ignore[type-arg]
     """The gateway; with another `http_server` or `engine_client` than its own, the variant of
     `bench/_gateway_variants.py`."""
-    module, variant = "services.gateway", []
-    if (http_server, engine_client) != ("builtin", "builtin"):
-        module = "bench._gateway_variants"
-        variant = ["--http-server", http_server, "--engine-client", engine_client]
-    name = "gateway" if not variant else f"gateway-{http_server}-{engine_client}"
-    return procs.start_service(
-        name, module,
-        [*variant, "--http-port", "0", "--grpc-bind", "127.0.0.1:0", "--store-address",
-         store_address, "--engines", json.dumps(engines)], workdir,
-        env={"HARNESSRL_SECRET": secret})
+    flags = ["--http-port", "0", "--grpc-bind", "127.0.0.1:0", "--store-address", store_address,
+             "--engines", json.dumps(engines)]
+    env = {"HARNESSRL_SECRET": secret}
+    if (http_server, engine_client) == ("builtin", "builtin"):
+        return procs.start_service("gateway", "services.gateway", flags, workdir, env=env)
+    name = f"gateway-{http_server}-{engine_client}"
+    ready = workdir / f"{name}.ready"
+    proc = procs.ServiceProcess(
+        name, [sys.executable, str(VARIANTS), "--http-server", http_server, "--engine-client",
+               engine_client, *flags, "--ready-file", str(ready)],
+        workdir, env=env, ready_file=ready).start()
+    return proc, proc.wait_ready(60.0)
 
 
 def start_stub_engine(workdir: Path, model: str) -> tuple[procs.ServiceProcess, str]:

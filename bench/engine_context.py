@@ -29,7 +29,6 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from harnessrl.local.engine import start_engine  # noqa: E402
-from harnessrl.model import build_tiny_model, default_model_dir  # noqa: E402
 
 
 def long_prompt(chars: int) -> str:
@@ -92,6 +91,8 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, default=None,
                    help="model folder (default: the project's tiny model, built if missing)")
     a = p.parse_args()
+    from harnessrl.model import build_tiny_model, default_model_dir  # torch: not for --help
+
     model_dir = a.model_dir or build_tiny_model(default_model_dir())
     prompt = long_prompt(a.prompt_chars)
     results = []

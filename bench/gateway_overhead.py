@@ -32,6 +32,7 @@ upstream, 32 connections), and the raw figures.
    call (docs/http.md: the decision they informed).
 
     python bench/gateway_overhead.py [--duration 10] [--no-vllm] [--engine-cpus 0|''] [--arms ...]
+    python bench/gateway_overhead.py --no-vllm --quick --arms uvicorn+builtin   # runs? (~20 s)
 """
 
 from __future__ import annotations
@@ -142,6 +143,10 @@ def main() -> None:
                     help="HTTP-layer variants server+client to measure beside the gateway "
                          "(servers: builtin, uvicorn, granian; clients: builtin, httpx, "
                          "aiohttp); '' for none")
+    ap.add_argument("--quick", action="store_true",
+                    help="1 s per measurement and per warm-up, 1 connection included, one round "
+                         "against vLLM: checks that every part runs (tests/test_bench_cli.py); "
+                         "the figures mean nothing")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk not found: apt-get install wrk (scripts/setup.sh does)")
@@ -186,6 +191,11 @@ def main() -> None:
         stub_body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
         results: dict[str, dict[str, float]] = {}
         d, n = args.duration, args.connections
+        # seconds of each 1-connection measurement (enough calls for a p50) and of a warm-up
+        # (vLLM's longer), and runs against vLLM
+        d_c1, warm, warm_vllm, vllm_rounds_n = max(3, d // 2), 2, 3, args.vllm_rounds
+        if args.quick:
+            d = d_c1 = warm = warm_vllm = vllm_rounds_n = 1
         ours = {"gateway": gw_proc, "store": store_proc, "redis": redis_proc}
 
         def through_gateway(name: str, body: dict, conns: int, secs: int) -> None:  # type: ignore[type-arg]
@@ -197,19 +207,19 @@ def main() -> None:
                     (after[proc_name] - before[proc_name]) * 1000 / max(1, r["calls"])
 
         stub_direct = f"{stub_url}/v1/chat/completions"
-        wrk(gw_url, stub_body, key, n, 2, work)  # warm-up
+        wrk(gw_url, stub_body, key, n, warm, work)  # warm-up
         results["stub_direct"] = wrk(stub_direct, as_forwarded(stub_body), key, n, d, work)
         through_gateway("stub_gateway", stub_body, n, d)
         results["stub_direct_plain"] = wrk(stub_direct, stub_body, key, n, d, work)
         results["stub_direct_c1"] = wrk(stub_direct, as_forwarded(stub_body), key, 1,
-                                        max(3, d // 2), work)
-        through_gateway("stub_gateway_c1", stub_body, 1, max(3, d // 2))
+                                        d_c1, work)
+        through_gateway("stub_gateway_c1", stub_body, 1, d_c1)
         from bench import _stream_client
         stream_body = {**stub_body, "stream": True, "stub_tokens": 64}
         forwarded_stream = {**as_forwarded(stream_body)}
-        _stream_client.run(gw_url, stream_body, key, n, 2)  # warm-up
+        _stream_client.run(gw_url, stream_body, key, n, warm)  # warm-up
         for conns, suffix in ((n, ""), (1, "_c1")):
-            secs = d if conns > 1 else max(3, d // 2)
+            secs = d if conns > 1 else d_c1
             results[f"stream_direct{suffix}"] = _stream_client.run(
                 stub_direct, forwarded_stream, key, conns, secs)
             results[f"stream_gateway{suffix}"] = _stream_client.run(
@@ -222,16 +232,16 @@ def main() -> None:
                                                client)
             arm_url = f"http://127.0.0.1:{arm_info['http_port']}/v1/chat/completions"
             try:
-                wrk(arm_url, stub_body, key, n, 2, work)  # warm-up
+                wrk(arm_url, stub_body, key, n, warm, work)  # warm-up
                 before = cpu_ms({"gateway": arm_proc})
                 r = results[f"arm_{arm}"] = wrk(arm_url, stub_body, key, n, d, work)
                 r["gateway_cpu_us_per_call"] = (cpu_ms({"gateway": arm_proc})["gateway"]
                                                 - before["gateway"]) * 1000 / max(1, r["calls"])
-                results[f"arm_{arm}_c1"] = wrk(arm_url, stub_body, key, 1, max(3, d // 2), work)
-                _stream_client.run(arm_url, stream_body, key, n, 2)  # warm-up
+                results[f"arm_{arm}_c1"] = wrk(arm_url, stub_body, key, 1, d_c1, work)
+                _stream_client.run(arm_url, stream_body, key, n, warm)  # warm-up
                 results[f"arm_{arm}_stream"] = _stream_client.run(arm_url, stream_body, key, n, d)
                 results[f"arm_{arm}_stream_c1"] = _stream_client.run(
-                    arm_url, stream_body, key, 1, max(3, d // 2))
+                    arm_url, stream_body, key, 1, d_c1)
             finally:
                 arm_proc.stop()
         if vllm is not None:
@@ -239,13 +249,13 @@ def main() -> None:
             body = {"model": "tiny", "max_tokens": 16, "temperature": 1.0, "ignore_eos": True,
                     "messages": [{"role": "user", "content": "What is 12 + 30?"}]}
             vllm_direct = f"{vllm.base_url}/v1/chat/completions"
-            wrk(vllm_direct, body, key, n, 3, work)  # warm-up
+            wrk(vllm_direct, body, key, n, warm_vllm, work)  # warm-up
 
             def vllm_rounds(suffix: str) -> None:
                 # vLLM on CPU varies from one run to the next: alternate direct and gateway
                 # runs and keep the median of each.
                 runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
-                for _ in range(args.vllm_rounds):
+                for _ in range(vllm_rounds_n):
                     runs["direct"].append(wrk(vllm_direct, as_forwarded(body), key, n, d, work))
                     through_gateway("vllm_gateway" + suffix, body, n, d)
                     runs["gateway"].append(results["vllm_gateway" + suffix])
@@ -263,7 +273,7 @@ def main() -> None:
                 others = all_cpus - engine_cpus
                 pin([p.proc.pid for p in ours.values() if p.proc], others)
                 os.sched_setaffinity(0, others)  # wrk inherits it
-                wrk(vllm_direct, body, key, n, 3, work)  # settle
+                wrk(vllm_direct, body, key, n, warm_vllm, work)  # settle
                 vllm_rounds("")
             else:
                 for how in ("direct", "gateway"):
@@ -320,7 +330,7 @@ def main() -> None:
                                                  / results["stream_direct"]["streams_per_s"], 3),
             } for arm in results if arm.startswith("arm_") and arm.count("_") == 1},
             "recorded_calls": recorded,
-            "connections": n, "duration_s": d,
+            "connections": n, "duration_s": d, "quick": args.quick,
             "results": {k: {m: round(v, 3) for m, v in r.items()} for k, r in results.items()},
         }
         if vllm is not None:

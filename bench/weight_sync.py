@@ -57,10 +57,12 @@ from typing import Any
 import httpx
 import torch
 
-from harnessrl.local.engine import jemalloc_env
-from harnessrl.procs import free_port
-from harnessrl.weight_transfer import EngineRef, PushConfig, WeightPusher, weights_of
-from harnessrl.weight_transfer.devtools import VllmServer, random_qwen3
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's harnessrl
+
+from harnessrl.local.engine import jemalloc_env  # noqa: E402
+from harnessrl.procs import free_port  # noqa: E402
+from harnessrl.weight_transfer import EngineRef, PushConfig, WeightPusher, weights_of  # noqa: E402
+from harnessrl.weight_transfer.devtools import VllmServer, random_qwen3  # noqa: E402
 
 # hidden, layers, intermediate, heads, kv_heads, vocab
 SIZES: dict[str, dict[str, int]] = {
