@@ -25,7 +25,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -37,7 +36,7 @@ from harnessrl.v1 import controller_pb2 as cpb
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "calc"
-console = Console()
+console = progress.cli_console()
 
 
 def example_spec(tasks: int, group_size: int, concurrency: int, model: str) -> c.RunSpec:
@@ -68,11 +67,11 @@ def follow_run(controller_address: str, run_id: str) -> c.Run:
             if time.monotonic() - last > 10:
                 last = time.monotonic()
                 counts = Counter(states.values())
-                console.print(f"[harnessrl] rollouts: {sum(counts[s] for s in TERMINAL)}/"
-                              f"{total or '?'} done, running {counts[c.ROLLOUT_STATUS_RUNNING]}, "
-                              f"failed {counts[c.ROLLOUT_STATUS_FAILED]}; "
-                              f"{progress.fmt_s(last - t0)} elapsed", markup=False,
-                              highlight=False)
+                progress.line(console, f"[harnessrl] rollouts: "
+                              f"{sum(counts[s] for s in TERMINAL)}/{total or '?'} done, running "
+                              f"{counts[c.ROLLOUT_STATUS_RUNNING]}, failed "
+                              f"{counts[c.ROLLOUT_STATUS_FAILED]}; {progress.fmt_s(last - t0)} "
+                              f"elapsed")
     else:
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                       MofNCompleteColumn(), TextColumn("{task.fields[detail]}"),

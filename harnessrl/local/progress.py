@@ -2,7 +2,9 @@
 
 In a terminal a phase shows rich's spinner. Anywhere else rich prints nothing until the end, so
 a phase prints plain lines instead: when it starts, every `every_s` seconds while it runs
-(elapsed, and the ETA when the usual duration is known), and when it ends.
+(elapsed, and the ETA when the usual duration is known), and when it ends. Off a terminal each
+event is one line, whatever its length: rich, which cannot ask a log for its width, would
+otherwise wrap at 80 columns.
 """
 
 from __future__ import annotations
@@ -13,6 +15,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rich.console import Console
+
+
+def cli_console() -> Console:
+    """The console of the `harnessrl` commands: rich's own in a terminal; anywhere else one
+    that never wraps a line (tables still fit rich's 80 columns)."""
+    console = Console()
+    if not console.is_terminal:
+        console.soft_wrap = True
+    return console
+
+
+def line(console: Console, text: str) -> None:
+    """`text` as one plain line (no markup, no highlighting), never wrapped."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def fmt_s(s: float) -> str:
@@ -36,15 +52,14 @@ def phase(console: Console, what: str, expected_s: float | None = None,
             yield
         return
     t0 = time.monotonic()
-    console.print(f"[harnessrl] {what}" + (f" (usually about {fmt_s(expected_s)})"
-                                           if expected_s else ""), markup=False, highlight=False)
+    line(console, f"[harnessrl] {what}" + (f" (usually about {fmt_s(expected_s)})"
+                                           if expected_s else ""))
     done = threading.Event()
 
     def tick() -> None:
         while not done.wait(every_s):
             el = time.monotonic() - t0
-            console.print(f"[harnessrl] {what}: {fmt_s(el)} elapsed{eta_text(el, expected_s)}",
-                          markup=False, highlight=False)
+            line(console, f"[harnessrl] {what}: {fmt_s(el)} elapsed{eta_text(el, expected_s)}")
 
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
@@ -52,5 +67,4 @@ def phase(console: Console, what: str, expected_s: float | None = None,
         yield
     finally:
         done.set()
-        console.print(f"[harnessrl] {what}: done in {fmt_s(time.monotonic() - t0)}",
-                      markup=False, highlight=False)
+        line(console, f"[harnessrl] {what}: done in {fmt_s(time.monotonic() - t0)}")

@@ -15,6 +15,7 @@ from rich.live import Live
 from rich.table import Table
 
 from harnessrl import procs
+from harnessrl.local import progress
 from harnessrl.local.progress import fmt_s
 from harnessrl.local.stack import Stack
 
@@ -163,13 +164,11 @@ def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
         while not finished():
             rows = _read_metrics(metrics)
             for r in rows[seen:]:
-                console.print(step_line(r, steps, started, rows), markup=False,
-                              highlight=False)
+                progress.line(console, step_line(r, steps, started, rows))
             if len(rows) > seen or time.monotonic() - beat > 30:
                 if len(rows) == seen:
-                    console.print(f"[harnessrl] training: step {seen + 1}/{steps} running, "
-                                  f"{fmt_s(time.monotonic() - started)} elapsed",
-                                  markup=False, highlight=False)
+                    progress.line(console, f"[harnessrl] training: step {seen + 1}/{steps} "
+                                  f"running, {fmt_s(time.monotonic() - started)} elapsed")
                 seen, beat = len(rows), time.monotonic()
             time.sleep(1.0)
     rows = _read_metrics(metrics)
