@@ -42,8 +42,9 @@ def documented_flags() -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    def git(*args: str) -> bytes:
-        return subprocess.run(["git", "-C", str(REPO), *args], check=True,
+    def git(*args: str) -> bytes:  # (an identity for `stash create`'s commit object)
+        return subprocess.run(["git", "-C", str(REPO), "-c", "user.name=test", "-c",
+                               "user.email=test@localhost", *args], check=True,
                               capture_output=True, timeout=60).stdout
 
     try:
