@@ -193,6 +193,9 @@ class Handler(BaseHTTPRequestHandler):
             major, minor = self.server.kube_version.split(".")[:2]
             return self._send_json(200, {"major": major, "minor": minor,
                                          "gitVersion": f"v{major}.{minor}.0-fake",
+                                         "gitCommit": "0" * 40, "gitTreeState": "clean",
+                                         "buildDate": "2026-01-01T00:00:00Z",
+                                         "goVersion": "go1.25", "compiler": "gc",
                                          "platform": "linux/amd64"})
         if method == "GET" and path in ("/healthz", "/livez", "/readyz"):
             return self._send_text(200, b"ok")
