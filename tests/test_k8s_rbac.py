@@ -120,7 +120,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeKubeAPIServer
 def backend(kube: FakeKubeAPIServer, ns: str) -> KubernetesBackend:
     return KubernetesBackend(KubernetesSettings(
         job_template=TEMPLATE, gateway_url="http://127.0.0.1:9/v1",
-        kubeconfig=str(kube.serviceaccounts[f"{ns}/{SA}"]), relist_s=5.0, kill_grace_s=0.5))
+        kubeconfig=str(kube.serviceaccounts[f"{ns}/{SA}"]), relist_s=600.0, kill_grace_s=0.5))
 
 
 def spec(tmp: Path, job_id: str, code: str) -> JobSpec:
