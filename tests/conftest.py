@@ -129,16 +129,33 @@ def vllm_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         engine.stop(timeout=30)
 
 
+CONTROLLER_SA = "harnessrl/harnessrl-controller"  # k8s/base: the controller's ServiceAccount
+
+
 @pytest.fixture(scope="session")
-def fake_kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+def fake_kube_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """The fake Kubernetes API server (`harnessrl.testing.fake_kube_apiserver`), in its own
-    process, once per test session; its node "has" the image `harnessrl/harness:dev`."""
+    process, once per test session; its node "has" the image `harnessrl/harness:dev`. It
+    enforces the RBAC of k8s/base, and its `.kubeconfig` is the controller's ServiceAccount's
+    (namespace harnessrl)."""
     from harnessrl.testing.fake_kube_apiserver import FakeKubeAPIServer
 
     server = FakeKubeAPIServer(tmp_path_factory.mktemp("fake-kube"),
-                               images=["harnessrl/harness:dev"]).start()
+                               images=["harnessrl/harness:dev"], rbac=[REPO / "k8s" / "base"],
+                               identity=CONTROLLER_SA).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def fake_kube(fake_kube_server) -> Iterator:  # type: ignore[no-untyped-def]
+    """The session's fake API server, for one test: every request it gets during the test
+    (the backend's, the controller's, the test's own reads) must come as the controller's
+    ServiceAccount, so the test shows what that account's Role allows."""
+    since = fake_kube_server.stats()["requests"]
+    yield fake_kube_server
+    others = {q["user"] for q in fake_kube_server.requests(since)} - {fake_kube_server.user}
+    assert not others, f"requests to the fake API server as {others}, not as the controller"
 
 
 class RestartableRedis:

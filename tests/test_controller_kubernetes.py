@@ -41,7 +41,7 @@ def pods(fake_kube, run_id: str) -> list:  # type: ignore[no-untyped-def,type-ar
     api = config.new_client_from_config(config_file=str(fake_kube.kubeconfig))
     try:
         return client.CoreV1Api(api).list_namespaced_pod(
-            "default", label_selector=f"harnessrl.dev/run={run_id}").items
+            fake_kube.namespace, label_selector=f"harnessrl.dev/run={run_id}").items
     finally:
         api.close()
 

@@ -4,6 +4,7 @@ client exactly as the controller's Kubernetes job backend drives a real cluster.
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import os
 import sys
@@ -15,9 +16,13 @@ from typing import Any, TypeVar
 
 import httpx
 import pytest
+import yaml
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
+from harnessrl.testing.fake_kube import rbac
+from harnessrl.testing.fake_kube.objects import ApiError
+from harnessrl.testing.fake_kube.rbac import Attributes, Authorizer, request_attributes
 from harnessrl.testing.fake_kube_apiserver import FakeKubeAPIServer
 
 IMAGE = "harnessrl/harness:dev"
@@ -36,10 +41,58 @@ def wait_for(what: str, fn: Callable[[], T], timeout: float = 15.0) -> T:
         time.sleep(0.05)
 
 
+# A ServiceAccount "reader" in default: some rules of each shape RBAC has.
+READER_RBAC = """
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: reader, namespace: default}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {name: reader, namespace: default}
+rules:
+  - {apiGroups: [""], resources: [secrets], resourceNames: [allowed], verbs: [get]}
+  - {apiGroups: [batch], resources: ["*/status"], verbs: [get]}
+  - {apiGroups: [""], resources: [pods], verbs: [list]}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: reader, namespace: default}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: reader}
+subjects: [{kind: ServiceAccount, name: reader, namespace: default}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: pod-logs}
+rules: [{apiGroups: [""], resources: [pods/log], verbs: [get]}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {name: pod-logs, namespace: other}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: pod-logs}
+subjects: [{kind: ServiceAccount, name: reader, namespace: default}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {name: list-jobs}
+rules: [{apiGroups: ["*"], resources: [jobs], verbs: [list]}]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {name: list-jobs}
+roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: list-jobs}
+subjects: [{kind: Group, name: "system:serviceaccounts:default"}]
+"""
+
+
 @pytest.fixture(scope="module")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeKubeAPIServer]:
-    server = FakeKubeAPIServer(tmp_path_factory.mktemp("kube"), images=[IMAGE], node_cpu=4,
-                               env={"FAKE_KUBE_SERVER_ONLY": "leaked"})
+    """The admin's kubeconfig (cluster-admin); `reader_*` fixtures: READER_RBAC's account."""
+    root = tmp_path_factory.mktemp("kube")
+    (root / "reader.yaml").write_text(READER_RBAC)
+    server = FakeKubeAPIServer(root / "server", images=[IMAGE], node_cpu=4,
+                               env={"FAKE_KUBE_SERVER_ONLY": "leaked"},
+                               rbac=[root / "reader.yaml"])
     with server:
         yield server
 
@@ -57,6 +110,10 @@ def batch(api: client.ApiClient) -> client.BatchV1Api:
 @pytest.fixture
 def core(api: client.ApiClient) -> client.CoreV1Api:
     return client.CoreV1Api(api)
+
+
+def load_yaml(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
 
 
 def unique(prefix: str) -> str:
@@ -137,6 +194,114 @@ def test_requests_need_the_kubeconfig_token(kube: FakeKubeAPIServer) -> None:
     with pytest.raises(ApiException) as e:
         client.CoreV1Api(client.ApiClient(config)).list_namespaced_secret(NS)
     assert e.value.status == 401
+
+
+READER = "system:serviceaccount:default:reader"
+
+
+def forbidden_status(call: Callable[[], Any]) -> dict[str, Any]:
+    with pytest.raises(ApiException) as e:
+        call()
+    assert e.value.status == 403
+    return dict(json.loads(e.value.body))
+
+
+def not_found(call: Callable[[], Any]) -> bool:
+    """The call was allowed (and found nothing)."""
+    with pytest.raises(ApiException) as e:
+        call()
+    return bool(e.value.status == 404)
+
+
+def test_rbac_decides_every_request_with_the_real_403(kube: FakeKubeAPIServer) -> None:
+    api = kube.api_client(kube.serviceaccounts["default/reader"])
+    core, batch = client.CoreV1Api(api), client.BatchV1Api(api)
+    # resourceNames: that one name, and get only
+    assert not_found(lambda: core.read_namespaced_secret("allowed", NS))
+    assert forbidden_status(lambda: core.read_namespaced_secret("other", NS)) == {
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": f'secrets "other" is forbidden: User "{READER}" cannot get resource '
+                   f'"secrets" in API group "" in the namespace "default"',
+        "reason": "Forbidden", "details": {"name": "other", "kind": "secrets"}, "code": 403}
+    assert forbidden_status(lambda: core.list_namespaced_secret(NS))["message"] == (
+        f'secrets is forbidden: User "{READER}" cannot list resource "secrets" in API group '
+        '"" in the namespace "default"')
+    # */status: the subresource, not the object
+    assert not_found(lambda: batch.read_namespaced_job_status("nope", NS))
+    assert 'cannot get resource "jobs" in API group "batch"' in forbidden_status(
+        lambda: batch.read_namespaced_job("nope", NS))["message"]
+    # a Role grants in its namespace; a ClusterRole bound by a RoleBinding, in the binding's
+    assert core.list_namespaced_pod(NS).items is not None
+    assert "forbidden" in forbidden_status(lambda: core.list_namespaced_pod("other"))["message"]
+    assert not_found(lambda: core.read_namespaced_pod_log("nope", "other"))
+    assert forbidden_status(lambda: core.read_namespaced_pod_log("nope", NS))["message"] == (
+        f'pods "nope" is forbidden: User "{READER}" cannot get resource "pods/log" in API '
+        'group "" in the namespace "default"')
+    # a ClusterRoleBinding to one of its groups: everywhere, and at the cluster scope
+    assert batch.list_namespaced_job("other").items == []
+    batch.list_job_for_all_namespaces()
+    assert forbidden_status(lambda: core.list_pod_for_all_namespaces())["message"].endswith(
+        'cannot list resource "pods" in API group "" at the cluster scope')
+    # discovery for every identity; the test hooks are the admin's
+    assert client.VersionApi(api).get_code().major
+    token = {"Authorization": "Bearer " + (kube.serviceaccounts["default/reader"].parent
+                                           / "token").read_text()}
+    for path in ("/api", "/apis", "/healthz"):
+        assert httpx.get(kube.url + path, headers=token, timeout=5).status_code == 200
+    resp = httpx.get(kube.url + "/fake/stats", headers=token, timeout=5)
+    assert resp.status_code == 403 and resp.json()["message"] == (
+        f'forbidden: User "{READER}" cannot get path "/fake/stats"')
+    sent = [r for r in kube.requests() if r["user"] == READER]
+    assert {r["code"] for r in sent} == {200, 403, 404}
+    assert all(r["forbidden"] for r in sent if r["code"] == 403)
+
+
+@pytest.mark.parametrize("method, path, query, expect", [
+    ("GET", "/api/v1/namespaces/ns/pods", {}, ("list", "pods", "", "ns", "")),
+    ("GET", "/api/v1/namespaces/ns/pods", {"watch": "1"}, ("watch", "pods", "", "ns", "")),
+    ("GET", "/api/v1/namespaces/ns/pods", {"fieldSelector": "metadata.name=p"},
+     ("list", "pods", "", "ns", "p")),
+    ("GET", "/api/v1/namespaces/ns/pods/p/log", {}, ("get", "pods/log", "", "ns", "p")),
+    ("GET", "/apis/batch/v1/namespaces/ns/jobs/j/status", {},
+     ("get", "jobs/status", "batch", "ns", "j")),
+    ("POST", "/apis/batch/v1/namespaces/ns/jobs", {}, ("create", "jobs", "batch", "ns", "")),
+    ("PATCH", "/apis/batch/v1/namespaces/ns/jobs/j", {}, ("patch", "jobs", "batch", "ns", "j")),
+    ("PUT", "/api/v1/namespaces/ns/secrets/s", {}, ("update", "secrets", "", "ns", "s")),
+    ("DELETE", "/api/v1/namespaces/ns/secrets/s", {}, ("delete", "secrets", "", "ns", "s")),
+    ("DELETE", "/api/v1/namespaces/ns/secrets", {},
+     ("deletecollection", "secrets", "", "ns", "")),
+    ("GET", "/api/v1/pods", {}, ("list", "pods", "", "", "")),
+    ("GET", "/api/v1/namespaces/ns", {}, ("get", "namespaces", "", "ns", "ns")),
+    ("GET", "/apis/batch/v1", {}, ("get", "", "", "", "")),
+    ("POST", "/version", {}, ("post", "", "", "", "")),
+])
+def test_request_attributes_are_the_real_servers(method: str, path: str,
+                                                 query: dict[str, str], expect: tuple) -> None:  # type: ignore[type-arg]
+    a = request_attributes(method, path, query)
+    assert (a.verb, a.combined, a.group, a.namespace, a.name) == expect
+    assert a.path == path
+
+
+def test_owner_references_admission_on_update() -> None:
+    """Changing ownerReferences needs delete on the object; blocking an owner needs update
+    on its finalizers; an owner of an unknown kind cannot be blocked at all."""
+    authz = Authorizer(load_yaml(READER_RBAC))
+    reader = rbac.service_account("default", "reader")
+    attrs = Attributes("patch", "", "secrets", "", "", "default", "s")
+    old = {"metadata": {"name": "s"}}
+    new = {"metadata": {"name": "s", "ownerReferences": [
+        {"apiVersion": "batch/v1", "kind": "Job", "name": "j", "uid": "u"}]}}
+    with pytest.raises(ApiError) as e:
+        rbac.admit_owner_references(authz, reader, attrs, new, old)
+    assert e.value.message == ('secrets "s" is forbidden: cannot set an ownerRef on a resource '
+                               "you can't delete: , <nil>")
+    rbac.admit_owner_references(authz, rbac.ADMIN, attrs, new, old)
+    rbac.admit_owner_references(authz, reader, attrs, new, new)  # unchanged: nothing to check
+    blocking = copy.deepcopy(new)
+    blocking["metadata"]["ownerReferences"][0].update(kind="Widget", blockOwnerDeletion=True)
+    with pytest.raises(ApiError, match="cannot find RESTMapping for APIVersion batch/v1 Kind "
+                                       "Widget"):
+        rbac.admit_owner_references(authz, rbac.ADMIN, attrs, blocking, None)
 
 
 def test_secret_create_get_list_delete(core: client.CoreV1Api, kube: FakeKubeAPIServer) -> None:

@@ -7,16 +7,39 @@ containers as local processes.
 
     python -m harnessrl.testing.fake_kube_apiserver --root DIR [--port 0] [--ready-file F]
         [--images IMG,...] [--node-cpu 4] [--kube-version 1.37] [--namespaces a,b]
+        [--rbac k8s/base ...] [--disable-admission-plugins NAME,...]
 
-It writes `DIR/kubeconfig` (server http://127.0.0.1:PORT, a bearer token, namespace
-`default`) and, once serving, the ready file `{"pid", "http_port", "kubeconfig"}`. From
+It writes `DIR/kubeconfig` (server http://127.0.0.1:PORT, the cluster admin's bearer token,
+namespace `default`) and, for each ServiceAccount of the `--rbac` manifests, a token minted
+for it (as a projected token would be) in `DIR/serviceaccounts/<ns>/<name>/{token,namespace,
+kubeconfig}` (that kubeconfig's namespace is the ServiceAccount's); once serving, the ready
+file `{"pid", "http_port", "kubeconfig", "serviceaccounts": {"ns/name": kubeconfig}}`. From
 Python: `FakeKubeAPIServer(root).start()` ... `.stop()` (or a `with` block).
+
+Authentication and authorization, as a real server: each request is the identity its bearer
+token belongs to (the admin `kubernetes-admin` in group system:masters, or
+`system:serviceaccount:<ns>:<name>`); a missing or unknown token is 401. RBAC decides every
+request, resource or not: the Roles, ClusterRoles, RoleBindings and ClusterRoleBindings of
+`--rbac` (manifest files, or kustomization directories: their `namespace` and `resources`)
+plus the default ClusterRoles cluster-admin (system:masters), system:discovery and
+system:public-info-viewer (`/api`, `/apis`, `/version`, `/healthz`, ...: every
+authenticated identity). Rules match apiGroups, resources and subresources (`pods/log`,
+`*/status`), verbs (get list watch create update patch delete deletecollection, from the
+method, the path and `?watch`), resourceNames (a list or watch names one only through
+`fieldSelector=metadata.name=`) and `*`; a request nothing grants is 403 with the real
+Status (`jobs.batch "x" is forbidden: User "..." cannot delete resource "jobs" in API group
+"batch" in the namespace "ns"`). The admission plugin OwnerReferencesPermissionEnforcement
+(on in OpenShift; on here unless disabled) refuses a blockOwnerDeletion: true ownerReference
+unless its setter may `update` the owner's `finalizers`, and a change of ownerReferences by
+one who may not `delete` the object.
 
 Served (namespaced; JSON only; errors are `Status` objects with the real code and reason):
   batch/v1 jobs     create get list watch patch delete deletecollection
   v1 secrets        create get list watch patch delete deletecollection
   v1 pods           get list watch delete deletecollection, pods/{name}/log
-  /version, /healthz; test hooks GET /fake/stats, GET /fake/requests, POST /fake/compact.
+  /version, /healthz, /api, /apis; test hooks (the admin's): GET /fake/stats,
+  GET /fake/requests (every API request: method, path, body, user, verb, resource, code, a
+  403's message), POST /fake/compact.
 
 Like a real server: one global resourceVersion; watches replay history from a
 resourceVersion and answer a compacted one with an ERROR event carrying a 410 Expired
@@ -55,6 +78,13 @@ Where it differs from a real cluster (know these before trusting a green test):
   - `previous`, `sinceSeconds`, `timestamps` on logs are ignored. Lists with `continue` are
     paged from the current state, not a snapshot. Watches carry no `sendInitialEvents`.
   - Pod processes are killed on SIGTERM of this server; a SIGKILLed server leaves them.
+  - Authentication is bearer tokens only (no client certificates, no anonymous user, no
+    TokenReview, no impersonation); tokens never expire. RBAC objects are loaded at start
+    and cannot be read or changed through the API (no rbac.authorization.k8s.io API, no
+    escalation or bind checks, no aggregated ClusterRoles); ServiceAccounts give pods no
+    token. The only admission plugin is OwnerReferencesPermissionEnforcement: no
+    NamespaceLifecycle, LimitRanger, ResourceQuota, PodSecurity, webhooks. The controllers
+    (Job, garbage collector, TTL) and the kubelet act unchecked, as if all-powerful.
 """
 
 from __future__ import annotations
@@ -62,7 +92,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import threading
 from pathlib import Path
@@ -75,18 +104,20 @@ import yaml
 from harnessrl import procs
 from harnessrl.testing.fake_kube.cluster import Cluster
 from harnessrl.testing.fake_kube.http import FakeKubeHTTPServer
+from harnessrl.testing.fake_kube.rbac import (OWNER_REFS_PLUGIN, Authorizer, load_manifests,
+                                              mint_tokens)
 from harnessrl.testing.fake_kube.validation import newest_kube_version
 
 DEFAULT_IMAGES = ("harnessrl/harness:dev",)
 
 
-def write_kubeconfig(path: Path, port: int, token: str) -> None:
+def write_kubeconfig(path: Path, port: int, token: str, namespace: str = "default") -> None:
     config = {
         "apiVersion": "v1", "kind": "Config", "preferences": {},
         "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
         "users": [{"name": "fake-user", "user": {"token": token}}],
         "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake-user",
-                                                  "namespace": "default"}}],
+                                                  "namespace": namespace}}],
         "current-context": "fake",
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -98,15 +129,38 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def write_service_accounts(root: Path, port: int, tokens: dict[str, str]) -> dict[str, str]:
+    """What a pod of each ServiceAccount would have mounted, and a kubeconfig from it."""
+    kubeconfigs = {}
+    for key, token in tokens.items():
+        if key == "admin":
+            continue
+        ns, name = key.split("/")
+        where = root / "serviceaccounts" / ns / name
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "token").write_text(token)
+        (where / "namespace").write_text(ns)
+        write_kubeconfig(where / "kubeconfig", port, token, namespace=ns)
+        kubeconfigs[key] = str(where / "kubeconfig")
+    return kubeconfigs
+
+
 def serve(root: Path, port: int, ready_file: Path | None, images: list[str], node_cpu: float,
-          kube_version: str, namespaces: list[str], bookmark_seconds: float) -> None:
+          kube_version: str, namespaces: list[str], bookmark_seconds: float,
+          rbac: list[Path] | None = None, disabled_plugins: list[str] | None = None) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_hex(16)
+    objects = [o for path in rbac or [] for o in load_manifests(path)]
+    by_token, tokens = mint_tokens(objects)
+    namespaces = namespaces + [o["metadata"]["namespace"] for o in objects
+                               if o["metadata"].get("namespace")]
     cluster = Cluster(root, images, node_cpu, kube_version, namespaces)
-    server = FakeKubeHTTPServer(port, cluster, token, kube_version, bookmark_seconds)
+    server = FakeKubeHTTPServer(port, cluster, by_token, Authorizer(objects),
+                                OWNER_REFS_PLUGIN not in (disabled_plugins or []), kube_version,
+                                bookmark_seconds)
     port = server.server_address[1]
     kubeconfig = root / "kubeconfig"
-    write_kubeconfig(kubeconfig, port, token)
+    write_kubeconfig(kubeconfig, port, tokens["admin"])
+    accounts = write_service_accounts(root, port, tokens)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -116,7 +170,8 @@ def serve(root: Path, port: int, ready_file: Path | None, images: list[str], nod
           f"images {images}, node cpu {node_cpu})", flush=True)
     if ready_file is not None:
         _write_atomic(ready_file, json.dumps({"pid": os.getpid(), "http_port": port,
-                                              "kubeconfig": str(kubeconfig)}))
+                                              "kubeconfig": str(kubeconfig),
+                                              "serviceaccounts": accounts}))
     stop.wait()
     cluster.shutdown()
     server.shutdown()
@@ -140,9 +195,15 @@ def main(argv: list[str] | None = None) -> None:
                    help="comma-separated namespaces besides default, kube-system, kube-public")
     p.add_argument("--bookmark-seconds", type=float, default=10.0,
                    help="interval of BOOKMARK events on watches that allow them")
+    p.add_argument("--rbac", type=Path, action="append", default=[],
+                   help="a manifest file or kustomization directory whose ServiceAccounts, "
+                        "Roles, ClusterRoles and bindings are loaded (repeatable)")
+    p.add_argument("--disable-admission-plugins", default="",
+                   help=f"comma-separated; only {OWNER_REFS_PLUGIN} (on by default) exists")
     args = p.parse_args(argv)
     serve(args.root.resolve(), args.port, args.ready_file, _split(args.images), args.node_cpu,
-          args.kube_version, _split(args.namespaces), args.bookmark_seconds)
+          args.kube_version, _split(args.namespaces), args.bookmark_seconds,
+          [r.resolve() for r in args.rbac], _split(args.disable_admission_plugins))
 
 
 def _split(text: str) -> list[str]:
@@ -150,22 +211,31 @@ def _split(text: str) -> list[str]:
 
 
 class FakeKubeAPIServer:
-    """Starts and stops the fake API server as a child process (`harnessrl.procs`)."""
+    """Starts and stops the fake API server as a child process (`harnessrl.procs`).
+    `rbac`: manifests to load (`--rbac`); `identity`: "namespace/name" of the ServiceAccount
+    whose kubeconfig `.kubeconfig` is, else it is the admin's (`.admin_kubeconfig`)."""
 
     def __init__(self, root: Path, images: list[str] | tuple[str, ...] = DEFAULT_IMAGES,
                  node_cpu: float = 4.0, kube_version: str | None = None,
                  namespaces: list[str] | tuple[str, ...] = (),
-                 bookmark_seconds: float = 10.0, env: dict[str, str] | None = None) -> None:
+                 bookmark_seconds: float = 10.0, env: dict[str, str] | None = None,
+                 rbac: list[Path] | tuple[Path, ...] = (), identity: str | None = None,
+                 disable_admission_plugins: list[str] | tuple[str, ...] = ()) -> None:
         self.root = Path(root)
         self.env = env
+        self.identity = identity
         self.args = ["--root", str(self.root), "--images", ",".join(images),
                      "--node-cpu", str(node_cpu), "--namespaces", ",".join(namespaces),
-                     "--bookmark-seconds", str(bookmark_seconds)]
+                     "--bookmark-seconds", str(bookmark_seconds),
+                     "--disable-admission-plugins", ",".join(disable_admission_plugins)]
+        for path in rbac:
+            self.args += ["--rbac", str(Path(path).resolve())]
         if kube_version:
             self.args += ["--kube-version", kube_version]
         self.proc: procs.ServiceProcess | None = None
         self.port = 0
-        self.kubeconfig = self.root / "kubeconfig"
+        self.admin_kubeconfig = self.kubeconfig = self.root / "kubeconfig"
+        self.serviceaccounts: dict[str, Path] = {}
 
     def start(self, timeout: float = 30.0) -> "FakeKubeAPIServer":
         self.proc, info = procs.start_service("fake-kube-apiserver",
@@ -173,8 +243,24 @@ class FakeKubeAPIServer:
                                               self.args, self.root, env=self.env,
                                               timeout=timeout)
         self.port = info["http_port"]
-        self.kubeconfig = Path(info["kubeconfig"])
+        self.admin_kubeconfig = self.kubeconfig = Path(info["kubeconfig"])
+        self.serviceaccounts = {k: Path(v) for k, v in info["serviceaccounts"].items()}
+        if self.identity is not None:
+            self.kubeconfig = self.serviceaccounts[self.identity]
         return self
+
+    @property
+    def user(self) -> str:
+        """Who `.kubeconfig` authenticates as."""
+        if self.identity is None:
+            return "kubernetes-admin"
+        ns, name = self.identity.split("/")
+        return f"system:serviceaccount:{ns}:{name}"
+
+    @property
+    def namespace(self) -> str:
+        """`.kubeconfig`'s namespace."""
+        return self.identity.split("/")[0] if self.identity else "default"
 
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc is not None:
@@ -193,13 +279,14 @@ class FakeKubeAPIServer:
 
     @property
     def token(self) -> str:
-        config = yaml.safe_load(self.kubeconfig.read_text())
+        """The admin's token."""
+        config = yaml.safe_load(self.admin_kubeconfig.read_text())
         return str(config["users"][0]["user"]["token"])
 
-    def api_client(self) -> Any:
-        """A `kubernetes.client.ApiClient` configured from the kubeconfig."""
+    def api_client(self, kubeconfig: Path | None = None) -> Any:
+        """A `kubernetes.client.ApiClient` configured from `.kubeconfig` (or `kubeconfig`)."""
         from kubernetes import config
-        return config.new_client_from_config(config_file=str(self.kubeconfig))
+        return config.new_client_from_config(config_file=str(kubeconfig or self.kubeconfig))
 
     def _call(self, method: str, path: str) -> Any:
         resp = httpx.request(method, self.url + path, timeout=10,
@@ -208,12 +295,14 @@ class FakeKubeAPIServer:
         return resp.json()
 
     def stats(self) -> dict[str, Any]:
-        """{"created": {kind: count}, "resourceVersion": N}."""
+        """{"created": {kind: count}, "requests": N (logged), "resourceVersion": N}."""
         return dict(self._call("GET", "/fake/stats"))
 
-    def requests(self) -> list[dict[str, Any]]:
-        """Every write request received: method, path, query, body (parsed), content_type."""
-        return list(self._call("GET", "/fake/requests")["requests"])
+    def requests(self, since: int = 0) -> list[dict[str, Any]]:
+        """Every API request received (from the `since`-th on): method, path, query, body
+        (parsed), content_type, time, user, verb, resource ("pods/log"), group, namespace,
+        code, forbidden (a 403's message, else None)."""
+        return list(self._call("GET", f"/fake/requests?since={since}")["requests"])
 
     def compact(self) -> int:
         """Drops the watch history; returns the resourceVersion it was compacted at."""

@@ -2,4 +2,5 @@
 docstring says what it does and where it differs from a real cluster): `objects` (kinds,
 errors, selectors), `store` (objects, resourceVersions, watch history), `validation`,
 `cluster` (API semantics, Job controller, garbage collector), `kubelet` (scheduler and
-container processes), `http` (the REST surface)."""
+container processes), `rbac` (tokens, RBAC, the ownerReferences admission plugin), `http`
+(the REST surface)."""

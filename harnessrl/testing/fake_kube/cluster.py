@@ -16,6 +16,7 @@ from typing import Any
 
 from .kubelet import Node, is_terminal, set_condition
 from .objects import KINDS, ApiError, Obj, bad_request, conflict, not_found, parse_time, rfc3339
+from .rbac import Admit
 from .store import Store
 from .validation import (JOB_LABELS, check_body_kind, check_job_update, check_labels,
                          check_schema, check_secret, raise_if, validate_new)
@@ -86,7 +87,10 @@ class Cluster:
 
     # ------------------------------------------------------------------ API verbs
 
-    def create(self, kind: str, namespace: str, body: Any, dry_run: bool = False) -> Obj:
+    def create(self, kind: str, namespace: str, body: Any, dry_run: bool = False,
+               admit: Admit | None = None) -> Obj:
+        """`admit`: the validating admission plugins, called with (object, None) once the
+        object is valid, before it is stored."""
         obj = check_body_kind(kind, body)
         meta = obj["metadata"]
         if meta.get("namespace", namespace) != namespace:
@@ -98,6 +102,8 @@ class Cluster:
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"][:58] + random_suffix()
         validate_new(kind, obj, self.kube_version)
+        if admit is not None:
+            admit(obj, None)
         for server_field in ("uid", "resourceVersion", "creationTimestamp", "deletionTimestamp",
                              "deletionGracePeriodSeconds", "generation"):
             meta.pop(server_field, None)
@@ -149,7 +155,7 @@ class Cluster:
         return obj
 
     def patch(self, kind: str, namespace: str, name: str, patch: Any,
-              dry_run: bool = False) -> Obj:
+              dry_run: bool = False, admit: Admit | None = None) -> Obj:
         if not isinstance(patch, dict):
             raise bad_request("a merge patch must be a JSON object")
 
@@ -168,6 +174,8 @@ class Cluster:
             if "status" in old:
                 new["status"] = old["status"]   # the main resource ignores status changes
             self._validate_update(kind, old, new)
+            if admit is not None:
+                admit(new, old)
             if kind == "Job" and new["spec"] != old["spec"]:
                 new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
             if not dry_run:

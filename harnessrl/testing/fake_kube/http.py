@@ -1,5 +1,6 @@
 """The REST surface: Kubernetes paths and JSON over HTTP/1.1 (stdlib `http.server`), bearer
-token authentication, chunked watch streams and pod logs, and the `/fake/*` test hooks."""
+token authentication and RBAC authorization of every request (`rbac`), chunked watch streams
+and pod logs, discovery, and the `/fake/*` test hooks (non-resource paths: the admin's)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from urllib.parse import parse_qs, urlsplit
 from .cluster import Cluster
 from .objects import (BY_RESOURCE, KINDS, ApiError, Obj, bad_request, fields_match, labels_match,
                       parse_field_selector, parse_label_selector)
+from .rbac import (Admit, Attributes, Authorizer, Identity, forbidden, owner_references_admission,
+                   request_attributes)
 from .store import Event
 
 PATH = re.compile(r"^/(?P<prefix>api/v1|apis/batch/v1)(?:/namespaces/(?P<ns>[^/]+))?"
@@ -28,11 +31,14 @@ class FakeKubeHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, port: int, cluster: Cluster, token: str, kube_version: str,
+    def __init__(self, port: int, cluster: Cluster, tokens: dict[str, Identity],
+                 authorizer: Authorizer, owner_refs_admission: bool, kube_version: str,
                  bookmark_seconds: float) -> None:
         super().__init__(("127.0.0.1", port), Handler)
         self.cluster = cluster
-        self.token = token
+        self.tokens = tokens
+        self.authorizer = authorizer
+        self.owner_refs_admission = owner_refs_admission
         self.kube_version = kube_version
         self.bookmark_seconds = bookmark_seconds
         self.requests: list[Obj] = []
@@ -71,6 +77,11 @@ class Handler(BaseHTTPRequestHandler):
             raise bad_request(f"the body of the request could not be decoded as JSON: {e}") \
                 from None
 
+    def send_response(self, code: int, message: str | None = None) -> None:
+        if self.entry is not None:
+            self.entry["code"] = code
+        super().send_response(code, message)
+
     def _send_json(self, code: int, body: Obj) -> None:
         data = json.dumps(body).encode()
         self.send_response(code)
@@ -101,32 +112,57 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
-    def _authorized(self) -> bool:
-        return self.headers.get("Authorization", "") == f"Bearer {self.server.token}"
+    def _authenticate(self) -> Identity:
+        """The token's identity; no token or an unknown one is 401 (anonymous requests are
+        refused, as with --anonymous-auth=false)."""
+        auth = self.headers.get("Authorization", "")
+        who = self.server.tokens.get(auth[7:]) if auth.startswith("Bearer ") else None
+        if who is None:
+            raise ApiError(401, "Unauthorized", "Unauthorized")
+        return who
+
+    entry: Obj | None = None   # this request's entry in the request log
 
     def _dispatch(self, method: str) -> None:
         url = urlsplit(self.path)
         query = {k: v[-1] for k, v in parse_qs(url.query, keep_blank_values=True).items()}
         body: Any = None
+        self.entry = None
         try:
             body = self._body()
-            if not self._authorized():
-                raise ApiError(401, "Unauthorized", "Unauthorized")
+            who = self._authenticate()
+            attrs = request_attributes(method, url.path, query)
+            if not url.path.startswith("/fake/"):
+                self._record(method, url.path, query, body, who, attrs)
+            if not self.server.authorizer.allows(who, attrs):
+                raise forbidden(who, attrs)
             if url.path.startswith("/fake/"):
-                return self._fake(method, url.path)
-            if method in ("POST", "PUT", "PATCH", "DELETE"):
-                self._record(method, url.path, query, body)
-            self._route(method, url.path, query, body)
+                return self._fake(method, url.path, query)
+            self._route(method, url.path, query, body, self._admission(who, attrs))
         except ApiError as e:
+            if self.entry is not None and e.code == 403:
+                self.entry["forbidden"] = e.message
             self._send_json(e.code, e.status())
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
 
-    def _record(self, method: str, path: str, query: dict[str, str], body: Any) -> None:
+    def _admission(self, who: Identity, attrs: Attributes) -> Admit | None:
+        if not self.server.owner_refs_admission:
+            return None
+        return owner_references_admission(self.server.authorizer, who, attrs)
+
+    def _record(self, method: str, path: str, query: dict[str, str], body: Any,
+                who: Identity, attrs: Attributes) -> None:
+        """Every API request: what it asked, as whom, and (filled in as it is answered) the
+        status code and a 403's message."""
+        self.entry = {
+            "method": method, "path": path, "query": query, "body": copy.deepcopy(body),
+            "content_type": self.headers.get("Content-Type"), "time": time.time(),
+            "user": who.name, "verb": attrs.verb, "resource": attrs.combined,
+            "group": attrs.group, "namespace": attrs.namespace, "code": None,
+            "forbidden": None}
         with self.server.requests_lock:
-            self.server.requests.append({
-                "method": method, "path": path, "query": query, "body": copy.deepcopy(body),
-                "content_type": self.headers.get("Content-Type"), "time": time.time()})
+            self.server.requests.append(self.entry)
 
     do_GET = lambda self: self._dispatch("GET")        # noqa: E731
     do_POST = lambda self: self._dispatch("POST")      # noqa: E731
@@ -136,40 +172,47 @@ class Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ routing
 
-    def _fake(self, method: str, path: str) -> None:
+    def _fake(self, method: str, path: str, query: dict[str, str]) -> None:
         cluster = self.server.cluster
         if method == "GET" and path == "/fake/stats":
             with cluster.store.cond:
                 created = dict(cluster.store.created)
-            return self._send_json(200, {"created": created,
-                                         "resourceVersion": cluster.store.rv})
+            return self._send_json(200, {"created": created, "requests": len(
+                self.server.requests), "resourceVersion": cluster.store.rv})
         if method == "GET" and path == "/fake/requests":
             with self.server.requests_lock:
-                return self._send_json(200, {"requests": list(self.server.requests)})
+                entries = [dict(e) for e in self.server.requests[int(query.get("since", 0)):]]
+            return self._send_json(200, {"requests": entries})
         if method == "POST" and path == "/fake/compact":
             return self._send_json(200, {"compactedAt": cluster.store.compact()})
         raise ApiError(404, "NotFound", "the server could not find the requested resource")
 
-    def _route(self, method: str, path: str, query: dict[str, str], body: Any) -> None:
-        if method == "GET" and path == "/version":
+    def _route(self, method: str, path: str, query: dict[str, str], body: Any,
+               admit: Admit | None) -> None:
+        if method == "GET" and path in ("/version", "/version/"):
             major, minor = self.server.kube_version.split(".")[:2]
             return self._send_json(200, {"major": major, "minor": minor,
                                          "gitVersion": f"v{major}.{minor}.0-fake",
+                                         "gitCommit": "0" * 40, "gitTreeState": "clean",
+                                         "buildDate": "2026-01-01T00:00:00Z",
+                                         "goVersion": "go1.25", "compiler": "gc",
                                          "platform": "linux/amd64"})
         if method == "GET" and path in ("/healthz", "/livez", "/readyz"):
             return self._send_text(200, b"ok")
+        if method == "GET" and path.rstrip("/") in ("/api", "/apis"):
+            return self._send_json(200, self._discovery(path.rstrip("/")))
         m = PATH.match(path)
         kind = BY_RESOURCE.get(m["resource"]) if m else None
         if m is None or kind is None or kind.path_prefix != "/" + m["prefix"]:
             raise ApiError(404, "NotFound", "the server could not find the requested resource")
         ns, name, sub = m["ns"], m["name"], m["sub"]
         if name is None:
-            self._collection(method, kind.name, ns, query, body)
+            self._collection(method, kind.name, ns, query, body, admit)
         elif sub is None or (sub == "status" and method == "GET"):
             if ns is None:
                 raise ApiError(404, "NotFound", "the server could not find the requested "
                                "resource")
-            self._item(method, kind.name, ns, name, query, body)
+            self._item(method, kind.name, ns, name, query, body, admit)
         elif sub == "log" and kind.name == "Pod" and method == "GET" and ns is not None:
             self._pod_log(ns, name, query)
         else:
@@ -180,8 +223,18 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(405, "MethodNotAllowed", f"the server does not allow this method on "
                            f"the requested resource ({method} {KINDS[kind].resource})")
 
+    @staticmethod
+    def _discovery(path: str) -> Obj:
+        if path == "/api":
+            return {"kind": "APIVersions", "versions": ["v1"]}
+        groups = sorted({k.group for k in KINDS.values() if k.group})
+        return {"kind": "APIGroupList", "apiVersion": "v1", "groups": [
+            {"name": g, "versions": [{"groupVersion": f"{g}/v1", "version": "v1"}],
+             "preferredVersion": {"groupVersion": f"{g}/v1", "version": "v1"}}
+            for g in groups]}
+
     def _collection(self, method: str, kind: str, ns: str | None, query: dict[str, str],
-                    body: Any) -> None:
+                    body: Any, admit: Admit | None) -> None:
         cluster = self.server.cluster
         if method == "GET":
             watch = query.get("watch", "").lower() in ("true", "1")
@@ -189,7 +242,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._watch(kind, ns, query) if watch else self._list(kind, ns, query)
         if method == "POST" and ns is not None:
             self._verb(kind, "create", method)
-            obj = cluster.create(kind, ns, body, dry_run=query.get("dryRun") == "All")
+            obj = cluster.create(kind, ns, body, dry_run=query.get("dryRun") == "All",
+                                 admit=admit)
             return self._send_json(201, obj)
         if method == "DELETE" and ns is not None:
             self._verb(kind, "deletecollection", method)
@@ -202,7 +256,7 @@ class Handler(BaseHTTPRequestHandler):
                        f"requested resource ({method} {KINDS[kind].resource})")
 
     def _item(self, method: str, kind: str, ns: str, name: str, query: dict[str, str],
-              body: Any) -> None:
+              body: Any, admit: Admit | None) -> None:
         cluster = self.server.cluster
         if method == "GET":
             self._verb(kind, "get", method)
@@ -214,7 +268,8 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an "
                                f"unknown format - accepted media types include: "
                                f"{', '.join(MERGE_PATCH_TYPES)}")
-            obj = cluster.patch(kind, ns, name, body, dry_run=query.get("dryRun") == "All")
+            obj = cluster.patch(kind, ns, name, body, dry_run=query.get("dryRun") == "All",
+                                admit=admit)
             return self._send_json(200, obj)
         if method == "DELETE":
             self._verb(kind, "delete", method)

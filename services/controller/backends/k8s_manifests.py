@@ -238,7 +238,10 @@ def render_job(template: dict[str, Any], spec: JobSpec, *, namespace: str, gatew
 
 
 def render_secret(spec: JobSpec, job: dict[str, Any], job_uid: str) -> dict[str, Any]:
-    """The attempt's Secret: its credential and task, owned by (deleted with) its Job."""
+    """The attempt's Secret: its credential and task, owned by (garbage-collected with) its
+    Job. No blockOwnerDeletion: it would only make a foreground deletion of the Job wait for
+    the Secret, and setting it needs `update` on `jobs/finalizers` where the admission plugin
+    OwnerReferencesPermissionEnforcement runs (OpenShift), a grant the Role does without."""
     meta = job["metadata"]
     return {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
@@ -246,8 +249,7 @@ def render_secret(spec: JobSpec, job: dict[str, Any], job_uid: str) -> dict[str,
             "name": secret_name(meta["name"]), "namespace": meta["namespace"],
             "labels": dict(meta["labels"]),
             "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"],
-                                 "uid": job_uid, "controller": True,
-                                 "blockOwnerDeletion": True}],
+                                 "uid": job_uid, "controller": True}],
         },
         "stringData": {SECRET_API_KEY: spec.env.get(CREDENTIAL_ENV, ""),
                        SECRET_TASK: spec.env.get("HARNESSRL_TASK_JSON", "{}")},

@@ -6,11 +6,12 @@ One job, top to bottom (`launch`, then `_supervise`):
   limited) -> create its Secret, owned by the Job -> un-suspend it -> follow the Job and its
   pod through two watches (Jobs and Pods carrying `app.kubernetes.io/managed-by=harnessrl`;
   resumed from their last resourceVersion, re-listed every `relist_s` and at once after a
-  410 Gone) -> the pod ends: save the
-  harness's log (and the grader's) into the attempt's workdir -> the result. At the timeout,
-  on cancel, or when the pod cannot start (image pull error; unschedulable past
-  `pending_timeout_s`; its Secret missing past `secret_timeout_s`) the logs are saved and the
-  Job is deleted with its pods (propagation Background; its Secret is garbage-collected).
+  410 Gone) -> the pod ends: save the harness's log (and the grader's) into the attempt's
+  workdir -> the result. At the timeout, on cancel, or when the pod cannot start (image pull
+  error; unschedulable past `pending_timeout_s`; its Secret missing past `secret_timeout_s`)
+  the logs are saved and the Job is deleted with its pods (propagation Background; its Secret
+  is garbage-collected). While the API refuses a watch (403: the Role lacks list or watch),
+  launch and adopt fail with the API's message.
 
 Restart safety: Job names are deterministic, so `adopt` finds a Job an earlier controller
 created (running, suspended before its Secret existed, or finished within its TTL) and
@@ -26,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from aiolimiter import AsyncLimiter
-from kubernetes import client as k8s, config as k8s_config, watch as k8s_watch
+from kubernetes import client as k8s, watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 
 from services.controller.backends import k8s_manifests as manifests
+from services.controller.backends.k8s_api import api_client, why as _why
 from services.controller.backends.base import (GraderOutput, JobBackend, JobInfo, JobResult,
                                                JobSpec)
 
@@ -48,7 +49,6 @@ log = logging.getLogger(__name__)
 EXEC_FAILED_EXIT_CODE = 127
 _SELECTOR = f"{manifests.MANAGED_BY_LABEL}={manifests.MANAGED_BY}"
 _IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
-_IN_CLUSTER_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _WATCH_TIMEOUT_S = 5  # a watch is resumed this often (from its last resourceVersion)
 
 
@@ -67,23 +67,6 @@ class KubernetesSettings:
     deadline_margin_s: float = 30.0
     kill_grace_s: float = 2.0
     log_limit_bytes: int = 16 * 1024 * 1024
-
-
-def api_client(kubeconfig: str) -> tuple[k8s.ApiClient, str]:
-    """An API client and its default namespace: from `kubeconfig` when given, in-cluster
-    (service account) inside a pod, else the default kubeconfig."""
-    if not kubeconfig and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        conf = k8s.Configuration()
-        k8s_config.load_incluster_config(client_configuration=conf)
-        try:
-            namespace = Path(_IN_CLUSTER_NAMESPACE).read_text().strip()
-        except OSError:
-            namespace = "default"
-        return k8s.ApiClient(conf), namespace
-    path = str(kubeconfig) if kubeconfig else None
-    api = k8s_config.new_client_from_config(config_file=path)
-    _, active = k8s_config.list_kube_config_contexts(config_file=path)
-    return api, (active or {}).get("context", {}).get("namespace") or "default"
 
 
 @dataclass
@@ -131,22 +114,24 @@ class KubernetesBackend(JobBackend):
         self._stop = threading.Event()
         self._watchers: list[threading.Thread] = []
         self._synced = {"jobs": threading.Event(), "pods": threading.Event()}
+        self._denied: dict[str, str] = {}  # "jobs"/"pods" -> why the API refuses its watch
 
     # -- watching ----------------------------------------------------------------------------
     async def _ensure_watching(self, resume_from: str | None = None) -> None:
         """Starts the two watches (once); `resume_from`: a resourceVersion to watch from
         before any list (what a watch whose connection broke does)."""
-        if self._watchers:
-            return
-        self._loop = asyncio.get_running_loop()
-        for kind, lister in (("jobs", self.batch.list_namespaced_job),
-                             ("pods", self.core.list_namespaced_pod)):
-            t = threading.Thread(target=self._watch, args=(kind, lister, resume_from),
-                                 daemon=True, name=f"k8s-watch-{kind}")
-            t.start()
-            self._watchers.append(t)
-        for ev in self._synced.values():  # the first list, so adopt sees what exists
-            await asyncio.to_thread(ev.wait, 30)
+        if not self._watchers:
+            self._loop = asyncio.get_running_loop()
+            for kind, lister in (("jobs", self.batch.list_namespaced_job),
+                                 ("pods", self.core.list_namespaced_pod)):
+                t = threading.Thread(target=self._watch, args=(kind, lister, resume_from),
+                                     daemon=True, name=f"k8s-watch-{kind}")
+                t.start()
+                self._watchers.append(t)
+            for ev in self._synced.values():  # the first list, so adopt sees what exists
+                await asyncio.to_thread(ev.wait, 30)
+        if self._denied:
+            raise PermissionError("; ".join(self._denied.values()))
 
     def _watch(self, kind: str, lister: Callable[..., Any], rv: str | None) -> None:
         """List, then watch from the list's resourceVersion. A watch ends every
@@ -172,14 +157,17 @@ class KubernetesBackend(JobBackend):
                     rv = event["raw_object"].get("metadata", {}).get("resourceVersion", rv)
                     if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
                         self._deliver(kind, event["type"], [event["object"]])
+                self._denied.pop(kind, None)
             except ApiException as exc:
                 rv = None
                 if exc.status == 410:
                     log.info("watch of %s: 410 Gone (resourceVersion compacted); listing "
                              "again", kind)
                 else:
-                    log.warning("watch of %s: %s %s; listing again", kind, exc.status,
-                                exc.reason)
+                    log.warning("watch of %s: %s; listing again", kind, _why(exc))
+                    if exc.status in (401, 403):
+                        self._denied[kind] = _why(exc)
+                        self._synced[kind].set()  # nothing to wait for
                     self._stop.wait(1.0)
             except Exception as exc:  # noqa: BLE001 - the API server away: keep trying
                 rv = None
@@ -432,7 +420,7 @@ class KubernetesBackend(JobBackend):
                     container=container, limit_bytes=self.settings.log_limit_bytes)
             except ApiException as exc:  # not started, or gone already
                 text = "" if exc.status in (400, 404) else \
-                    f"harnessrl: log of {container} not read: {exc.status} {exc.reason}\n"
+                    f"harnessrl: log of {container} not read: {_why(exc)}\n"
             await asyncio.to_thread(path.write_text, text or "")
 
     async def _end(self, job: _Job, *, timed_out: bool = False, cancelled: bool = False,
