@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import httpx
@@ -235,18 +236,22 @@ def test_a_malformed_call_is_a_server_error_not_a_bad_key(rig: Rig) -> None:
     assert rig.seqs(rid) == []
 
 
-def test_the_store_killed_mid_stream_is_held_not_refused(rig: Rig) -> None:
-    """The issue's case: the store process dies while the record stream is idle, and the next
-    write meets the dead stream (grpc answers it INTERNAL "Internal error from Core")."""
+def test_the_store_killed_mid_stream_is_held_not_refused(
+        rig: Rig, caplog: pytest.LogCaptureFixture) -> None:
+    """The issue's case: the store process dies (kill -9) while the record stream is idle, and
+    the next batch is written to the dead stream: grpc fails that write with a status of its
+    own making, INTERNAL "Internal error from Core". The call is held, and recorded once the
+    store is back."""
     rid = rig.rollout()
 
     async def run() -> None:
         # (the channel reconnects within 0.2 s of the store's return, not grpc's default 1-120)
         channel = grpc.aio.insecure_channel(rig.store_address, options=rpc.CLIENT_OPTIONS + [
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200)])
-        recorder = CallRecorder(StoreClient(channel), hold_timeout_s=60)
+        store = _KillBeforeNextWrite(StoreClient(channel), rig.store_proc.kill)
+        recorder = CallRecorder(store, hold_timeout_s=60)
         await recorder.record(_call(rid, 0))
-        rig.store_proc.kill()
+        store.armed = True
         held = asyncio.ensure_future(recorder.record(_call(rid, 1)))
         while recorder.store_down_since is None and not held.done():
             await asyncio.sleep(0.01)  # until it meets the dead stream
@@ -256,8 +261,30 @@ def test_the_store_killed_mid_stream_is_held_not_refused(rig: Rig) -> None:
         await recorder.close()
         await channel.close()
 
-    asyncio.run(run())
+    with caplog.at_level("WARNING", "harnessrl.gateway.recorder"):
+        asyncio.run(run())
+    assert "INTERNAL: Internal error from Core" in caplog.text  # the issue's status, met
     assert rig.seqs(rid) == [0, 1]
+
+
+class _KillBeforeNextWrite:
+    """The real store client; once `armed`, the real store process is killed (and waited for)
+    right before the next batch is written to its stream, with no await in between."""
+
+    def __init__(self, store: StoreClient, kill: Callable[[], None]) -> None:
+        self.store, self.kill, self.armed = store, kill, False
+
+    def record_calls(self) -> Any:
+        stream, link = self.store.record_calls(), self
+        write = stream.write
+
+        async def write_after_kill(request: spb.AppendCallsRequest) -> None:
+            if link.armed:
+                link.armed = False
+                link.kill()
+            await write(request)
+        stream.write = write_after_kill
+        return stream
 
 
 def _call(rid: str, seq: int) -> c.Call:
