@@ -174,7 +174,7 @@ class CallRecorder:
                 failure = _describe(err, wait)
                 if self.store_down_since is None:
                     self.store_down_since = time.monotonic()
-                    log.warning("record stream to the store failed (%s); holding calls", failure)
+                    log.warning("store unreachable (record stream: %s); holding calls", failure)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 batch = live
