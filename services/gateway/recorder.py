@@ -9,8 +9,9 @@ form the next batch.
 What the store said and what the transport did are told apart by one rule: the store's
 answer is an `AppendCallsResponse` on the stream, and only that. Per call:
 - STORED or DUPLICATE: recorded.
-- REJECTED (unknown rollout, attempt not running): `RecordRejected`, HTTP 401 `rollout_closed`,
-  the answer the gateway gives that key at authentication once the attempt is over.
+- REJECTED (unknown rollout, attempt not running): `RecordRejected`, HTTP 401 `rollout_closed`:
+  the key no longer authorizes calls, as the gateway answers it at authentication once it
+  knows. (Not 409: the OpenAI and Anthropic SDKs retry 409, and the retry would get 401.)
 - INVALID (the call is malformed: the gateway's or its engine's fault): `RecordFailed`, 500.
 - FAILED (the store's own error storing it), an unknown result, or a response with the wrong
   number of results: `StoreFailed`, 502, with the store's reason.
@@ -21,9 +22,10 @@ Redis is down; INTERNAL "Internal error from Core", which grpc's asyncio client 
 when a write meets a stream whose peer has died, e.g. the store killed mid-stream, and which the
 store never sends; CANCELLED or INTERNAL from a reset HTTP/2 stream; a status from a store that
 crashed in its servicer), the stream ending without a status, or no answer within
-`batch_timeout_s` (a hung store; the wait never outlasts the batch's hold deadline). The store
-answers its own errors in the stream (`APPEND_RESULT_FAILED`), so a status never stands for
-one. Resending is safe: a call is keyed by (rollout, attempt, seq), so a batch the store took
+`batch_timeout_s` (a hung store; the wait never outlasts the batch's hold deadline). A store
+that is up and fails answers FAILED in the stream (502 at once), so a status is never read as
+the store's verdict, whatever its code: a store bug that ends the stream with one anyway is
+held like an outage and answered 503 with that status as the last failure. Resending is safe: a call is keyed by (rollout, attempt, seq), so a batch the store took
 before the stream broke comes back DUPLICATE and nothing is stored twice. A call not delivered
 within `hold_timeout_s` raises `HoldTimeout`, 503 naming the last failure, so no response a
 harness received is ever missing from the store.
