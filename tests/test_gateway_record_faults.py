@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -268,11 +269,21 @@ def test_the_store_killed_mid_stream_is_held_not_refused(
 
 
 class _KillBeforeNextWrite:
-    """The real store client; once `armed`, the real store process is killed (and waited for)
-    right before the next batch is written to its stream, with no await in between."""
+    """The real store client; once `armed`, the real store process is killed right before the
+    next batch is written to its stream: the write comes once the channel knows the connection
+    is gone and before the event loop has run, so before the stream could be told. (That is
+    the window the issue's INTERNAL comes from; a write that races the death instead may still
+    reach the socket, and its stream then ends UNAVAILABLE.)"""
 
     def __init__(self, store: StoreClient, kill: Callable[[], None]) -> None:
         self.store, self.kill, self.armed = store, kill, False
+
+    def _kill_and_wait(self) -> None:
+        self.kill()
+        deadline = time.monotonic() + 30
+        while self.store.channel.get_state() == grpc.ChannelConnectivity.READY:
+            assert time.monotonic() < deadline, "the channel never saw the store die"
+            time.sleep(0.005)  # blocks the loop on purpose
 
     def record_calls(self) -> Any:
         stream, link = self.store.record_calls(), self
@@ -281,7 +292,7 @@ class _KillBeforeNextWrite:
         async def write_after_kill(request: spb.AppendCallsRequest) -> None:
             if link.armed:
                 link.armed = False
-                link.kill()
+                link._kill_and_wait()
             await write(request)
         stream.write = write_after_kill
         return stream
