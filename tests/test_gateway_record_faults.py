@@ -73,9 +73,10 @@ class Rig:
 
     def restart_store(self) -> None:
         """Starts the (killed) store again on its port."""
-        self.store_proc, _ = procs.start_service(
+        self.store_proc, info = procs.start_service(
             "store", "services.store", ["--bind", self.store_address, *self.store_args],
             self.store_proc.workdir, timeout=30)
+        self.metrics_url = f"http://127.0.0.1:{info['metrics_port']}/metrics"
 
     def seqs(self, rid: str) -> list[int]:
         """The sequence numbers stored for the rollout, read from Redis itself."""
@@ -120,6 +121,9 @@ def rig(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Ri
         for stop in stops:
             stop.result()
         pool.shutdown()
+        if rig is not None:
+            rig.store.close()
+            rig.redis.close()
         link.stop()
         stub.proc.stop()
         (rig.store_proc if rig is not None else store_proc).stop()
@@ -182,7 +186,6 @@ def test_the_store_answers_are_the_only_refusals(rig: Rig, link: FaultyLink) -> 
     # The store fails to store it (its own error): 502 with the store's reason, at once.
     rid = rig.rollout()
     client = rig.client(rig.patient, rid)
-    rig.redis.delete(f"{rig.prefix}calls:{rid}:1")
     rig.redis.set(f"{rig.prefix}calls:{rid}:1", "not a hash")  # a broken rollout
     with pytest.raises(openai.APIStatusError) as failed:
         chat(client)
