@@ -94,7 +94,7 @@ def test_rejects_bad_calls_per_call(client: StoreClient) -> None:
     bad = call(rid, 1, 1)
     del bad.logprobs[-1]
     r = client.append_calls([call(rid, 1, 0), bad, call("nope", 1, 0), call(rid, 2, 0)])
-    assert list(r.results) == [spb.APPEND_RESULT_STORED, spb.APPEND_RESULT_REJECTED,
+    assert list(r.results) == [spb.APPEND_RESULT_STORED, spb.APPEND_RESULT_INVALID,
                                spb.APPEND_RESULT_REJECTED, spb.APPEND_RESULT_REJECTED]
     assert "one logprob per token" in r.reasons[1]
     assert "unknown rollout" in r.reasons[2]

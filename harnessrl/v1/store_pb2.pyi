@@ -31,7 +31,11 @@ class _AppendResultEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AppendRe
     APPEND_RESULT_DUPLICATE: _AppendResult.ValueType  # 2
     """same (rollout, attempt, seq) stored before; left unchanged"""
     APPEND_RESULT_REJECTED: _AppendResult.ValueType  # 3
-    """see reason: unknown rollout, attempt not running, bad call"""
+    """its attempt takes no calls: unknown rollout, not running"""
+    APPEND_RESULT_INVALID: _AppendResult.ValueType  # 4
+    """the call itself is malformed (see reason): the caller's bug"""
+    APPEND_RESULT_FAILED: _AppendResult.ValueType  # 5
+    """RecordCalls: the store's own error (see reason); resend is safe"""
 
 class AppendResult(_AppendResult, metaclass=_AppendResultEnumTypeWrapper): ...
 
@@ -40,7 +44,11 @@ APPEND_RESULT_STORED: AppendResult.ValueType  # 1
 APPEND_RESULT_DUPLICATE: AppendResult.ValueType  # 2
 """same (rollout, attempt, seq) stored before; left unchanged"""
 APPEND_RESULT_REJECTED: AppendResult.ValueType  # 3
-"""see reason: unknown rollout, attempt not running, bad call"""
+"""its attempt takes no calls: unknown rollout, not running"""
+APPEND_RESULT_INVALID: AppendResult.ValueType  # 4
+"""the call itself is malformed (see reason): the caller's bug"""
+APPEND_RESULT_FAILED: AppendResult.ValueType  # 5
+"""RecordCalls: the store's own error (see reason); resend is safe"""
 Global___AppendResult: _TypeAlias = AppendResult  # noqa: Y015
 
 @_typing.final

@@ -178,8 +178,11 @@ class StoreServicer:
     def RecordCalls(self, request_iterator, context):
         """AppendCalls as one long-lived stream, the gateway's hot path: one response per request,
         in order, with the same per-call semantics. A stream costs about half the CPU and latency
-        of a unary call per batch. A Redis outage ends the stream with UNAVAILABLE; the caller
-        opens a new one and sends again (appends are idempotent).
+        of a unary call per batch. The store's answers are its responses: a batch it fails to
+        store (an error of its own) is answered APPEND_RESULT_FAILED with the reason, and the
+        stream stays open. A Redis outage ends the stream with UNAVAILABLE; a stream that ends
+        any other way (any status, no answer) broke in transit: the caller opens a new one and
+        sends again (appends are idempotent).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

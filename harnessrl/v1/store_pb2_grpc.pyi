@@ -45,8 +45,11 @@ class StoreStub:
     RecordCalls: _grpc.StreamStreamMultiCallable[_store_pb2.AppendCallsRequest, _store_pb2.AppendCallsResponse]
     """AppendCalls as one long-lived stream, the gateway's hot path: one response per request,
     in order, with the same per-call semantics. A stream costs about half the CPU and latency
-    of a unary call per batch. A Redis outage ends the stream with UNAVAILABLE; the caller
-    opens a new one and sends again (appends are idempotent).
+    of a unary call per batch. The store's answers are its responses: a batch it fails to
+    store (an error of its own) is answered APPEND_RESULT_FAILED with the reason, and the
+    stream stays open. A Redis outage ends the stream with UNAVAILABLE; a stream that ends
+    any other way (any status, no answer) broke in transit: the caller opens a new one and
+    sends again (appends are idempotent).
     """
     ReportReward: _grpc.UnaryUnaryMultiCallable[_store_pb2.ReportRewardRequest, _common_pb2.Rollout]
     """Records a reward reported by the harness for a running attempt."""
@@ -96,8 +99,11 @@ class StoreAsyncStub(StoreStub):
     RecordCalls: _aio.StreamStreamMultiCallable[_store_pb2.AppendCallsRequest, _store_pb2.AppendCallsResponse]  # type: ignore[assignment]
     """AppendCalls as one long-lived stream, the gateway's hot path: one response per request,
     in order, with the same per-call semantics. A stream costs about half the CPU and latency
-    of a unary call per batch. A Redis outage ends the stream with UNAVAILABLE; the caller
-    opens a new one and sends again (appends are idempotent).
+    of a unary call per batch. The store's answers are its responses: a batch it fails to
+    store (an error of its own) is answered APPEND_RESULT_FAILED with the reason, and the
+    stream stays open. A Redis outage ends the stream with UNAVAILABLE; a stream that ends
+    any other way (any status, no answer) broke in transit: the caller opens a new one and
+    sends again (appends are idempotent).
     """
     ReportReward: _aio.UnaryUnaryMultiCallable[_store_pb2.ReportRewardRequest, _common_pb2.Rollout]  # type: ignore[assignment]
     """Records a reward reported by the harness for a running attempt."""
@@ -186,8 +192,11 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_store_pb2.AppendCallsResponse], _abc.AsyncIterator[_store_pb2.AppendCallsResponse]]:
         """AppendCalls as one long-lived stream, the gateway's hot path: one response per request,
         in order, with the same per-call semantics. A stream costs about half the CPU and latency
-        of a unary call per batch. A Redis outage ends the stream with UNAVAILABLE; the caller
-        opens a new one and sends again (appends are idempotent).
+        of a unary call per batch. The store's answers are its responses: a batch it fails to
+        store (an error of its own) is answered APPEND_RESULT_FAILED with the reason, and the
+        stream stays open. A Redis outage ends the stream with UNAVAILABLE; a stream that ends
+        any other way (any status, no answer) broke in transit: the caller opens a new one and
+        sends again (appends are idempotent).
         """
 
     @_abc_1.abstractmethod

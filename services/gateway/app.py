@@ -17,8 +17,9 @@ and logprobs; held while engines are paused or unreachable) -> the output accumu
 `Generated` -> `record` (the call is in the store *before* the harness sees the response as
 complete: for a stream, before its final event) -> the response in the API's own shape, the
 fields the gateway added stripped unless the harness asked for them. Errors come in each API's
-shape: 400 (bad request), 401 (key), 404 (unknown model), 413 (body over `max_body_bytes`),
-502 (engine failure), 503 (held past `hold_timeout_s`).
+shape: 400 (bad request), 401 (key, or its attempt over), 404 (unknown model), 413 (body over
+`max_body_bytes`), 500 (call malformed), 502 (engine or store failure), 503 (held past
+`hold_timeout_s`); which store failure is which: `recorder.py`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from services.gateway.engines import EngineRegistry, EngineState
 from services.gateway.http_server import TextBody
 from services.gateway.metrics import HELD_RECORDS, RouteMetrics
 from services.gateway.health import GatewayReadiness
-from services.gateway.recorder import CallRecorder, HoldTimeout, RecordRejected
+from services.gateway.recorder import CallRecorder, RecordError, RecordRejected
 from services.gateway.sessions import Session, Sessions
 from services.gateway.streaming import DONE, Generated, SSEDecoder, strip_chunk
 from services.gateway.tokens import Plan, TemplateError, TokenReuse
@@ -508,21 +509,19 @@ class GatewayApp:
         return call
 
     async def record(self, ex: Exchange, call: c.Call) -> None:
-        """Returns once the store has `call`; HTTPError 401 (attempt closed) / 503 (held
-        past `hold_timeout_s`) otherwise."""
+        """Returns once the store has `call`; otherwise HTTPError with the status of the
+        `RecordError` (401 attempt over, 500, 502 store error, 503 held too long)."""
         try:
             await self.recorder.record(call)
             if ex.plan is not None and ex.generated is not None and not call.aborted:
                 gen = ex.generated
                 self.tokens.recorded(ex.session, ex.plan, call, gen.message(),
                                      gen.prompt_ids or [], gen.ids)
-        except RecordRejected as err:
-            self.sessions.close(ex.session, f"rollout {call.rollout_id} attempt {call.attempt}: "
-                                            f"{err}")
-            raise HTTPError(401, f"call not recorded: {err}", "authentication_error",
-                            "rollout_closed") from err
-        except HoldTimeout as err:
-            raise HTTPError(503, str(err), "service_unavailable", "store_unavailable") from err
+        except RecordError as err:
+            if isinstance(err, RecordRejected):
+                self.sessions.close(ex.session, f"rollout {call.rollout_id} attempt "
+                                                f"{call.attempt}: {err}")
+            raise HTTPError(err.status, f"call not recorded: {err}", err.type, err.code) from err
 
     def record_later(self, ex: Exchange, call: c.Call) -> None:
         """Records an aborted call in the background (its client is gone)."""

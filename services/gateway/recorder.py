@@ -4,10 +4,33 @@
 delivery of the same call). Concurrent calls share batches, sent over a long-lived
 `Store.RecordCalls` stream (per batch about half the CPU and latency of a unary AppendCalls);
 each writer keeps one stream with one batch in flight, and the calls that arrive meanwhile
-form the next batch. While the store is unreachable, calls wait in memory and are retried
-with backoff on a new stream; a call not delivered within `hold_timeout_s` raises
-`HoldTimeout`, and the harness then gets HTTP 503 instead of a response, so no response a
+form the next batch.
+
+What the store said and what the transport did are told apart by one rule: the store's
+answer is an `AppendCallsResponse` on the stream, and only that. Per call:
+- STORED or DUPLICATE: recorded.
+- REJECTED (unknown rollout, attempt not running): `RecordRejected`, HTTP 401 `rollout_closed`:
+  the key no longer authorizes calls, as the gateway answers it at authentication once it
+  knows. (Not 409: the OpenAI and Anthropic SDKs retry 409, and the retry would get 401.)
+- INVALID (the call is malformed: the gateway's or its engine's fault): `RecordFailed`, 500.
+- FAILED (the store's own error storing it), an unknown result, or a response with the wrong
+  number of results: `StoreFailed`, 502, with the store's reason.
+
+Every other way a batch can fail is the transport's, and the batch is held and resent on a new
+stream with backoff: the stream ending with any gRPC status (UNAVAILABLE when the store or its
+Redis is down; INTERNAL "Internal error from Core", which grpc's asyncio client makes up itself
+when a write meets a stream whose peer has died, e.g. the store killed mid-stream, and which the
+store never sends; CANCELLED or INTERNAL from a reset HTTP/2 stream; a status from a store that
+crashed in its servicer), the stream ending without a status, or no answer within
+`batch_timeout_s` (a hung store; the wait never outlasts the batch's hold deadline). A store
+that is up and fails answers FAILED in the stream (502 at once), so a status is never read as
+the store's verdict, whatever its code: a store bug that ends the stream with one anyway is
+held like an outage and answered 503 with that status as the last failure. Resending is safe: a call is keyed by (rollout, attempt, seq), so a batch the store took
+before the stream broke comes back DUPLICATE and nothing is stored twice. A call not delivered
+within `hold_timeout_s` raises `HoldTimeout`, 503 naming the last failure, so no response a
 harness received is ever missing from the store.
+
+Each error carries its HTTP status, error type and code (`app.py` answers with them).
 """
 
 from __future__ import annotations
@@ -27,16 +50,39 @@ from harnessrl.v1 import store_pb2 as spb
 
 log = logging.getLogger("harnessrl.gateway.recorder")
 
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.RESOURCE_EXHAUSTED)
+_RECORDED = (spb.APPEND_RESULT_STORED, spb.APPEND_RESULT_DUPLICATE)
 
 
-class RecordRejected(Exception):
-    """The store refused the call (e.g. its attempt is no longer running)."""
+class RecordError(Exception):
+    """The call was not recorded; `status`, `type`, `code`: the HTTP answer."""
+
+    status, type, code = 500, "server_error", "record_failed"
 
 
-class HoldTimeout(Exception):
-    """The store stayed unreachable for longer than the hold timeout."""
+class RecordRejected(RecordError):
+    """The store refused the call: its attempt takes no calls (over, or unknown)."""
+
+    status, type, code = 401, "authentication_error", "rollout_closed"
+
+
+class RecordFailed(RecordError):
+    """The gateway could not record the call: the store found it malformed, or a bug."""
+
+
+class StoreFailed(RecordError):
+    """The store answered that it failed to store the call (its own error)."""
+
+    status, type, code = 502, "server_error", "store_error"
+
+
+class HoldTimeout(RecordError):
+    """The store did not take the call within the hold timeout (unreachable, hung, broken)."""
+
+    status, type, code = 503, "service_unavailable", "store_unavailable"
+
+
+_ERRORS: dict[int, type[RecordError]] = {spb.APPEND_RESULT_REJECTED: RecordRejected,
+                                         spb.APPEND_RESULT_INVALID: RecordFailed}
 
 
 @dataclass(slots=True)
@@ -47,7 +93,7 @@ class _Item:
 
 
 class _StreamEnded(Exception):
-    """The store ended a RecordCalls stream without an error status."""
+    """A RecordCalls stream ended without a status."""
 
 
 class CallRecorder:
@@ -89,7 +135,7 @@ class CallRecorder:
         return batch
 
     async def _writer(self, index: int) -> None:
-        stream = _RecordStream(self.store, self.batch_timeout_s)
+        stream = _RecordStream(self.store)
         try:
             while True:
                 batch = await self._take()
@@ -98,15 +144,15 @@ class CallRecorder:
                 except Exception as exc:  # noqa: BLE001 - a writer must never die silently
                     log.exception("recording a batch failed")
                     stream.close()
-                    for item in batch:
-                        if not item.future.done():
-                            item.future.set_exception(RecordRejected(f"recorder error: {exc}"))
+                    _fail(batch, RecordFailed(f"recorder error: {exc}"))
         finally:
             stream.close()
 
     async def _deliver(self, batch: list[_Item], stream: "_RecordStream") -> None:
-        """Delivers one batch, retrying it through store outages until the items' deadlines."""
+        """Delivers one batch, resending it through transport failures until the items'
+        deadlines (the module docstring has the rule)."""
         backoff = 0.05
+        failure = "none"
         while True:
             now = time.monotonic()
             live = []
@@ -115,29 +161,22 @@ class CallRecorder:
                     continue
                 if now >= item.deadline:
                     item.future.set_exception(HoldTimeout(
-                        f"the store was unreachable for {self.hold_timeout_s:.0f}s; call not "
-                        "recorded"))
+                        f"the store did not take it within {self.hold_timeout_s:g}s (last "
+                        f"failure: {failure})"))
                 else:
                     live.append(item)
             if not live:
                 return
+            wait = min(self.batch_timeout_s, min(i.deadline for i in live) - now)
             try:
-                resp = await stream.exchange([i.call for i in live])
+                resp = await stream.exchange([i.call for i in live], wait)
             except (grpc.aio.AioRpcError, _StreamEnded, asyncio.TimeoutError,
                     asyncio.InvalidStateError) as err:
                 stream.close()
-                code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
-                if code is not None and code not in _RETRYABLE:
-                    for item in live:
-                        if not item.future.done():
-                            item.future.set_exception(RecordRejected(
-                                f"store refused the batch: {code.name}: "
-                                f"{err.details()}"))  # type: ignore[union-attr]
-                    return
+                failure = _describe(err, wait)
                 if self.store_down_since is None:
                     self.store_down_since = time.monotonic()
-                    log.warning("store unreachable (%s); holding calls",
-                                code.name if code is not None else type(err).__name__)
+                    log.warning("store unreachable (record stream: %s); holding calls", failure)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 batch = live
@@ -146,37 +185,57 @@ class CallRecorder:
                 log.info("store reachable again after %.1fs; delivering held calls",
                          time.monotonic() - self.store_down_since)
                 self.store_down_since = None
-            for item, result, reason in zip(live, resp.results, resp.reasons):
+            if len(resp.results) != len(live):
+                _fail(live, StoreFailed(f"the store answered {len(resp.results)} results for "
+                                        f"{len(live)} calls"))
+                return
+            reasons = list(resp.reasons) + [""] * (len(live) - len(resp.reasons))
+            for item, result, reason in zip(live, resp.results, reasons):
                 if item.future.done():  # cancelled while the batch was in flight
                     continue
-                if result in (spb.APPEND_RESULT_STORED, spb.APPEND_RESULT_DUPLICATE):
+                if result in _RECORDED:
                     item.future.set_result(None)
                 else:
-                    item.future.set_exception(RecordRejected(reason or "rejected by the store"))
+                    error = _ERRORS.get(result, StoreFailed)
+                    item.future.set_exception(error(reason or f"the store answered {result}"))
             return
+
+
+def _fail(items: list[_Item], err: RecordError) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(err)
+
+
+def _describe(err: Exception, wait: float) -> str:
+    if isinstance(err, grpc.aio.AioRpcError):
+        return f"{err.code().name}: {err.details()}"
+    if isinstance(err, asyncio.TimeoutError):
+        return f"no answer in {wait:.2g}s"
+    return str(err) or type(err).__name__
 
 
 class _RecordStream:
     """One writer's `Store.RecordCalls` stream: opened on first use, closed after a failure
     (the next batch opens a new one)."""
 
-    def __init__(self, store: AsyncStoreClient, batch_timeout_s: float) -> None:
+    def __init__(self, store: AsyncStoreClient) -> None:
         self.store = store
-        self.batch_timeout_s = batch_timeout_s
         self.call: Any = None
 
-    async def exchange(self, calls: list[c.Call]) -> spb.AppendCallsResponse:
-        """Writes one batch and reads its answer, within `batch_timeout_s` (a store that hangs
-        counts as down)."""
+    async def exchange(self, calls: list[c.Call], timeout: float) -> spb.AppendCallsResponse:
+        """Writes one batch and reads its answer, within `timeout` (a store that hangs counts
+        as down)."""
         if self.call is None:
             self.call = self.store.record_calls()
-        await self.call.write(spb.AppendCallsRequest(calls=calls))
-        resp = await asyncio.wait_for(self.call.read(), self.batch_timeout_s)
+        call = self.call
+
+        async def send_and_read() -> Any:
+            await call.write(spb.AppendCallsRequest(calls=calls))
+            return await call.read()
+        resp = await asyncio.wait_for(send_and_read(), max(timeout, 0.001))
         if resp is grpc.aio.EOF:
-            raise _StreamEnded("the store ended the RecordCalls stream")
-        if len(resp.results) != len(calls):
-            raise RuntimeError(f"store answered {len(resp.results)} results for {len(calls)} "
-                               "calls")
+            raise _StreamEnded("the RecordCalls stream ended without a status")
         return resp  # type: ignore[no-any-return]
 
     def close(self) -> None:

@@ -1,7 +1,7 @@
 """The store's Prometheus series (served on `metrics_bind`).
 
 - `harnessrl_store_calls_appended_total{result}`: calls given to AppendCalls / RecordCalls, by
-  outcome (stored, duplicate, rejected);
+  outcome (stored, duplicate, rejected, invalid, failed);
 - `harnessrl_store_stream_entries{stream}`: entries in each completed-group stream;
 - `harnessrl_store_stream_lag{stream, group}`: entries a consumer group has not read yet;
 - `harnessrl_store_stream_pending{stream, group}`: entries read and not acknowledged yet.
@@ -36,6 +36,8 @@ _BY_RESULT: dict[int, PromCounter] = {
     spb.APPEND_RESULT_STORED: APPENDED.labels("stored"),
     spb.APPEND_RESULT_DUPLICATE: APPENDED.labels("duplicate"),
     spb.APPEND_RESULT_REJECTED: APPENDED.labels("rejected"),
+    spb.APPEND_RESULT_INVALID: APPENDED.labels("invalid"),
+    spb.APPEND_RESULT_FAILED: APPENDED.labels("failed"),
     spb.APPEND_RESULT_UNSPECIFIED: APPENDED.labels("unspecified")}
 
 

@@ -392,7 +392,7 @@ class RolloutStore:
         for i, call in enumerate(calls):
             problem = _call_problem(call)
             if problem:
-                results[i], reasons[i] = spb.APPEND_RESULT_REJECTED, problem
+                results[i], reasons[i] = spb.APPEND_RESULT_INVALID, problem
             else:
                 todo.append(i)
         if todo:

@@ -4,7 +4,8 @@ UNAVAILABLE (callers retry; every write is idempotent)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -19,6 +20,7 @@ from harnessrl.v1 import store_pb2_grpc
 from services.store.metrics import count_appended
 from services.store.redis_store import RolloutStore
 
+log = logging.getLogger("harnessrl.store")
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 
@@ -78,14 +80,40 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     async def RecordCalls(self, request_iterator: AsyncIterator[spb.AppendCallsRequest],
                           context: grpc.aio.ServicerContext
                           ) -> AsyncIterator[spb.AppendCallsResponse]:
+        """AppendCalls per batch, answered in order. The store's own errors are answered in
+        the stream, never as a status (a caller takes any status for a broken stream and
+        resends): a batch that fails is appended call by call, and a call that fails alone is
+        APPEND_RESULT_FAILED with the reason, so one rollout's broken keys fail only its own
+        calls. Redis unreachable ends the stream with UNAVAILABLE."""
         async for request in request_iterator:
             try:
-                results, reasons = await self.store.append_calls(request.calls)
+                try:
+                    results, reasons = await self.store.append_calls(request.calls)
+                except _REDIS_DOWN:
+                    raise
+                except Exception:  # noqa: BLE001 - answered per call below
+                    log.exception("appending a batch of %d calls failed; appending them one by "
+                                  "one", len(request.calls))
+                    results, reasons = await self._one_by_one(request.calls)
             except _REDIS_DOWN as exc:
                 raise Unavailable(f"redis unavailable: {exc}") from exc
             count_appended(results)
             yield spb.AppendCallsResponse(results=results,  # type: ignore[arg-type]
                                           reasons=reasons)
+
+    async def _one_by_one(self, calls: Sequence[c.Call]) -> tuple[list[int], list[str]]:
+        results, reasons = [], []
+        for call in calls:
+            try:
+                (result,), (reason,) = await self.store.append_calls([call])
+            except _REDIS_DOWN:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the store's error, answered as FAILED
+                result, reason = spb.APPEND_RESULT_FAILED, (f"store error: {type(exc).__name__}:"
+                                                            f" {exc}")
+            results.append(result)
+            reasons.append(reason)
+        return results, reasons
 
     @_redis_unavailable
     async def ReportReward(self, request: spb.ReportRewardRequest,
