@@ -71,7 +71,11 @@ _SERVICE_CONFIG = json.dumps({
         },
     }]
 })
-CLIENT_OPTIONS = OPTIONS + [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+# A peer that restarts is found again within 5 s: gRPC's default reconnect backoff grows to
+# 120 s, so after a long store outage the gateway's held calls could time out (503) while the
+# store was already back.
+CLIENT_OPTIONS = OPTIONS + [("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1),
+                            ("grpc.max_reconnect_backoff_ms", 5_000)]
 
 
 def channel(address: str) -> grpc.Channel:
