@@ -67,9 +67,40 @@ def _a_trained_rollout(inputs: ChaosInputs) -> str:
     return sorted(ca.read_claims(inputs.metrics_file).trained)[0]
 
 
+def _in_a_kill_window(inputs: ChaosInputs, rid: str) -> bool:
+    ran = ca.read_harness_log(inputs.harness_log).get(rid, {})
+    return any(k.covers(a.start, a.end or inputs.run_end) for a in ran.values()
+               for k in inputs.windows)
+
+
+def _claim_dropped(inputs: ChaosInputs, rid: str, tmp_path: Path) -> ChaosInputs:
+    """The trainer's claims with `rid` moved from trained to dropped ("failed")."""
+    rows = [json.loads(x) for x in inputs.metrics_file.read_text().splitlines()]
+    for row in rows:
+        if rid in row["trained_rollouts"]:
+            row["trained_rollouts"].remove(rid)
+            row["dropped_rollouts"][rid] = "failed"
+    claims = tmp_path / "metrics.jsonl"
+    claims.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    return dataclasses.replace(inputs, metrics_file=claims)
+
+
+def test_chaos_accounting_ties_a_drop_to_the_kill_it_ran_through(
+        chaos: tuple[ChaosResult, str], tmp_path: Path) -> None:
+    res, url = chaos
+    inputs = _inputs(res)
+    rid = next(r for r in sorted(ca.read_claims(inputs.metrics_file).trained)
+               if _in_a_kill_window(inputs, r))
+    acc = _claim_dropped(inputs, rid, tmp_path).account(url)
+    assert acc.problems == []
+    [drop] = acc.drops
+    assert drop["rollout"] == rid and drop["kills"]
+
+
 @pytest.mark.parametrize("fault", ["store loses a rollout record",
                                    "trainer claims a rollout never acknowledged",
-                                   "a trained group un-acknowledged in Redis"])
+                                   "a trained group un-acknowledged in Redis",
+                                   "trainer drops a rollout no kill explains"])
 def test_chaos_accounting_fails_on(fault: str, chaos: tuple[ChaosResult, str],
                                    tmp_path: Path) -> None:
     res, url = chaos
@@ -96,6 +127,11 @@ def test_chaos_accounting_fails_on(fault: str, chaos: tuple[ChaosResult, str],
         claims.write_text("".join(json.dumps(x) + "\n" for x in rows))
         inputs = dataclasses.replace(inputs, metrics_file=claims)
         expect = "claimed, never acknowledged"
+    elif fault == "trainer drops a rollout no kill explains":
+        victim = next(r for r in sorted(ca.read_claims(inputs.metrics_file).trained)
+                      if not _in_a_kill_window(inputs, r))
+        inputs = _claim_dropped(inputs, victim, tmp_path)
+        expect = "drop without a kill"
     else:  # the entry delivered again (pending, as if never acknowledged): XGROUP SETID below
         # it, one XREADGROUP, then the group's position put back
         victim = _a_trained_rollout(inputs)

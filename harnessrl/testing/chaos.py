@@ -83,6 +83,19 @@ class ChaosInputs:
     mode: str
     trainer_deaths: int
 
+    def save(self, path: Path) -> None:
+        d = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()}
+        d["windows"] = [vars(w) for w in self.windows]
+        Path(path).write_text(json.dumps(d) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "ChaosInputs":
+        d = json.loads(Path(path).read_text())
+        for k in ("redis_dir", "harness_log", "metrics_file"):
+            d[k] = Path(d[k])
+        d["windows"] = [ca.KillWindow(**w) for w in d["windows"]]
+        return cls(**d)
+
     def account(self, redis_url: str) -> ca.Accounting:
         view = ca.read_redis(redis_url, KEY_PREFIX, self.run_prefix, set(self.expected))
         return ca.account(self.expected, view, ca.read_claims(self.metrics_file),
@@ -251,6 +264,7 @@ def run_chaos(workdir: Path, model_dir: Path, *, seed: int = 0, steps: int = 3,
             expected=expected, harness_log=harness_log, metrics_file=out / "metrics.jsonl",
             windows=[ca.KillWindow(k.service, k.at, k.back, k.label) for k in res.kills],
             run_end=run_end, mode=mode, trainer_deaths=deaths)
+        res.inputs.save(workdir / "chaos.json")  # to account again later: ChaosInputs.load
         res.acc = res.inputs.account(stack.redis_url)
     res.wall_s = time.monotonic() - t_start
     return res
