@@ -348,7 +348,8 @@ def account(expected: dict[str, int], view: RedisView, claims: Claims,
             if mode != "sync" and why.startswith("stale"):
                 acc.by_design["stale"] = acc.by_design.get("stale", 0) + 1
                 continue
-            reason = f"{why}: {_why_failed(ro)}" if ro.status != SUCCEEDED else why
+            reason = why if ro.status == SUCCEEDED else _why_failed(ro) if why == "failed" \
+                else f"{why}: {_why_failed(ro)}"
             drop = {"rollout": rid, "reason": reason, "kills": None}
         else:
             bad(f"acknowledged, not claimed: rollout {rid}'s group entry {e.entry_id} is "
