@@ -1,39 +1,156 @@
 """Chaos on the real stack, bounded for CI: three training steps of the example (Redis with AOF,
 vLLM, store, gateway, controller, trainer) while the store, gateway, controller, Redis and the
-trainer are each killed with kill -9 once, at seeded random points, and restarted by the
-supervisor. Every rollout must be trained exactly once or dropped with a recorded reason.
-`bench/chaos.py` runs the long form (more steps, the engine killed too)."""
+trainer are each killed with kill -9 once, in the phase each is meant to hit (harnesses in
+flight; groups delivered and not yet acknowledged), and restarted by the supervisor. Every
+rollout the run should have made (derived from the seed and the task file, not read from the
+stack) must be in the store and trained once (acknowledged in Redis), or dropped with a kill
+that explains it (`harnessrl.testing.chaos_accounting`). The run is made once; the accounting is
+then shown to fail on a store that lost a rollout record and on a trainer that claims what it
+never acknowledged, on that run's own state. `bench/chaos.py` runs the long form."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 
+from harnessrl import procs
 from harnessrl.model import build_tiny_model
-from harnessrl.testing.chaos import run_chaos
+from harnessrl.testing import chaos_accounting as ca
+from harnessrl.testing.chaos import KEY_PREFIX, KILL_ORDER, ChaosInputs, ChaosResult, run_chaos
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+STEPS = 3
 
 
-@pytest.mark.vllm
-@pytest.mark.slow
-def test_kill_each_service_during_training_nothing_lost_nothing_twice(tmp_path: Path) -> None:
-    # the accounting, not learning, is under test: an un-warmed tiny model (built in seconds),
-    # and every group trained even when its rewards are equal, so trained rollouts are many
-    model = build_tiny_model(tmp_path / "model", warmup_steps=0)
-    res = run_chaos(tmp_path, model, seed=11, steps=3, gap_s=(2.0, 6.0), timeout_s=600,
-                    trainer_flags=("--no-advantage.filter-zero-variance",))
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChaosResult, str]]:
+    """One chaos run; then its Redis started again on its AOF (the stack is down)."""
+    tmp = tmp_path_factory.mktemp("chaos")
+    # the accounting, not learning, is under test: an un-warmed tiny model (built in seconds)
+    model = build_tiny_model(tmp / "model", warmup_steps=0)
+    res = run_chaos(tmp, model, seed=11, steps=STEPS, timeout_s=600)
     print("chaos accounting:", json.dumps(res.line()))
     for e in res.events:
         print("  supervisor:", e)
+    assert res.inputs is not None
+    url, proc = procs.start_redis(res.inputs.redis_dir, res.inputs.redis_port)
+    try:
+        yield res, url
+    finally:
+        proc.stop()
+
+
+def test_kill_each_service_during_training_every_rollout_accounted(
+        chaos: tuple[ChaosResult, str]) -> None:
+    res, _ = chaos
+    assert [k.service for k in res.kills] == list(KILL_ORDER), \
+        f"planned kills not done: {res.line()}"
+    assert all(k.back is not None for k in res.kills), res.line()
     assert res.trainer_exit == 0, res.events
-    assert res.steps == 3
-    assert [k.service for k in res.kills] == ["store", "gateway", "controller", "redis",
-                                              "trainer"][:len(res.kills)]
-    assert len(res.kills) >= 3, "training ended before most kills"
-    assert all(k.recovery_s is not None for k in res.kills), res.line()
-    assert res.rollouts_in >= 3 * 2 * 4
-    assert res.trained_twice == 0
-    assert res.lost == 0, res.lost_ids
-    assert res.trained + sum(res.dropped.values()) == res.rollouts_in
-    assert res.trained > 0
+    assert res.steps == STEPS
+    assert res.acc.problems == []
+    assert all(d["kills"] for d in res.acc.drops), res.acc.drops
+
+
+def _inputs(res: ChaosResult) -> ChaosInputs:
+    assert res.inputs is not None
+    return res.inputs
+
+
+def _a_trained_rollout(inputs: ChaosInputs) -> str:
+    return sorted(ca.read_claims(inputs.metrics_file).trained)[0]
+
+
+def _in_a_kill_window(inputs: ChaosInputs, rid: str) -> bool:
+    ran = ca.read_harness_log(inputs.harness_log).get(rid, {})
+    return any(k.covers(a.start, a.end or inputs.run_end) for a in ran.values()
+               for k in inputs.windows)
+
+
+def _claim_dropped(inputs: ChaosInputs, rid: str, tmp_path: Path) -> ChaosInputs:
+    """The trainer's claims with `rid` moved from trained to dropped ("failed")."""
+    rows = [json.loads(x) for x in inputs.metrics_file.read_text().splitlines()]
+    for row in rows:
+        if rid in row["trained_rollouts"]:
+            row["trained_rollouts"].remove(rid)
+            row["dropped_rollouts"][rid] = "failed"
+    claims = tmp_path / "metrics.jsonl"
+    claims.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    return dataclasses.replace(inputs, metrics_file=claims)
+
+
+def test_chaos_accounting_ties_a_drop_to_the_kill_it_ran_through(
+        chaos: tuple[ChaosResult, str], tmp_path: Path) -> None:
+    res, url = chaos
+    inputs = _inputs(res)
+    rid = next(r for r in sorted(ca.read_claims(inputs.metrics_file).trained)
+               if _in_a_kill_window(inputs, r))
+    acc = _claim_dropped(inputs, rid, tmp_path).account(url)
+    assert acc.problems == []
+    [drop] = acc.drops
+    assert drop["rollout"] == rid and drop["kills"]
+
+
+@pytest.mark.parametrize("fault", ["store loses a rollout record",
+                                   "trainer claims a rollout never acknowledged",
+                                   "a trained group un-acknowledged in Redis",
+                                   "trainer drops a rollout no kill explains"])
+def test_chaos_accounting_fails_on(fault: str, chaos: tuple[ChaosResult, str],
+                                   tmp_path: Path) -> None:
+    res, url = chaos
+    inputs = _inputs(res)
+    assert inputs.account(url).problems == []  # the run's own state, read again: it passes
+    r: Any = redis.Redis.from_url(url)  # untyped replies: bytes throughout
+    skey, group = f"{KEY_PREFIX}stream:{ca.STREAM}", ca.CONSUMER_GROUP
+    undo: Any = None
+    if fault == "store loses a rollout record":
+        victim = _a_trained_rollout(inputs)
+        key = f"{KEY_PREFIX}ro:{victim}"
+        dump = r.dump(key)
+        r.delete(key)
+
+        def undo() -> None:
+            r.restore(key, 0, dump)
+        expect = "lost"
+    elif fault == "trainer claims a rollout never acknowledged":
+        rows = [json.loads(x) for x in inputs.metrics_file.read_text().splitlines()]
+        task = next(iter(rows[-1]["trained_rollouts"])).rsplit("/", 2)[1]
+        victim = f"{inputs.run_prefix}-step{STEPS + 1:06d}/{task}/0"  # a run never made
+        rows[-1]["trained_rollouts"].append(victim)
+        claims = tmp_path / "metrics.jsonl"
+        claims.write_text("".join(json.dumps(x) + "\n" for x in rows))
+        inputs = dataclasses.replace(inputs, metrics_file=claims)
+        expect = "claimed, never acknowledged"
+    elif fault == "trainer drops a rollout no kill explains":
+        victim = next(r for r in sorted(ca.read_claims(inputs.metrics_file).trained)
+                      if not _in_a_kill_window(inputs, r))
+        inputs = _claim_dropped(inputs, victim, tmp_path)
+        expect = "drop without a kill"
+    else:  # the entry delivered again (pending, as if never acknowledged): XGROUP SETID below
+        # it, one XREADGROUP, then the group's position put back
+        victim = _a_trained_rollout(inputs)
+        gid = victim.rsplit("/", 1)[0]
+        eid = next(e for e, f in r.xrange(skey) if f[b"group_id"].decode() == gid).decode()
+        last = next(g for g in r.xinfo_groups(skey)
+                    if g["name"].decode() == group)["last-delivered-id"]
+        ms, seq = (int(x) for x in eid.split("-"))
+        r.xgroup_setid(skey, group, f"{ms}-{seq - 1}" if seq else f"{ms - 1}-18446744073709551615")
+        assert r.xreadgroup(group, "chaos-test", {skey: ">"}, count=1)[0][1][0][0].decode() == eid
+        r.xgroup_setid(skey, group, last)
+
+        def undo() -> None:
+            r.xack(skey, group, eid)
+        expect = "claimed, never acknowledged"
+    try:
+        acc = inputs.account(url)
+    finally:
+        if undo is not None:
+            undo()
+        r.close()
+    assert [p for p in acc.problems if p.startswith(expect) and victim in p], acc.problems

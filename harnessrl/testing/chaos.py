@@ -1,71 +1,133 @@
 """Chaos on the real stack: a training run (Redis with AOF, vLLM, store, gateway, controller,
-trainer, all local processes under the `Supervisor`) during which each service in turn is
-killed with kill -9 at a seeded random point; the supervisor restarts it. At the end every
-rollout of the run is accounted for: trained exactly once, or dropped with a recorded reason.
+trainer, all local processes under the `Supervisor`) during which each service of a planned
+list is killed with kill -9 once, in order; the supervisor restarts it. Then every rollout the
+run should have made is accounted for (`chaos_accounting`: expected from outside, trained
+checked against Redis's acknowledgements, each drop tied to a kill).
 
-Used by `tests/test_chaos.py` (bounded: three steps, five kills) and `bench/chaos.py` (longer,
-the engine too).
+Used by `tests/test_chaos.py` (bounded: store, gateway, controller, Redis, trainer) and
+`bench/chaos.py` (longer, the engine too, rounds, sync or async).
 
-Where the accounting comes from (nothing is inferred): "rollouts in" are the rollouts the store
-holds for the trainer's runs (`<run prefix>-*`); "trained" are the rollout ids in
-`metrics.jsonl`'s `trained_rollouts` of the steps the final model contains (the trainer drops
-lines of steps its checkpoint did not keep, so a step redone after a crash appears once, as
-it was trained); "dropped" are the rollouts of those steps' `dropped_rollouts` (the trainer's
-reason) plus rollouts of the runs that ended FAILED or CANCELLED in the store (their error);
-"trained twice" counts ids in `trained_rollouts` of more than one step; "lost" are rollouts in
-none of these.
+Each kill waits for the phase it is meant to hit, then a seeded random 0-`jitter_s` more:
+- store, gateway, controller, engine: a harness attempt is in flight (the chaos harness's log
+  has a start without an end), so calls and attempt records are being written;
+- Redis, the trainer: the trainer's consumer group has entries pending (delivered to the
+  trainer, not yet acknowledged: between reading a step's groups and its checkpoint), so the
+  kill exercises acknowledgement and the checkpoint (a trainer killed there redoes the step).
+The next kill is looked for `gap_s` (seeded) after the previous service serves again. A kill
+whose phase does not come before training ends does not happen: the result lists the kills
+done, and the caller checks that all planned ones were.
+
+The harness is `chaos_harness.py` around the example's own harness; it logs each attempt's
+start and end (wall clock) to `<workdir>/harness.jsonl`, outside the stack's state. Kill times
+are wall clock too. The trainer runs with `--no-trim-stream` (every acknowledgement stays
+readable in Redis; trimming has its own tests) and with zero-variance groups trained (the
+accounting, not learning, is under test: a drop then has no reason but a failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import random
-import threading
+import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harnessrl import procs
-from harnessrl.rpc import health_check
-from harnessrl.local.stack import Stack, StackConfig
-from harnessrl.v1 import common_pb2 as c
+import redis
 
-GRPC = ("store", "gateway", "controller", "trainer")
+from harnessrl import procs
+from harnessrl.local.stack import Stack, StackConfig
+from harnessrl.rpc import health_check
+from harnessrl.testing import chaos_accounting as ca
+
+KILL_ORDER = ("store", "gateway", "controller", "redis", "trainer")
+PENDING_PHASE = ("redis", "trainer")
+KEY_PREFIX = "chaos:"
+ROOT = Path(__file__).resolve().parent.parent.parent
+EXAMPLE = ROOT / "examples" / "calc"
 
 
 @dataclass
 class Kill:
     service: str
+    at: float  # time.time() of the kill
     at_s: float  # since training started
-    recovery_s: float | None = None  # kill -> serving again (None: did not come back)
+    phase: str  # what was going on: "harness in flight", "groups pending"
+    back: float | None = None  # time.time() serving again (None: did not come back)
     trainer_step: int | None = None
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.back is None else self.back - self.at
+
+    @property
+    def label(self) -> str:
+        return f"{self.service}@{self.at_s:.1f}s"
+
+
+@dataclass
+class ChaosInputs:
+    """What the accounting reads, kept so it can be run again (tests inject faults)."""
+
+    redis_dir: Path
+    redis_port: int
+    run_prefix: str
+    expected: dict[str, int]
+    harness_log: Path
+    metrics_file: Path
+    windows: list[ca.KillWindow]
+    run_end: float
+    mode: str
+    trainer_deaths: int
+
+    def save(self, path: Path) -> None:
+        d = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()}
+        d["windows"] = [vars(w) for w in self.windows]
+        Path(path).write_text(json.dumps(d) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "ChaosInputs":
+        d = json.loads(Path(path).read_text())
+        for k in ("redis_dir", "harness_log", "metrics_file"):
+            d[k] = Path(d[k])
+        d["windows"] = [ca.KillWindow(**w) for w in d["windows"]]
+        return cls(**d)
+
+    def account(self, redis_url: str) -> ca.Accounting:
+        view = ca.read_redis(redis_url, KEY_PREFIX, self.run_prefix, set(self.expected))
+        return ca.account(self.expected, view, ca.read_claims(self.metrics_file),
+                          ca.read_harness_log(self.harness_log), self.windows, self.run_end,
+                          self.mode, self.trainer_deaths)
 
 
 @dataclass
 class ChaosResult:
+    planned: list[str] = field(default_factory=list)
     kills: list[Kill] = field(default_factory=list)
-    rollouts_in: int = 0
-    trained: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
-    trained_twice: int = 0
-    lost: int = 0
-    lost_ids: list[str] = field(default_factory=list)
-    steps: int = 0
+    acc: ca.Accounting = field(default_factory=ca.Accounting)
+    inputs: ChaosInputs | None = None
+    steps: int = 0  # kept steps (the final checkpoint's)
     trainer_exit: int | None = None
     wall_s: float = 0.0
     events: list[str] = field(default_factory=list)
 
     def line(self) -> dict[str, Any]:
-        return {"kills": len(self.kills), "killed": [k.service for k in self.kills],
-                "rollouts_in": self.rollouts_in, "trained": self.trained,
-                "dropped": self.dropped, "trained_twice": self.trained_twice,
-                "lost": self.lost, "steps": self.steps, "trainer_exit": self.trainer_exit,
-                "recovery_s": {f"{k.service}@{k.at_s:.0f}s": None if k.recovery_s is None
-                               else round(k.recovery_s, 2) for k in self.kills},
-                "wall_s": round(self.wall_s, 1)}
+        a = self.acc
+        return {"mode": self.inputs.mode if self.inputs else None,
+                "kills": len(self.kills), "planned": len(self.planned),
+                "killed": [k.label for k in self.kills],
+                "recovery_s": {k.label: None if k.recovery_s is None else round(k.recovery_s, 2)
+                               for k in self.kills},
+                "expected": a.expected, "rollouts_in": a.rollouts_in, "trained": a.trained,
+                "dropped": a.dropped_by_reason(), "by_design": a.by_design,
+                "drops": [{"rollout": d["rollout"], "reason": d["reason"][:80],
+                           "kills": d["kills"]} for d in a.drops],
+                "trained_twice": len(a.trained_twice), "lost": len(a.lost),
+                "problems": len(a.problems), "steps": self.steps,
+                "trainer_exit": self.trainer_exit, "wall_s": round(self.wall_s, 1)}
 
 
 def _serving(stack: Stack, name: str) -> bool:
@@ -81,126 +143,128 @@ def _serving(stack: Stack, name: str) -> bool:
     return health_check(addr, timeout=1)
 
 
-def _reason(error: str) -> str:
-    """A dropped rollout's store error, shortened to a category for the summary."""
-    e = error.lower()
-    for key in ("timed out", "result is lost", "cancel", "exit code", "exited", "grader",
-                "credential", "store", "gateway", "503", "502"):
-        if key in e:
-            return key
-    return error[:60] or "unknown"
+def _in_flight(log: Path) -> bool:
+    if not log.exists():
+        return False
+    text = log.read_text()
+    return text.count('"event": "start"') > text.count('"event": "end"')
 
 
-def account(stack: Stack, metrics_file: Path, run_prefix: str) -> ChaosResult:
-    from harnessrl.clients import StoreClient
-
-    res = ChaosResult()
-    rows = [json.loads(x) for x in metrics_file.read_text().splitlines() if x.strip()]
-    res.steps = len(rows)
-    trained: Counter[str] = Counter()
-    dropped: dict[str, str] = {}
-    for r in rows:
-        trained.update(r.get("trained_rollouts", []))
-        for rid, why in r.get("dropped_rollouts", {}).items():
-            dropped[rid] = why
-    store = StoreClient.connect(stack.store_address, timeout=30)
-    runs = [r for r in store.list_runs(1000).runs if r.run_id.startswith(run_prefix + "-")]
-    all_ids: list[str] = []
-    for run in runs:
-        for ro in store.list_rollouts(run.run_id).rollouts:
-            all_ids.append(ro.rollout_id)
-            if ro.rollout_id in trained or ro.rollout_id in dropped:
-                if ro.rollout_id in dropped and dropped[ro.rollout_id] == "failed":
-                    dropped[ro.rollout_id] = "failed: " + _reason(ro.error or "; ".join(
-                        a.error for a in ro.attempts if a.error))
-                continue
-            if ro.status in (c.ROLLOUT_STATUS_FAILED, c.ROLLOUT_STATUS_CANCELLED):
-                dropped[ro.rollout_id] = "failed (step not kept): " + _reason(ro.error)
-    store.close()
-    res.rollouts_in = len(all_ids)
-    res.trained = sum(1 for i in all_ids if i in trained)
-    res.trained_twice = sum(1 for i in all_ids if trained[i] > 1)
-    res.dropped = dict(Counter(dropped[i] for i in all_ids if i not in trained and i in dropped))
-    res.lost_ids = [i for i in all_ids if i not in trained and i not in dropped]
-    res.lost = len(res.lost_ids)
-    return res
+def _pending(redis_url: str) -> int:
+    try:
+        r = redis.Redis.from_url(redis_url, socket_timeout=1)
+        try:
+            return int(r.xpending(f"{KEY_PREFIX}stream:{ca.STREAM}",
+                                  ca.CONSUMER_GROUP)["pending"])
+        finally:
+            r.close()
+    except redis.RedisError:
+        return 0
 
 
 def run_chaos(workdir: Path, model_dir: Path, *, seed: int = 0, steps: int = 3,
               tasks_per_step: int = 2, group_size: int = 4,
-              kill_order: tuple[str, ...] = ("store", "gateway", "controller", "redis",
-                                             "trainer"),
-              gap_s: tuple[float, float] = (3.0, 10.0), timeout_s: float = 900.0,
-              trainer_flags: tuple[str, ...] = (), log: Any = print) -> ChaosResult:
-    """Trains `steps` steps on the example while killing each service of `kill_order` in turn,
-    `gap_s` (seeded uniform) after the previous one is back; then accounts for every rollout."""
+              kill_order: tuple[str, ...] = KILL_ORDER, mode: str = "sync",
+              gap_s: tuple[float, float] = (0.5, 2.0), jitter_s: float = 0.5,
+              timeout_s: float = 900.0, log: Any = print) -> ChaosResult:
+    """Trains `steps` steps of the example while killing each service of `kill_order` in turn
+    in its phase (module docstring); then accounts for every rollout."""
     from harnessrl.local.train_job import start_trainer
 
     rng = random.Random(seed)
-    workdir = Path(workdir)
+    workdir = Path(workdir).resolve()
     redis_port = procs.free_port()  # nothing there: the stack starts Redis (AOF) and owns it
     cfg = StackConfig(state_dir=workdir / "state", redis_url=f"redis://127.0.0.1:{redis_port}/0",
-                      key_prefix="chaos:", model_dir=model_dir, served_model_name="tiny",
+                      key_prefix=KEY_PREFIX, model_dir=model_dir, served_model_name="tiny",
                       weight_transfer_backend="gloo", max_model_len=1024)
-    res = ChaosResult()
+    harness_log = workdir / "harness.jsonl"
+    tasks_file = EXAMPLE / "tasks.jsonl"
+    harness = [sys.executable, str(Path(__file__).with_name("chaos_harness.py")),
+               str(harness_log), sys.executable, str(EXAMPLE / "harness.py")]
+    pool_factor, max_staleness = 2.0, 1
+    res = ChaosResult(planned=list(kill_order))
     t_start = time.monotonic()
     with Stack(cfg) as stack:
         stack.supervise(on_event=lambda ev: res.events.append(ev.line()))
         out = workdir / "train"
         args = argparse.Namespace(
-            output_dir=str(out), resume=False, steps=steps, harness=None,
+            output_dir=str(out), resume=False, steps=steps, harness=None, mode=mode,
             tasks_per_step=tasks_per_step, trainer_flags=[
                 "--group-size", str(group_size), "--concurrency", str(group_size),
                 "--max-attempts", "2", "--rollout-timeout-s", "60", "--seed", str(seed),
-                *trainer_flags])
-        import io
-
+                "--tasks-file", str(tasks_file), "--harness-command", json.dumps(harness),
+                "--no-trim-stream", "--no-advantage.filter-zero-variance",
+                "--mode.pool-factor", str(pool_factor),
+                "--mode.max-staleness", str(max_staleness)])
         from rich.console import Console
         start_trainer(stack, model_dir, args, Console(file=io.StringIO()))
-        # a small, fast configuration: restart_argv keeps it (with --resume)
         t0 = time.monotonic()
-        log(f"chaos: stack up in {t0 - t_start:.0f}s; training {steps} steps")
+        log(f"chaos: stack up in {t0 - t_start:.0f}s; training {steps} steps ({mode})")
         sup = stack.supervisor
         assert sup is not None
-        done = threading.Event()
 
         def finished() -> bool:
             return "trainer" in sup._done
 
+        def wait_until(cond: Any, limit: float) -> bool:
+            deadline = time.monotonic() + limit
+            while not finished() and time.monotonic() < deadline:
+                if cond():
+                    return True
+                time.sleep(0.1)
+            return False
+
         for name in kill_order:
-            if finished():
-                break
             time.sleep(rng.uniform(*gap_s))
+            pending_phase = name in PENDING_PHASE
+            phase = "groups pending" if pending_phase else "harness in flight"
+            if not wait_until((lambda: _pending(stack.redis_url) > 0) if pending_phase
+                              else (lambda: _in_flight(harness_log)), timeout_s):
+                log(f"chaos: training ended before the phase of the {name} kill ({phase})")
+                break
+            time.sleep(rng.uniform(0, jitter_s))
             if finished():
                 break
             metrics = out / "metrics.jsonl"
-            step = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-            k = Kill(name, time.monotonic() - t0, trainer_step=step)
-            log(f"chaos: kill -9 {name} at {k.at_s:.1f}s (trainer at step {step})")
+            k = Kill(name, time.time(), time.monotonic() - t0, phase, trainer_step=len(
+                metrics.read_text().splitlines()) if metrics.exists() else 0)
+            log(f"chaos: kill -9 {name} at {k.at_s:.1f}s ({phase}; trainer at step "
+                f"{k.trainer_step})")
             with stack.lock:
                 victim = stack.procs[name]
+                trainer_before = stack.procs["trainer"]
             victim.kill()
-            killed = time.monotonic()
-            deadline = killed + 600
-            while time.monotonic() < deadline:
-                if stack.procs[name] is not victim and _serving(stack, name):
-                    k.recovery_s = time.monotonic() - killed
-                    break
-                if name == "trainer" and finished():
-                    break
-                time.sleep(0.1)
+            if wait_until(lambda: stack.procs[name] is not victim and _serving(stack, name),
+                          600):
+                k.back = time.time()
+                # an engine is back in use once the restarted trainer pushed into it
+                if name.startswith("engine") and not wait_until(
+                        lambda: stack.procs["trainer"] is not trainer_before
+                        and _serving(stack, "trainer"), 600) and not finished():
+                    k.back = None
+                elif name.startswith("engine"):
+                    k.back = time.time()
+            elif name == "trainer" and finished():
+                k.back = time.time()  # it finished its steps: nothing left to serve
             log(f"chaos: {name} back after {k.recovery_s}s")
             res.kills.append(k)
-        deadline = t0 + timeout_s
-        while not finished() and time.monotonic() < deadline:
-            time.sleep(1.0)
-        done.set()
+        wait_until(lambda: False, max(0.0, timeout_s - (time.monotonic() - t0)))
+        run_end = time.time()
         trainer = stack.procs["trainer"]
         res.trainer_exit = trainer.proc.returncode if trainer.proc else None
         prefix = json.loads((out / "run.json").read_text())["run_prefix"]
-        acc = account(stack, out / "metrics.jsonl", prefix)
-        for f in ("rollouts_in", "trained", "dropped", "trained_twice", "lost", "lost_ids",
-                  "steps"):
-            setattr(res, f, getattr(acc, f))
+        res.steps = ca.kept_steps(out)
+        expected = ca.expected_sync(tasks_file, seed, res.steps, tasks_per_step, group_size,
+                                    prefix) if mode == "sync" else \
+            ca.expected_async(tasks_file, seed, steps, tasks_per_step, group_size, prefix,
+                              pool_factor, max_staleness)
+        deaths = sum(1 for e in sup.events if e.service == "trainer" and e.kind == "died")
+        res.inputs = ChaosInputs(
+            redis_dir=stack.state / "redis", redis_port=redis_port, run_prefix=prefix,
+            expected=expected, harness_log=harness_log, metrics_file=out / "metrics.jsonl",
+            windows=[ca.KillWindow(k.service, k.at, k.back, k.label) for k in res.kills],
+            run_end=run_end, mode=mode, trainer_deaths=deaths)
+        res.inputs.save(workdir / "chaos.json")  # to account again later: ChaosInputs.load
+        res.acc = res.inputs.account(stack.redis_url)
     res.wall_s = time.monotonic() - t_start
     return res
