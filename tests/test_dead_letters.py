@@ -157,3 +157,40 @@ def test_trainer_dead_letters_a_poison_group_and_trains_the_rest(
         assert len(dead_letters(store_service.address)) == 1
     finally:
         store.close()
+
+
+def test_the_async_pool_reads_a_pending_group_once_per_trainer_life(
+        store_service: StoreService, redis_url: str, key_prefix: str) -> None:
+    """Each read of a pending entry counts as a delivery: a trainer that re-read its pending
+    entries at every poll (every 0.2 s) made a group "delivered" hundreds of times, so its first
+    failure dead-lettered it. Polls take new entries only; a restarted trainer reads its
+    pending ones once."""
+    from services.trainer.rollouts import StreamReader
+
+    store = StoreClient.connect(store_service.address, timeout=10)
+    r = redis.Redis.from_url(redis_url)
+    stream = f"{key_prefix}stream:train"
+
+    def deliveries() -> list[int]:
+        return [p["times_delivered"] for p in r.xpending_range(stream, "trainer", "-", "+", 10)]
+
+    try:
+        publish(store, "pool", "a")
+        publish(store, "pool", "b")
+        reader = StreamReader(store, "train", "trainer", "trainer-0", "pool", 10,
+                              max_deliveries=3)
+        got = [g.task_id for _ in range(10) for g in reader.poll("pool", set())]
+        assert got == ["a", "b"]
+        assert deliveries() == [1, 1]
+        publish(store, "pool", "c")
+        assert [g.task_id for g in reader.poll("pool", set())] == ["c"]
+        assert deliveries() == [1, 1, 1]
+        # the trainer restarts: its first poll reads the pending entries once, then no more
+        again = StreamReader(store, "train", "trainer", "trainer-0", "pool", 10,
+                             max_deliveries=3)
+        got = [g.task_id for _ in range(5) for g in again.poll("pool", set())]
+        assert sorted(got) == ["a", "b", "c"]
+        assert deliveries() == [2, 2, 2]
+        assert dead_letters(store_service.address) == []
+    finally:
+        store.close()

@@ -8,7 +8,8 @@
 - `StreamReader.read`: the completed groups of one run from the store's stream, through the
   trainer's consumer group (its first read reads the pending entries, so entries delivered to a
   crashed trainer and never acknowledged come back — one more delivery each; later reads take
-  new entries only). Entries of other runs found there are sorted out: entries of this
+  new entries only; `StreamReader.poll`, the async pool's read, does the same, since each
+  read of a pending entry counts as a delivery). Entries of other runs found there are sorted out: entries of this
   trainer's own later steps are kept for their step, entries trained since the last checkpoint
   stay pending; entries of its earlier, checkpointed steps (their ack was lost) and of runs that
   are not this trainer's are acknowledged and skipped — the stream is the trainer's own (see the
@@ -158,6 +159,21 @@ class StreamReader:
         return self.store.ack_groups(list(entry_ids), stream=self.stream,
                                      consumer_group=self.consumer_group).acknowledged
 
+    def _read(self, max_groups: int, block_ms: int) -> Any:
+        """One ReadGroups: this consumer's pending entries (left by a trainer that died) on the
+        first read of the trainer's life, new entries only after that. Every read of a pending
+        entry counts as a delivery toward `max_deliveries`, so pending entries must not be
+        re-read while this trainer holds them."""
+        first = not self.started
+        resp = self.store.read_groups(
+            stream=self.stream, consumer_group=self.consumer_group, consumer=self.consumer,
+            max_groups=max_groups, block_ms=block_ms, include_calls=True,
+            max_deliveries=self.max_deliveries, new_only=not first)
+        self.started = True
+        if first and self.max_deliveries > 0:  # what the store dead-lettered on this read
+            self._note_dead(self.store.list_dead_letters(self.stream, 1000).dead_letters)
+        return resp
+
     def read(self, run_id: str, step: int, task_order: Sequence[str], unacked: set[str]
              ) -> list[c.Group]:
         """The groups of `run_id` (one per task), in `task_order`, rollouts by index."""
@@ -170,14 +186,7 @@ class StreamReader:
                                              {g.group_id for g in got.values()})
 
         while missing() > 0:
-            first = not self.started
-            resp = self.store.read_groups(
-                stream=self.stream, consumer_group=self.consumer_group, consumer=self.consumer,
-                max_groups=len(unacked) + expected + 16, block_ms=500, include_calls=True,
-                max_deliveries=self.max_deliveries, new_only=not first)
-            self.started = True
-            if first and self.max_deliveries > 0:  # what the store dead-lettered on this read
-                self._note_dead(self.store.list_dead_letters(self.stream, 1000).dead_letters)
+            resp = self._read(len(unacked) + expected + 16, block_ms=500)
             pool = [*self.held.values(), *resp.groups]
             self.held.clear()
             stray: list[str] = []
@@ -217,9 +226,7 @@ class StreamReader:
     def poll(self, run_id: str, known: set[str]) -> list[c.Group]:
         """Completed groups of `run_id` in stream order, but those in `known` (taken since the
         last checkpoint, or read already); other runs' entries are acknowledged and skipped."""
-        resp = self.store.read_groups(
-            stream=self.stream, consumer_group=self.consumer_group, consumer=self.consumer,
-            max_groups=len(known) + 64, block_ms=200, include_calls=True)
+        resp = self._read(len(known) + 64, block_ms=200)
         new, stray = [], []
         for g in resp.groups:
             if g.entry_id in known:
