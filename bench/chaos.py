@@ -21,7 +21,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from harnessrl.model import build_tiny_model
 from harnessrl.testing.chaos import KILL_ORDER, run_chaos
 
 
@@ -37,6 +36,8 @@ def main() -> int:
     ap.add_argument("--model-dir", default=None, help="default: an un-warmed tiny model built "
                     "in seconds (the accounting is measured, not learning)")
     a = ap.parse_args()
+    from harnessrl.model import build_tiny_model  # torch: after --help
+
     order = KILL_ORDER + (() if a.no_engine else ("engine0",))
     work = Path(a.workdir or tempfile.mkdtemp(prefix="chaos-"))
     model = Path(a.model_dir) if a.model_dir else \
