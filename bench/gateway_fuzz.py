@@ -9,7 +9,7 @@ mutated under a valid key (`mutated`, any value) or given a JSON kind its API do
 together; bad keys, malformed JSON, odd framing and headers. Afterwards the store must hold
 exactly the calls that were answered, under the key's own rollout, and nothing for the others.
 Prints one JSON line: inputs by kind and key, wrong_type inputs by request, statuses, failures
-by reason (must be none), the store check.
+by reason (must be none) with examples, the store check.
 
     python bench/gateway_fuzz.py [--examples 10000] [--seed 1] [--only-wrong-type]
 """
@@ -84,7 +84,9 @@ def main() -> None:
         print(json.dumps({**report.summary(), "recorded_calls": len(calls),
                           "recorded_not_aborted": sum(not x.aborted for x in calls),
                           "other_rollouts_calls": others, "store_ok": store_ok,
-                          "gateway_alive": alive, "first_failures": report.failures[:5]}))
+                          "gateway_alive": alive, "failure_examples": {
+                              reason: [f for f in report.failures if f.startswith(reason + ":")][:3]
+                              for reason in report.failures_by_reason}}))
         store.close()
     finally:
         for p in reversed(started):

@@ -459,8 +459,8 @@ def run(port: int, keys: Keys, examples: int, seed: int,
         report.slowest_s = max(report.slowest_s, ex.elapsed_s)
         report.expected_calls += completed_calls(inp, ex)
         for problem in check(inp, ex):
-            report.failures_by_reason[problem] = report.failures_by_reason.get(problem, 0) + 1
-            if len(report.failures) < 50:
+            seen = report.failures_by_reason[problem] = report.failures_by_reason.get(problem, 0) + 1
+            if len(report.failures) < 50 or seen <= 3:  # and a few of each reason
                 report.failures.append(
                     f"{problem}: {inp.kind}/{inp.key} {inp.shape or inp.path} ({inp.what}) -> "
                     f"{ex.statuses} {[b[:200] for b in ex.bodies]} raw={inp.raw[:300]!r}")

@@ -41,7 +41,7 @@ def _text(content: Any, where: Loc) -> str:
 def to_chat(request: dict[str, Any]) -> dict[str, Any]:
     """The chat completions request equivalent to a Messages request (or a count_tokens
     request: no `max_tokens`), checked against its shape (`schemas.MessagesRequest`)."""
-    max_tokens = request.get("max_tokens", 1)
+    max_tokens = 1 if request.get("max_tokens") is None else request["max_tokens"]
     if max_tokens < 1:
         raise Invalid(("max_tokens",), "a positive integer is required")
     messages = request["messages"]

@@ -176,20 +176,21 @@ class AnthropicToolChoice(_Shape):
 class CountTokensRequest(_Shape):
     model: str
     messages: list[AnthropicMessage]
+    max_tokens: int | None = None  # not part of a count_tokens request
     system: str | list[Block] | None = None
-    tools: list[AnthropicTool] | None = None
-    tool_choice: AnthropicToolChoice | None = None
-    thinking: dict[str, Any] | None = None
-
-
-class MessagesRequest(CountTokensRequest):
-    max_tokens: int
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     stream: bool | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int  # type: ignore[assignment]
 
 
 # OpenAI Responses (translated: `responses.py`) ----------------------------------------------
