@@ -12,6 +12,7 @@ Prints one JSON line: inputs by kind and key, wrong_type inputs by request, stat
 by reason (must be none) with examples, the store check.
 
     python bench/gateway_fuzz.py [--examples 10000] [--seed 1] [--only-wrong-type]
+    python bench/gateway_fuzz.py --every-wrong-type
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def main() -> None:
     ap.add_argument("--only-wrong-type", action="store_true",
                     help="wrong_type inputs only (one field of a valid request of each API, "
                          "streamed and not, given a JSON kind the API does not accept)")
+    ap.add_argument("--every-wrong-type", action="store_true",
+                    help="each wrong_type input once (every field of every request with every "
+                         "kind it does not accept; --examples and --seed unused)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hrl-bench-fuzz-"))
     started: list[procs.ServiceProcess] = []
@@ -72,9 +76,9 @@ def main() -> None:
                               expired=signer.mint(ids[0], 1, -60),
                               finished=signer.mint(ids[2], 1, 36000),
                               other_attempt=signer.mint(ids[0], 2, 36000))
-        report = http_fuzz.run(gw["http_port"], keys, args.examples, args.seed,
-                               http_fuzz.wrong_type_inputs(keys.valid) if args.only_wrong_type
-                               else None)
+        inputs = http_fuzz.every_wrong_type(keys.valid) if args.every_wrong_type else \
+            http_fuzz.wrong_type_inputs(keys.valid) if args.only_wrong_type else None
+        report = http_fuzz.run(gw["http_port"], keys, args.examples, args.seed, inputs)
         calls = list(store.get_rollout(ids[0], include_calls=True).calls)
         others = [len(store.get_rollout(r, include_calls=True).calls) for r in ids[1:]]
         alive = gw_proc.alive and httpx.get(

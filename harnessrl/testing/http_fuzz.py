@@ -172,22 +172,29 @@ def _auth(route: str, key: bytes | None) -> list[tuple[bytes, bytes]]:
     return [(b"Authorization", b"Bearer " + key)]
 
 
+def wrong_type_input(valid: str, shape: shapes.Shape, path: tuple[Any, ...], kind: str,
+                     value: Any) -> FuzzInput:
+    """`wrong_type`: `shape`'s request with the field at `path` set to `value`, of a `kind` it
+    does not accept, under the valid key."""
+    headers = [(n.encode(), v.encode()) for n, v in shape.headers.items()]
+    raw = request_bytes("POST", shape.route, _auth(shape.route, valid.encode()) + headers
+                        + [(b"Content-Type", b"application/json")],
+                        shapes.mutated_body(shape.body, path, value))
+    label = shape.route + (" stream" if shape.body.get("stream") else "")
+    return FuzzInput("wrong_type", "valid", shape.route, raw, what=f"{list(path)} <- {kind}",
+                     field=shapes.field_name(path, shape.style), style=shape.style, shape=label)
+
+
 def wrong_type_inputs(valid: str) -> st.SearchStrategy[FuzzInput]:
-    """`wrong_type` inputs only: one field of a valid request given a value of a kind it does
-    not accept (`http_fuzz_shapes.wrong_types`), under the valid key."""
+    """`wrong_type` inputs only (`http_fuzz_shapes.wrong_types`)."""
+    return shapes.wrong_types().map(lambda case: wrong_type_input(valid, *case))
 
-    def build(case: tuple[shapes.Shape, tuple[Any, ...], str, Any]) -> FuzzInput:
-        shape, path, kind, value = case
-        headers = [(n.encode(), v.encode()) for n, v in shape.headers.items()]
-        raw = request_bytes("POST", shape.route, _auth(shape.route, valid.encode()) + headers
-                            + [(b"Content-Type", b"application/json")],
-                            shapes.mutated_body(shape.body, path, value))
-        label = shape.route + (" stream" if shape.body.get("stream") else "")
-        return FuzzInput("wrong_type", "valid", shape.route, raw, what=f"{list(path)} <- {kind}",
-                         field=shapes.field_name(path, shape.style), style=shape.style,
-                         shape=label)
 
-    return shapes.wrong_types().map(build)
+def every_wrong_type(valid: str) -> list[FuzzInput]:
+    """Each field of each `SHAPES` request once with each kind it does not accept."""
+    return [wrong_type_input(valid, shape, path, kind, shapes.SAMPLES[kind][-1])
+            for shape in shapes.SHAPES for path, kinds in shapes.field_paths(shape)
+            for kind in shapes.wrong_kinds(kinds)]
 
 
 def fuzz_inputs(keys: Keys) -> st.SearchStrategy[FuzzInput]:
@@ -434,19 +441,15 @@ def check(inp: FuzzInput, ex: Exchange) -> list[str]:
 
 
 def run(port: int, keys: Keys, examples: int, seed: int,
-        inputs: st.SearchStrategy[FuzzInput] | None = None) -> FuzzReport:
-    """Sends `examples` generated inputs (`fuzz_inputs` unless given) to the gateway at `port`,
-    one connection each; never stops at a failure (each is noted in the report, with the
-    input that caused it)."""
+        inputs: st.SearchStrategy[FuzzInput] | list[FuzzInput] | None = None) -> FuzzReport:
+    """Sends `examples` generated inputs (`fuzz_inputs` unless given; a list is sent as it is)
+    to the gateway at `port`, one connection each; never stops at a failure (each is noted in
+    the report, with the input that caused it)."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
     report = FuzzReport()
 
-    @hseed(seed)
-    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
-    @given(inputs if inputs is not None else fuzz_inputs(keys))
     def one(inp: FuzzInput) -> None:
         ex = exchange(port, inp.raw, inp.expect_responses)
         report.inputs += 1
@@ -465,5 +468,12 @@ def run(port: int, keys: Keys, examples: int, seed: int,
                     f"{problem}: {inp.kind}/{inp.key} {inp.shape or inp.path} ({inp.what}) -> "
                     f"{ex.statuses} {[b[:200] for b in ex.bodies]} raw={inp.raw[:300]!r}")
 
-    one()
+    if isinstance(inputs, list):
+        for inp in inputs:
+            one(inp)
+    else:
+        test = given(inputs if inputs is not None else fuzz_inputs(keys))(one)
+        hseed(seed)(settings(max_examples=examples, database=None, deadline=None,
+                             phases=[Phase.generate],
+                             suppress_health_check=list(HealthCheck))(test))()
     return report
