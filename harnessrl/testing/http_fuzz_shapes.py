@@ -143,7 +143,7 @@ FIELDS: dict[str, dict[str, str]] = {
         "messages.*.tool_calls.*.id": "string null", "messages.*.tool_calls.*.type":
         "string null", "messages.*.tool_calls.*.function": "object null",
         "messages.*.tool_calls.*.function.name": "string null",
-        "messages.*.tool_calls.*.function.arguments": "string null",
+        "messages.*.tool_calls.*.function.arguments": "string object null",
         "logprobs": "boolean null", "tools": "array null", "tools.*": "object",
         "tools.*.type": "string", "tools.*.function": "object null",
         "tools.*.function.name": "string", "tools.*.function.description": "string null",

@@ -61,7 +61,7 @@ class _Shape(BaseModel):
 # OpenAI chat completions and completions (forwarded; `tokens.py` reads the messages) -------
 class ChatFunctionCall(_Shape):
     name: str | None = None
-    arguments: str | None = None
+    arguments: str | dict[str, Any] | None = None  # JSON text (some clients send the object)
 
 
 class ChatToolCall(_Shape):
