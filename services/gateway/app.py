@@ -234,7 +234,7 @@ class GatewayApp:
 
     async def report_reward(self, headers: Headers, body: bytes) -> bytes:
         session = await self._auth(headers)
-        reward = schemas.parse(body, schemas.Reward)["reward"]
+        reward = schemas.parse(body, schemas.REWARD)["reward"]
         if not math.isfinite(reward):
             raise schemas.Invalid(("reward",), "a finite number is required")
         try:
@@ -256,7 +256,7 @@ class GatewayApp:
     # OpenAI chat completions and completions: validate, forward, record, strip ---------------
     async def _openai(self, headers: Headers, body: bytes, chat: bool) -> tuple[int, Any]:
         session = await self._auth(headers)
-        request = schemas.parse(body, schemas.ChatRequest if chat else schemas.CompletionRequest)
+        request = schemas.parse(body, schemas.CHAT if chat else schemas.COMPLETION)
         model = self.check_model(request.get("model"), session)
         keep_ids = bool(request.get("return_token_ids"))
         keep_logprobs = bool(request.get("logprobs"))
@@ -280,8 +280,7 @@ class GatewayApp:
         session = await self._auth(headers)
         if not any(name == b"anthropic-version" for name, _ in headers):
             raise bad_request("anthropic-version: header is required")
-        request = schemas.parse(body, schemas.CountTokensRequest if count
-                                else schemas.MessagesRequest)
+        request = schemas.parse(body, schemas.COUNT_TOKENS if count else schemas.MESSAGES)
         forward = anthropic.to_chat(request)
         return session, request, self.check_model(request.get("model"), session), forward
 
@@ -340,7 +339,7 @@ class GatewayApp:
     # OpenAI Responses, translated to chat completions (services/gateway/responses.py) -------
     async def responses(self, headers: Headers, body: bytes) -> tuple[int, Any]:
         session = await self._auth(headers)
-        request = schemas.parse(body, schemas.ResponsesRequest)
+        request = schemas.parse(body, schemas.RESPONSES)
         model = self.check_model(request.get("model"), session)
         rollout_id = session.cred.rollout_id
         history: list[dict[str, Any]] = []
