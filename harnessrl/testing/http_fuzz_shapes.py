@@ -234,8 +234,8 @@ def mutated_body(body: dict[str, Any], path: tuple[Any, ...], value: Any) -> byt
 
 
 def wrong_types() -> st.SearchStrategy[tuple[Shape, tuple[Any, ...], str, Any]]:
-    """(shape, field path, wrong kind, value): one field of a valid request (each request
-    equally likely, then each of its fields) given a value of a kind it does not accept."""
+    """(shape, field path, wrong kind, value): one field of a valid request (a request drawn,
+    then one of its fields) given a value of a kind it does not accept."""
     cases = {id(shape): [(path, kind) for path, kinds in field_paths(shape)
                          for kind in wrong_kinds(kinds)] for shape in SHAPES}
     return st.sampled_from(SHAPES).flatmap(lambda shape: st.tuples(
@@ -250,11 +250,10 @@ def check_named(field: str, style: str, statuses: list[int], bodies: list[bytes]
         return ["wrong_type_not_400"]
     try:
         body = json.loads(bodies[0])
-        if style == "openai":
-            err = body["error"]
+        err = body["error"]
+        if style == "openai":  # {"error": {"message", "type", "param", "code"}}
             named = err["param"] == field and field in err["message"]
-        else:
-            err = body["error"]
+        else:  # {"type": "error", "error": {"type", "message"}}, the message "field: ..."
             named = body["type"] == "error" and err["message"].startswith(field + ":")
         shaped = err["type"] == "invalid_request_error"
     except (ValueError, KeyError, TypeError):
