@@ -2,12 +2,17 @@
 `tests/test_gateway_fuzz.py` runs a bounded count with a fixed seed).
 
 A real gateway, store (Redis) and the stub engine; inputs from `harnessrl.testing.http_fuzz`
-(hypothesis): one field mutated under a valid key (at least half), bad keys, malformed JSON,
-odd framing and headers. Afterwards the store must hold exactly the calls that were answered,
-under the key's own rollout, and nothing for the others. Prints one JSON line: inputs by kind
-and key, statuses, failures by reason (must be none), the store check.
+(hypothesis) against every data-plane route: chat completions, completions, Responses,
+Messages and Messages count_tokens (streamed and not), the reward report. Kinds: one field
+mutated under a valid key (`mutated`, any value) or given a JSON kind its API does not accept
+(`wrong_type`: must be 400 naming the field in the API's own error shape), at least half
+together; bad keys, malformed JSON, odd framing and headers. Afterwards the store must hold
+exactly the calls that were answered, under the key's own rollout, and nothing for the others.
+Prints one JSON line: inputs by kind and key, wrong_type inputs by request, statuses, failures
+by reason (must be none) with examples, the store check.
 
-    python bench/gateway_fuzz.py [--examples 10000] [--seed 1]
+    python bench/gateway_fuzz.py [--examples 10000] [--seed 1] [--only-wrong-type]
+    python bench/gateway_fuzz.py --every-wrong-type
 """
 
 from __future__ import annotations
@@ -35,9 +40,16 @@ SECRET = "bench-secret-0123456789abcdef0123"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--examples", type=int, default=10_000)
-    ap.add_argument("--seed", type=int, default=1)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--examples", type=int, default=10_000, help="inputs to send (10,000)")
+    ap.add_argument("--seed", type=int, default=1, help="hypothesis seed (1)")
+    ap.add_argument("--only-wrong-type", action="store_true",
+                    help="wrong_type inputs only (one field of a valid request of each API, "
+                         "streamed and not, given a JSON kind the API does not accept)")
+    ap.add_argument("--every-wrong-type", action="store_true",
+                    help="each wrong_type input once (every field of every request with every "
+                         "kind it does not accept; --examples and --seed unused)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hrl-bench-fuzz-"))
     started: list[procs.ServiceProcess] = []
@@ -64,7 +76,9 @@ def main() -> None:
                               expired=signer.mint(ids[0], 1, -60),
                               finished=signer.mint(ids[2], 1, 36000),
                               other_attempt=signer.mint(ids[0], 2, 36000))
-        report = http_fuzz.run(gw["http_port"], keys, args.examples, args.seed)
+        inputs = http_fuzz.every_wrong_type(keys.valid) if args.every_wrong_type else \
+            http_fuzz.wrong_type_inputs(keys.valid) if args.only_wrong_type else None
+        report = http_fuzz.run(gw["http_port"], keys, args.examples, args.seed, inputs)
         calls = list(store.get_rollout(ids[0], include_calls=True).calls)
         others = [len(store.get_rollout(r, include_calls=True).calls) for r in ids[1:]]
         alive = gw_proc.alive and httpx.get(
@@ -74,7 +88,9 @@ def main() -> None:
         print(json.dumps({**report.summary(), "recorded_calls": len(calls),
                           "recorded_not_aborted": sum(not x.aborted for x in calls),
                           "other_rollouts_calls": others, "store_ok": store_ok,
-                          "gateway_alive": alive, "first_failures": report.failures[:5]}))
+                          "gateway_alive": alive, "failure_examples": {
+                              reason: [f for f in report.failures if f.startswith(reason + ":")][:3]
+                              for reason in report.failures_by_reason}}))
         store.close()
     finally:
         for p in reversed(started):

@@ -2,12 +2,14 @@
 
 Used by `tests/test_gateway_fuzz.py` (a fixed seed, a bounded count) and `bench/gateway_fuzz.py`
 (10,000+ inputs). Each input is the exact bytes of one HTTP request, sent over its own TCP
-connection, so malformed framing reaches the gateway as it is. Four kinds:
+connection, so malformed framing reaches the gateway as it is. Five kinds:
 
-- `mutated` (at least half): a well-formed request to one of the data-plane routes, under the
-  rollout's valid key, with one field of its JSON body (at any depth) replaced by another type,
-  a huge or deeply nested value, a bad number or string (lone surrogates), deleted, or joined by
-  an unknown field;
+- `mutated` and `wrong_type` (at least half together; about 47% and 17%): a well-formed
+  request to one of the data-plane routes (`http_fuzz_shapes.SHAPES`: every API, streamed and
+  not), under the rollout's valid key, with one field of its JSON body (at any depth) replaced
+  by another type, a huge or deeply nested value, a bad number or string (lone surrogates),
+  deleted, or joined by an unknown field (`mutated`); or given a value of a JSON kind the API
+  does not accept there (`wrong_type`: answered 400 naming the field in the API's own shape);
 - `bad_key`: the same, under a missing, garbage, forged, expired key, or the key of a finished
   rollout or of an attempt that is not running;
 - `malformed_json`: truncated JSON, random bytes, invalid UTF-8 inside a string, NaN,
@@ -31,58 +33,14 @@ from typing import Any
 import httptools
 from hypothesis import strategies as st
 
+from harnessrl.testing import http_fuzz_shapes as shapes
+
 RAW = "__FUZZ_RAW__"  # a JSON string replaced by raw JSON text after serialisation
 UNKNOWN_FIELDS = ("rollout_id", "x_rollout", "user", "metadata", "attempt", "seq", "api_key",
                   "extra_body", "__proto__", "é", "")
 
 # Routes and a valid request for each: (path, body, extra headers, recording route).
-BASES: list[tuple[str, dict[str, Any], dict[str, str], bool]] = [
-    ("/v1/chat/completions", {"model": "tiny", "max_tokens": 8,
-                              "messages": [{"role": "system", "content": "be brief"},
-                                           {"role": "user", "content": "hi"}]}, {}, True),
-    ("/v1/chat/completions", {"model": "tiny", "stream": True,
-                              "stream_options": {"include_usage": True},
-                              "messages": [{"role": "user", "content": "hi"}]}, {}, True),
-    ("/v1/chat/completions", {"model": "tiny", "temperature": 1.0, "top_p": 1.0,
-                              "tools": [{"type": "function", "function": {
-                                  "name": "add", "description": "add",
-                                  "parameters": {"type": "object", "properties": {
-                                      "a": {"type": "number"}}}}}],
-                              "tool_choice": "auto",
-                              "messages": [{"role": "user", "content": [
-                                  {"type": "text", "text": "add"}]}]}, {}, True),
-    ("/v1/completions", {"model": "tiny", "prompt": "Say hi", "max_tokens": 4,
-                         "logprobs": 1}, {}, True),
-    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "stream": True}, {}, True),
-    ("/v1/messages", {"model": "tiny", "max_tokens": 8, "system": "be brief",
-                      "stop_sequences": ["\n\n"],
-                      "messages": [{"role": "user", "content": "hi"}]},
-     {"anthropic-version": "2023-06-01"}, True),
-    ("/v1/messages", {"model": "tiny", "max_tokens": 8, "stream": True,
-                      "tools": [{"name": "add", "description": "add", "input_schema": {
-                          "type": "object", "properties": {"a": {"type": "number"}}}}],
-                      "messages": [{"role": "user", "content": [{"type": "text",
-                                                                 "text": "hi"}]},
-                                   {"role": "assistant", "content": [
-                                       {"type": "tool_use", "id": "t1", "name": "add",
-                                        "input": {"a": 1}}]},
-                                   {"role": "user", "content": [
-                                       {"type": "tool_result", "tool_use_id": "t1",
-                                        "content": "1"}]}]},
-     {"anthropic-version": "2023-06-01"}, True),
-    ("/v1/messages/count_tokens", {"model": "tiny", "messages": [{"role": "user",
-                                                                  "content": "hi"}]},
-     {"anthropic-version": "2023-06-01"}, False),
-    ("/v1/responses", {"model": "tiny", "instructions": "be brief", "input": "hi",
-                       "max_output_tokens": 8}, {}, True),
-    ("/v1/responses", {"model": "tiny", "stream": True, "input": [
-        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
-        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": "1"}],
-        "tools": [{"type": "function", "name": "add", "parameters": {"type": "object"}}]},
-     {}, True),
-    ("/v1/harnessrl/reward", {"reward": 0.5}, {}, False),
-]
+BASES = [(s.route, s.body, s.headers, s.records) for s in shapes.SHAPES]
 ROUTES = sorted({b[0] for b in BASES} | {"/v1/models", "/health"})
 RECORDING = {b[0] for b in BASES if b[3]}  # routes whose 200 answers are recorded calls
 FINAL_EVENTS = (b"data: [DONE]", b"event: message_stop", b"event: response.completed")
@@ -111,12 +69,15 @@ class Keys:
 
 @dataclass
 class FuzzInput:
-    kind: str  # mutated | bad_key | malformed_json | framing
+    kind: str  # mutated | wrong_type | bad_key | malformed_json | framing
     key: str  # valid | none | garbage | forged | expired | finished | other_attempt
     path: str
     raw: bytes  # the request's bytes as sent
     expect_responses: int = 1  # pipelined requests get one response each
     what: str = ""  # what was done to it, for failure reports
+    field: str = ""  # wrong_type: the field, as its API names it in errors
+    style: str = "openai"  # the route's error shape: openai | anthropic
+    shape: str = ""  # wrong_type: the request mutated, "route" or "route stream"
 
     @property
     def records(self) -> bool:
@@ -211,14 +172,41 @@ def _auth(route: str, key: bytes | None) -> list[tuple[bytes, bytes]]:
     return [(b"Authorization", b"Bearer " + key)]
 
 
+def wrong_type_input(valid: str, shape: shapes.Shape, path: tuple[Any, ...], kind: str,
+                     value: Any) -> FuzzInput:
+    """`wrong_type`: `shape`'s request with the field at `path` set to `value`, of a `kind` it
+    does not accept, under the valid key."""
+    headers = [(n.encode(), v.encode()) for n, v in shape.headers.items()]
+    raw = request_bytes("POST", shape.route, _auth(shape.route, valid.encode()) + headers
+                        + [(b"Content-Type", b"application/json")],
+                        shapes.mutated_body(shape.body, path, value))
+    label = shape.route + (" stream" if shape.body.get("stream") else "")
+    return FuzzInput("wrong_type", "valid", shape.route, raw, what=f"{list(path)} <- {kind}",
+                     field=shapes.field_name(path, shape.style), style=shape.style, shape=label)
+
+
+def wrong_type_inputs(valid: str) -> st.SearchStrategy[FuzzInput]:
+    """`wrong_type` inputs only (`http_fuzz_shapes.wrong_types`)."""
+    return shapes.wrong_types().map(lambda case: wrong_type_input(valid, *case))
+
+
+def every_wrong_type(valid: str) -> list[FuzzInput]:
+    """Each field of each `SHAPES` request once with each kind it does not accept."""
+    return [wrong_type_input(valid, shape, path, kind, shapes.SAMPLES[kind][-1])
+            for shape in shapes.SHAPES for path, kinds in shapes.field_paths(shape)
+            for kind in shapes.wrong_kinds(kinds)]
+
+
 def fuzz_inputs(keys: Keys) -> st.SearchStrategy[FuzzInput]:
-    """Inputs of all four kinds, chosen by a drawn number 0-99: under 55 `mutated`, under 65
-    `bad_key`, under 80 `malformed_json`, else `framing` (hypothesis favours small numbers:
-    about 73%, 11%, 6%, 10% in practice)."""
+    """Inputs of all five kinds, chosen by a drawn number 0-99: under 55 `mutated` or
+    `wrong_type` (a drawn boolean), under 65 `bad_key`, under 80 `malformed_json`, else
+    `framing` (hypothesis favours small numbers: about 47% + 17%, 14%, 9%, 13% in practice)."""
 
     @st.composite
     def build(draw: st.DrawFn) -> FuzzInput:
         roll = draw(st.integers(0, 99))
+        if roll < 55 and draw(st.booleans()):
+            return draw(wrong_type_inputs(keys.valid))
         route, base, extra, _ = draw(st.sampled_from(BASES))
         headers = [(n.encode(), v.encode()) for n, v in extra.items()]
         headers.append((b"Content-Type", b"application/json"))
@@ -414,6 +402,7 @@ class FuzzReport:
     inputs: int = 0
     by_kind: dict[str, int] = field(default_factory=dict)
     by_key: dict[str, int] = field(default_factory=dict)
+    wrong_type_by_shape: dict[str, int] = field(default_factory=dict)  # inputs per request
     statuses: dict[int, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     failures_by_reason: dict[str, int] = field(default_factory=dict)
@@ -422,6 +411,7 @@ class FuzzReport:
 
     def summary(self) -> dict[str, Any]:
         return {"inputs": self.inputs, "by_kind": self.by_kind, "by_key": self.by_key,
+                "wrong_type_by_shape": self.wrong_type_by_shape,
                 "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
                 "failures": len(self.failures), "failures_by_reason": self.failures_by_reason,
                 "expected_calls": self.expected_calls, "slowest_s": round(self.slowest_s, 3)}
@@ -445,36 +435,45 @@ def check(inp: FuzzInput, ex: Exchange) -> list[str]:
         problems.append("valid_key_refused")
     if inp.key != "valid" and 200 in ex.statuses and inp.path.split("?")[0] != "/health":
         problems.append("bad_key_accepted")
+    if inp.kind == "wrong_type":
+        problems += shapes.check_named(inp.field, inp.style, ex.statuses, ex.bodies)
     return problems
 
 
-def run(port: int, keys: Keys, examples: int, seed: int) -> FuzzReport:
-    """Sends `examples` generated inputs to the gateway at `port`, one connection each; never
-    stops at a failure (each is noted in the report, with the input that caused it)."""
+def run(port: int, keys: Keys, examples: int, seed: int,
+        inputs: st.SearchStrategy[FuzzInput] | list[FuzzInput] | None = None) -> FuzzReport:
+    """Sends `examples` generated inputs (`fuzz_inputs` unless given; a list is sent as it is)
+    to the gateway at `port`, one connection each; never stops at a failure (each is noted in
+    the report, with the input that caused it)."""
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as hseed
 
     report = FuzzReport()
 
-    @hseed(seed)
-    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
-    @given(fuzz_inputs(keys))
     def one(inp: FuzzInput) -> None:
         ex = exchange(port, inp.raw, inp.expect_responses)
         report.inputs += 1
         report.by_kind[inp.kind] = report.by_kind.get(inp.kind, 0) + 1
         report.by_key[inp.key] = report.by_key.get(inp.key, 0) + 1
+        if inp.shape:
+            report.wrong_type_by_shape[inp.shape] = report.wrong_type_by_shape.get(inp.shape, 0) + 1
         for s in ex.statuses:
             report.statuses[s] = report.statuses.get(s, 0) + 1
         report.slowest_s = max(report.slowest_s, ex.elapsed_s)
         report.expected_calls += completed_calls(inp, ex)
         for problem in check(inp, ex):
-            report.failures_by_reason[problem] = report.failures_by_reason.get(problem, 0) + 1
-            if len(report.failures) < 50:
+            seen = report.failures_by_reason[problem] = report.failures_by_reason.get(problem, 0) + 1
+            if len(report.failures) < 50 or seen <= 3:  # and a few of each reason
                 report.failures.append(
-                    f"{problem}: {inp.kind}/{inp.key} {inp.path} ({inp.what}) -> "
+                    f"{problem}: {inp.kind}/{inp.key} {inp.shape or inp.path} ({inp.what}) -> "
                     f"{ex.statuses} {[b[:200] for b in ex.bodies]} raw={inp.raw[:300]!r}")
 
-    one()
+    if isinstance(inputs, list):
+        for inp in inputs:
+            one(inp)
+    else:
+        test = given(inputs if inputs is not None else fuzz_inputs(keys))(one)
+        hseed(seed)(settings(max_examples=examples, database=None, deadline=None,
+                             phases=[Phase.generate],
+                             suppress_health_check=list(HealthCheck))(test))()
     return report

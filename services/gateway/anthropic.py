@@ -16,75 +16,69 @@ from typing import Any
 
 import orjson
 
+from services.gateway.schemas import Invalid, Loc
 from services.gateway.streaming import Generated
 
 _STOP = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn",
          "abort": "end_turn"}
 
 
-class Invalid(ValueError):
-    """The Messages request cannot be served (answered 400 in Anthropic's shape)."""
-
-
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: Loc) -> str:
     """Text of a string or a list of text blocks."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for block in content:
-            if not isinstance(block, dict) or block.get("type") != "text":
-                kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-                raise Invalid(f"{where}: content blocks of type {kind!r} are not supported here")
-            parts.append(str(block.get("text", "")))
-        return "".join(parts)
     if content is None:
         return ""
-    raise Invalid(f"{where}: content must be a string or a list of blocks")
+    parts = []
+    for j, block in enumerate(content):
+        if block["type"] != "text":
+            raise Invalid((*where, j, "type"),
+                          f"content blocks of type {block['type']!r} are not supported here")
+        parts.append(block.get("text") or "")
+    return "".join(parts)
 
 
 def to_chat(request: dict[str, Any]) -> dict[str, Any]:
-    """The chat completions request equivalent to a Messages request."""
-    max_tokens = request.get("max_tokens")
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise Invalid("max_tokens: a positive integer is required")
-    messages = request.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise Invalid("messages: a non-empty list is required")
+    """The chat completions request equivalent to a Messages request (or a count_tokens
+    request: no `max_tokens`), checked against its shape (`schemas.MessagesRequest`)."""
+    max_tokens = 1 if request.get("max_tokens") is None else request["max_tokens"]
+    if max_tokens < 1:
+        raise Invalid(("max_tokens",), "a positive integer is required")
+    messages = request["messages"]
+    if not messages:
+        raise Invalid(("messages",), "a non-empty list is required")
     chat: list[dict[str, Any]] = []
     if request.get("system"):
-        chat.append({"role": "system", "content": _text(request["system"], "system")})
+        chat.append({"role": "system", "content": _text(request["system"], ("system",))})
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or msg.get("role") not in ("user", "assistant"):
-            raise Invalid(f"messages.{i}: role must be 'user' or 'assistant'")
-        content = msg.get("content")
+        if msg["role"] not in ("user", "assistant"):
+            raise Invalid(("messages", i, "role"), "must be 'user' or 'assistant'")
+        content = msg["content"]
         if isinstance(content, str):
             chat.append({"role": msg["role"], "content": content})
             continue
-        if not isinstance(content, list):
-            raise Invalid(f"messages.{i}.content: a string or a list of blocks is required")
         text: list[str] = []
         tool_calls: list[dict[str, Any]] = []
         for j, block in enumerate(content):
-            kind = block.get("type") if isinstance(block, dict) else None
-            where = f"messages.{i}.content.{j}"
+            kind = block["type"]
+            where = ("messages", i, "content", j)
             if kind == "text":
-                text.append(str(block.get("text", "")))
+                text.append(block.get("text") or "")
             elif kind == "tool_use" and msg["role"] == "assistant":
-                tool_calls.append({"id": block.get("id", ""), "type": "function", "function": {
-                    "name": block.get("name", ""),
+                tool_calls.append({"id": block.get("id") or "", "type": "function", "function": {
+                    "name": block.get("name") or "",
                     "arguments": orjson.dumps(block.get("input") or {}).decode()}})
             elif kind == "tool_result" and msg["role"] == "user":
-                result = _text(block.get("content"), where)
+                result = _text(block.get("content"), (*where, "content"))
                 if block.get("is_error"):
                     result = f"Error: {result}"
-                chat.append({"role": "tool", "tool_call_id": block.get("tool_use_id", ""),
+                chat.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "",
                              "content": result})
             elif kind in ("thinking", "redacted_thinking") and msg["role"] == "assistant":
                 continue  # not part of what the chat template renders
             else:
-                raise Invalid(f"{where}: blocks of type {kind!r} are not supported in "
-                              f"{msg['role']} messages")
+                raise Invalid((*where, "type"), f"blocks of type {kind!r} are not supported "
+                                                f"in {msg['role']} messages")
         if msg["role"] == "assistant":
             out: dict[str, Any] = {"role": "assistant", "content": "".join(text) or None}
             if tool_calls:
@@ -97,16 +91,13 @@ def to_chat(request: dict[str, Any]) -> dict[str, Any]:
     for name in ("temperature", "top_p", "top_k"):
         if request.get(name) is not None:
             forward[name] = request[name]
-    stops = request.get("stop_sequences")
-    if stops:
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise Invalid("stop_sequences: a list of strings is required")
-        forward["stop"] = stops
+    if request.get("stop_sequences"):
+        forward["stop"] = request["stop_sequences"]
     if request.get("tools"):
         forward["tools"] = [_tool(t, k) for k, t in enumerate(request["tools"])]
     choice = request.get("tool_choice")
-    if isinstance(choice, dict):
-        kind = choice.get("type")
+    if choice is not None:
+        kind = choice["type"]
         if kind == "auto":
             forward["tool_choice"] = "auto"
         elif kind == "any":
@@ -116,15 +107,16 @@ def to_chat(request: dict[str, Any]) -> dict[str, Any]:
         elif kind == "tool":
             forward["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
         else:
-            raise Invalid(f"tool_choice: unknown type {kind!r}")
+            raise Invalid(("tool_choice", "type"), f"unknown type {kind!r}")
     return forward
 
 
-def _tool(tool: Any, k: int) -> dict[str, Any]:
-    if not isinstance(tool, dict) or not tool.get("name") or \
-            not isinstance(tool.get("input_schema"), dict):
-        raise Invalid(f"tools.{k}: a custom tool with 'name' and 'input_schema' is required "
-                      "(server tools are not supported)")
+def _tool(tool: dict[str, Any], k: int) -> dict[str, Any]:
+    missing = "name" if not tool.get("name") else \
+        "input_schema" if tool.get("input_schema") is None else None
+    if missing:
+        raise Invalid(("tools", k, missing), "a custom tool with 'name' and 'input_schema' is "
+                                             "required (server tools are not supported)")
     fn = {"name": tool["name"], "parameters": tool["input_schema"]}
     if tool.get("description"):
         fn["description"] = tool["description"]

@@ -9,7 +9,7 @@ Routes:
 - `POST /v1/harnessrl/reward` `{"reward": <number>}`: a harness reports its own reward.
 - `GET /health`.
 
-Every completion takes the same path: validation (per API) -> an `Exchange` (the run's
+Every completion takes the same path: validation (`schemas.py`) -> an `Exchange` (the run's
 sampling policy imposed) -> for chat, the token plan (`tokens.py`: a turn that extends the
 attempt's earlier one gets that one's exact tokens + the new messages' tokens: token in, token
 out) -> `_to_engine` (the rollout's engine, asked for `return_token_ids`
@@ -39,7 +39,7 @@ from harnessrl.clients import AsyncStoreClient
 from harnessrl.errors import HarnessRLError, Unauthenticated, Unavailable
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.metrics import exposition
-from services.gateway import anthropic, responses, sampling
+from services.gateway import anthropic, responses, sampling, schemas
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry, EngineState
 from services.gateway.http_server import TextBody
@@ -58,10 +58,10 @@ Headers = list[tuple[bytes, bytes]]
 
 class HTTPError(Exception):
     def __init__(self, status: int, message: str, type_: str, code: str | None = None,
-                 raw: bytes | None = None) -> None:
+                 raw: bytes | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code = status, message, type_, code
-        self.raw = raw  # the engine's own (OpenAI-shaped) error body, passed on as it is
+        self.raw, self.param = raw, param  # raw: the engine's own error body, passed on as it is
 
     def body(self, style: str = "openai") -> bytes:
         if style == "anthropic":
@@ -69,7 +69,7 @@ class HTTPError(Exception):
         if self.raw is not None:
             return self.raw
         return orjson.dumps({"error": {"message": self.message, "type": self.type,
-                                       "param": None, "code": self.code}})
+                                       "param": self.param, "code": self.code}})
 
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -194,6 +194,9 @@ class GatewayApp:
             return result if isinstance(result, tuple) else (200, result)
         except HTTPError as err:
             return err.status, err.body(style)
+        except schemas.Invalid as err:  # a request of the wrong shape: 400, naming the field
+            return 400, HTTPError(400, err.message(style), "invalid_request_error", err.code,
+                                  param=err.field(style)).body(style)
         except HarnessRLError as err:
             http_err = _from_domain(err)
             return http_err.status, http_err.body(style)
@@ -232,11 +235,9 @@ class GatewayApp:
 
     async def report_reward(self, headers: Headers, body: bytes) -> bytes:
         session = await self._auth(headers)
-        data = parse_json(body)
-        reward = data.get("reward")
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or \
-                not math.isfinite(reward):
-            raise bad_request("'reward' must be a finite number")
+        reward = schemas.parse(body, schemas.REWARD)["reward"]
+        if not math.isfinite(reward):
+            raise schemas.Invalid(("reward",), "a finite number is required")
         try:
             await self.store.report_reward(session.cred.rollout_id, session.cred.attempt,
                                            float(reward))
@@ -256,9 +257,8 @@ class GatewayApp:
     # OpenAI chat completions and completions: validate, forward, record, strip ---------------
     async def _openai(self, headers: Headers, body: bytes, chat: bool) -> tuple[int, Any]:
         session = await self._auth(headers)
-        request = parse_json(body)
+        request = schemas.parse(body, schemas.CHAT if chat else schemas.COMPLETION)
         model = self.check_model(request.get("model"), session)
-        _validate_openai(request, chat)
         keep_ids = bool(request.get("return_token_ids"))
         keep_logprobs = bool(request.get("logprobs"))
         forward = dict(request)
@@ -276,18 +276,14 @@ class GatewayApp:
         return 200, orjson.dumps(strip_chunk(response, keep_ids, keep_logprobs))
 
     # Anthropic Messages, translated to chat completions (services/gateway/anthropic.py) ------
-    async def _anthropic_request(self, headers: Headers, body: bytes
+    async def _anthropic_request(self, headers: Headers, body: bytes, count: bool = False
                                  ) -> tuple[Session, dict[str, Any], str, dict[str, Any]]:
         session = await self._auth(headers)
         if not any(name == b"anthropic-version" for name, _ in headers):
             raise bad_request("anthropic-version: header is required")
-        request = parse_json(body)
-        model = self.check_model(request.get("model"), session)
-        try:
-            forward = anthropic.to_chat(request)
-        except anthropic.Invalid as err:
-            raise bad_request(str(err)) from err
-        return session, request, model, forward
+        request = schemas.parse(body, schemas.COUNT_TOKENS if count else schemas.MESSAGES)
+        forward = anthropic.to_chat(request)
+        return session, request, self.check_model(request.get("model"), session), forward
 
     async def messages(self, headers: Headers, body: bytes) -> tuple[int, Any]:
         session, request, model, forward = await self._anthropic_request(headers, body)
@@ -301,14 +297,7 @@ class GatewayApp:
 
     async def count_tokens(self, headers: Headers, body: bytes) -> bytes:
         """The prompt's length as the engine's tokenizer and chat template count it."""
-        try:
-            request = parse_json(body)
-        except HTTPError:
-            request = None  # reported by _anthropic_request
-        if isinstance(request, dict) and "max_tokens" not in request:
-            request["max_tokens"] = 1  # not part of count_tokens requests
-            body = orjson.dumps(request)
-        session, _, model, forward = await self._anthropic_request(headers, body)
+        session, _, model, forward = await self._anthropic_request(headers, body, count=True)
         tokenize: dict[str, Any] = {"messages": forward["messages"],
                                     "add_generation_prompt": True}
         if forward.get("tools"):
@@ -351,7 +340,7 @@ class GatewayApp:
     # OpenAI Responses, translated to chat completions (services/gateway/responses.py) -------
     async def responses(self, headers: Headers, body: bytes) -> tuple[int, Any]:
         session = await self._auth(headers)
-        request = parse_json(body)
+        request = schemas.parse(body, schemas.RESPONSES)
         model = self.check_model(request.get("model"), session)
         rollout_id = session.cred.rollout_id
         history: list[dict[str, Any]] = []
@@ -362,10 +351,7 @@ class GatewayApp:
                                      "keeps the responses of this rollout only)",
                                 "invalid_request_error", "previous_response_not_found")
             history = found
-        try:
-            forward = responses.to_chat(request, history)
-        except responses.Invalid as err:
-            raise bad_request(str(err)) from err
+        forward = responses.to_chat(request, history)
         forward["return_token_ids"] = True
         forward["logprobs"] = True
         builder = responses.ResponseBuilder(request)
@@ -645,27 +631,3 @@ class StreamedCall:
                     aborted.CopyFrom(call)
                     aborted.aborted = True
                 self.app.record_later(self.ex, aborted)
-
-
-def _validate_openai(request: dict[str, Any], chat: bool) -> None:
-    if request.get("n", 1) not in (1, None):
-        raise bad_request("n > 1 is not supported: the controller samples groups",
-                          "unsupported_n")
-    if chat and not isinstance(request.get("messages"), list):
-        raise bad_request("'messages' must be a list", "invalid_messages")
-    if not chat and "prompt" not in request:
-        raise bad_request("'prompt' is required", "missing_prompt")
-
-
-def parse_json(body: bytes) -> dict[str, Any]:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as err:
-        raise bad_request(f"malformed JSON body: {err}", "invalid_json") from err
-    if not isinstance(data, dict):
-        raise bad_request("the JSON body must be an object", "invalid_json")
-    try:  # what is forwarded must encode again: orjson nests 254 levels at most (1024 read)
-        orjson.dumps(data)
-    except orjson.JSONEncodeError as err:
-        raise bad_request(f"JSON body not accepted: {err}", "invalid_json") from err
-    return data

@@ -19,11 +19,8 @@ from typing import Any
 
 import orjson
 
+from services.gateway.schemas import Invalid, Loc
 from services.gateway.streaming import Generated
-
-
-class Invalid(ValueError):
-    """The request cannot be served (400)."""
 
 
 class Chains:
@@ -45,40 +42,38 @@ class Chains:
             self._items.popitem(last=False)
 
 
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: Loc) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text"):
-                raise Invalid(f"{where}: content parts of type {kind!r} are not supported")
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
-    raise Invalid(f"{where}: content must be a string or a list of parts")
+    if content is None:
+        raise Invalid(where, "a string or a list of parts is required")
+    parts = []
+    for j, part in enumerate(content):
+        if part["type"] not in ("input_text", "output_text", "text"):
+            raise Invalid((*where, j, "type"),
+                          f"content parts of type {part['type']!r} are not supported")
+        parts.append(part.get("text") or "")
+    return "".join(parts)
 
 
 def input_messages(items: Any) -> list[dict[str, Any]]:
     """Chat messages for a Responses `input` (a string or a list of items)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    if not isinstance(items, list):
-        raise Invalid("input: a string or a list of items is required")
+    if items is None:
+        raise Invalid(("input",), "a string or a list of items is required")
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
-        if not isinstance(item, dict):
-            raise Invalid(f"input.{i}: an object is required")
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
-                raise Invalid(f"input.{i}.role: unknown role {role!r}")
+                raise Invalid(("input", i, "role"), f"unknown role {role!r}")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _content_text(item.get("content"), f"input.{i}")})
+                        "content": _content_text(item.get("content"), ("input", i, "content"))})
         elif kind == "function_call":
-            call = {"id": item.get("call_id", ""), "type": "function", "function": {
-                "name": item.get("name", ""), "arguments": item.get("arguments", "")}}
+            call = {"id": item.get("call_id") or "", "type": "function", "function": {
+                "name": item.get("name") or "", "arguments": item.get("arguments") or ""}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
@@ -88,22 +83,22 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            output = item.get("output", "")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
-                        "content": output if isinstance(output, str)
-                        else _content_text(output, f"input.{i}.output")})
+            output = item.get("output") or ""
+            out.append({"role": "tool", "tool_call_id": item.get("call_id") or "",
+                        "content": _content_text(output, ("input", i, "output"))})
         elif kind == "reasoning":
             continue
         else:
-            raise Invalid(f"input.{i}: items of type {kind!r} are not supported")
+            raise Invalid(("input", i, "type"), f"items of type {kind!r} are not supported")
     return out
 
 
 def to_chat(request: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
-    """The chat completions request for a Responses request after `history`."""
+    """The chat completions request for a Responses request (checked against its shape,
+    `schemas.ResponsesRequest`) after `history`."""
     messages: list[dict[str, Any]] = []
     if request.get("instructions"):
-        messages.append({"role": "system", "content": str(request["instructions"])})
+        messages.append({"role": "system", "content": request["instructions"]})
     messages += history
     messages += input_messages(request.get("input"))
     forward: dict[str, Any] = {"model": request.get("model"), "messages": messages}
@@ -114,8 +109,9 @@ def to_chat(request: dict[str, Any], history: list[dict[str, Any]]) -> dict[str,
             forward[name] = request[name]
     tools = []
     for k, tool in enumerate(request.get("tools") or ()):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not tool.get("name"):
-            raise Invalid(f"tools.{k}: only function tools are supported")
+        if tool["type"] != "function" or not tool.get("name"):
+            raise Invalid(("tools", k, "type" if tool["type"] != "function" else "name"),
+                          "only function tools (with a name) are supported")
         fn = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
         if tool.get("description"):
             fn["description"] = tool["description"]
@@ -125,7 +121,7 @@ def to_chat(request: dict[str, Any], history: list[dict[str, Any]]) -> dict[str,
     choice = request.get("tool_choice")
     if isinstance(choice, str):
         forward["tool_choice"] = choice
-    elif isinstance(choice, dict) and choice.get("type") == "function":
+    elif choice is not None and choice["type"] == "function":
         forward["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
     if request.get("parallel_tool_calls") is not None:
         forward["parallel_tool_calls"] = request["parallel_tool_calls"]
