@@ -194,3 +194,22 @@ def test_the_async_pool_reads_a_pending_group_once_per_trainer_life(
         assert dead_letters(store_service.address) == []
     finally:
         store.close()
+
+
+def test_the_async_pool_reads_through_a_store_restart(store_service: StoreService) -> None:
+    """A store killed and restarted under an async trainer: its polls read nothing meanwhile
+    (the trainer used to die on UNAVAILABLE), then the groups published since."""
+    from services.trainer.rollouts import StreamReader
+
+    store = StoreClient.connect(store_service.address, timeout=10)
+    try:
+        publish(store, "pool", "a")
+        reader = StreamReader(store, "train", "trainer", "trainer-0", "pool", 10)
+        assert [g.task_id for g in reader.poll("pool", set())] == ["a"]
+        store_service.kill()
+        assert reader.poll("pool", set()) == []
+        store_service.start(store_service.port)
+        publish(store, "pool", "b")
+        assert [g.task_id for g in reader.poll("pool", set())] == ["b"]
+    finally:
+        store.close()

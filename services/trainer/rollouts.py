@@ -33,6 +33,7 @@ from harnessrl.clients import ControllerClient, StoreClient
 from harnessrl.tasks import load_task_file
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import controller_pb2 as cpb
+from harnessrl.v1 import store_pb2 as spb
 
 log = logging.getLogger("harnessrl.trainer")
 
@@ -159,16 +160,24 @@ class StreamReader:
         return self.store.ack_groups(list(entry_ids), stream=self.stream,
                                      consumer_group=self.consumer_group).acknowledged
 
-    def _read(self, max_groups: int, block_ms: int) -> Any:
+    def _read(self, max_groups: int, block_ms: int) -> spb.ReadGroupsResponse:
         """One ReadGroups: this consumer's pending entries (left by a trainer that died) on the
         first read of the trainer's life, new entries only after that. Every read of a pending
         entry counts as a delivery toward `max_deliveries`, so pending entries must not be
-        re-read while this trainer holds them."""
+        re-read while this trainer holds them. A store that is unavailable (restarting) reads
+        as nothing: `read` tries again until its deadline, the async pool at its next poll."""
         first = not self.started
-        resp = self.store.read_groups(
-            stream=self.stream, consumer_group=self.consumer_group, consumer=self.consumer,
-            max_groups=max_groups, block_ms=block_ms, include_calls=True,
-            max_deliveries=self.max_deliveries, new_only=not first)
+        try:
+            resp = self.store.read_groups(
+                stream=self.stream, consumer_group=self.consumer_group, consumer=self.consumer,
+                max_groups=max_groups, block_ms=block_ms, include_calls=True,
+                max_deliveries=self.max_deliveries, new_only=not first)
+        except grpc.RpcError as e:  # the store restarting: nothing read; the caller reads again
+            if e.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            log.warning("stream %s: store unavailable (%s); reading again", self.stream,
+                        e.details())
+            return spb.ReadGroupsResponse()
         self.started = True
         if first and self.max_deliveries > 0:  # what the store dead-lettered on this read
             self._note_dead(self.store.list_dead_letters(self.stream, 1000).dead_letters)
