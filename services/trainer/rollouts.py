@@ -124,6 +124,13 @@ class ControllerRuns:
         return self.controller.cancel_run(run_id)
 
 
+PENDING_MAX = 10_000
+"""The most groups an async trainer's previous life can have left pending (read, not
+acknowledged: its pool and the steps since its checkpoint); its successor's first poll takes
+them all (the store's own bound on one read). A sync step's first read asks for the entries
+since the checkpoint plus its own, which is every pending one."""
+
+
 class StreamReader:
     """Reads one run's groups from the trainer's stream (see the module docstring)."""
 
@@ -235,7 +242,8 @@ class StreamReader:
     def poll(self, run_id: str, known: set[str]) -> list[c.Group]:
         """Completed groups of `run_id` in stream order, but those in `known` (taken since the
         last checkpoint, or read already); other runs' entries are acknowledged and skipped."""
-        resp = self._read(len(known) + 64, block_ms=200)
+        # the first read takes every pending entry (later reads never return to them)
+        resp = self._read(len(known) + 64 + (0 if self.started else PENDING_MAX), block_ms=200)
         new, stray = [], []
         for g in resp.groups:
             if g.entry_id in known:
