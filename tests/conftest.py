@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -127,6 +128,43 @@ def vllm_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield engine
     finally:
         engine.stop(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def docker_daemon() -> Iterator:
+    """A Docker daemon for the container tests (`harnessrl.testing.dockerd`): the one
+    DOCKER_HOST names if it answers, else a private dockerd, stopped by its pid at the end.
+    No container runtime: the test skips, except with CI=true, where it fails."""
+    from harnessrl.testing.dockerd import Dockerd
+
+    try:
+        daemon = Dockerd.find_or_start()
+    except RuntimeError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and no container runtime: {exc}")
+        pytest.skip(f"no container runtime: {exc}")
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture(scope="session")
+def built_images(docker_daemon) -> dict[str, dict]:  # type: ignore[no-untyped-def]
+    """Every image docker-compose.yml's CPU profile uses, built by `scripts/images.sh
+    --offline` (no registry here; HARNESSRL_IMAGES_ONLINE=1 uses the registry's bases), or
+    reused when their input hashes are unchanged. Returns the script's report by name."""
+    import json
+    import subprocess
+    import sys
+
+    report = REPO / ".harnessrl" / "images-report.json"
+    report.parent.mkdir(exist_ok=True)
+    mode = [] if os.environ.get("HARNESSRL_IMAGES_ONLINE") == "1" else ["--offline"]
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "images.py"), *mode,
+                          "--report", str(report)], env=docker_daemon.env, timeout=3600,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    print(out.stdout)
+    return {row["name"]: row for row in json.loads(report.read_text())}
 
 
 CONTROLLER_SA = "harnessrl/harnessrl-controller"  # k8s/base: the controller's ServiceAccount
