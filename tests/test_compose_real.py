@@ -1,0 +1,376 @@
+"""docker-compose.yml, run for real: the CPU profile's images built (or reused by input hash),
+the stack started with Debian's docker-compose 1.29 against a real dockerd (a private one
+when none runs), the example trained end to end in containers with two crashes mid-run, and
+what only containers show checked from inside each running service.
+
+One module-scoped run (`compose`) does the work and records what it saw; the tests below
+assert on it. Only the number of steps is overridden (an override file), and the merged
+config is checked to equal the base file's but for that one variable. Ports move to free ports
+through the file's own variables; offline (no registry here) Redis is the Debian stand-in that
+`scripts/images.sh --offline` builds, through the file's REDIS_IMAGE.
+
+The crashes are kill -9 of the container's init process from the host (what an OOM kill or a
+crash of the runtime's child looks like), not `docker kill`: Docker counts `docker kill` as a
+manual stop and ignores the restart policy after it (measured here; docs/deploy.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import yaml
+
+from harnessrl.procs import free_port
+from harnessrl.testing import chaos_accounting as ca
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 3
+PORT_VARS = ("REDIS_PORT", "STORE_PORT", "GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT",
+             "STORE_METRICS_PORT", "CONTROLLER_METRICS_PORT", "TRAINER_METRICS_PORT",
+             "CONTROLLER_PORT", "TRAINER_PORT", "ENGINE_PORT")
+RUNNING = ("redis", "store", "gateway", "controller", "engine-cpu")  # serve after training
+PYTHON_SERVICES = ("store", "gateway", "controller", "engine-cpu", "trainer-cpu")
+SECRET_READERS = {"gateway", "controller"}
+SECRET = "/run/secrets/harnessrl_secret"
+KEY_PREFIX = "hrl:"  # docker-compose.yml's HARNESSRL_STORE_KEY_PREFIX
+STATUS_FIELDS = ("Uid", "Gid", "CapEff", "CapPrm", "CapBnd", "NoNewPrivs")
+
+pytestmark = [pytest.mark.slow, pytest.mark.containers, pytest.mark.timeout(3600)]
+
+
+@dataclass
+class ComposeRun:
+    """What the run saw, for the tests to assert on."""
+
+    base: dict[str, Any] = field(default_factory=dict)
+    merged: dict[str, Any] = field(default_factory=dict)
+    up_s: float = 0.0
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    trainer_exit: int | None = None
+    train_s: float = 0.0
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: str = ""
+    checkpoint_files: list[str] = field(default_factory=list)
+    accounting: dict[str, Any] = field(default_factory=dict)
+    inside: dict[str, dict[str, Any]] = field(default_factory=dict)  # service -> checks
+    logs: Path | None = None
+
+
+class Compose:
+    """docker-compose (1.29) and docker for one project, against the test's daemon."""
+
+    def __init__(self, project: str, files: list[Path], env: dict[str, str]) -> None:
+        exe = shutil.which("docker-compose")
+        assert exe, "docker-compose is needed (scripts/setup.sh installs it)"
+        self.exe, self.project, self.files, self.env = exe, project, files, env
+
+    def compose(self, *args: str, timeout: float = 600, check: bool = True
+                ) -> subprocess.CompletedProcess[str]:
+        cmd = [self.exe, "--project-directory", str(REPO), "-p", self.project]
+        for f in self.files:
+            cmd += ["-f", str(f)]
+        out = subprocess.run([*cmd, *args], capture_output=True, text=True, env=self.env,
+                             timeout=timeout)
+        if check:
+            assert out.returncode == 0, f"docker-compose {' '.join(args)}:\n{out.stderr[-4000:]}"
+        return out
+
+    def docker(self, *args: str, timeout: float = 120, check: bool = True
+               ) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(["docker", *args], capture_output=True, text=True, env=self.env,
+                             timeout=timeout)
+        if check:
+            assert out.returncode == 0, f"docker {' '.join(args)}:\n{out.stderr[-4000:]}"
+        return out
+
+    def container(self, service: str) -> str:
+        cid = self.compose("ps", "-q", service).stdout.strip()
+        assert cid, f"no container for {service}"
+        return cid
+
+    def state(self, service: str) -> dict[str, Any]:
+        cid = self.container(service)
+        info = json.loads(self.docker("inspect", cid).stdout)[0]
+        return {"id": cid, "restarts": info["RestartCount"], **info["State"]}
+
+    def ip(self, service: str) -> str:
+        cid = self.container(service)
+        return self.docker("inspect", "-f",
+                           "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}",
+                           cid).stdout.strip()
+
+    def volume(self, name: str) -> Path:
+        return Path(self.docker("volume", "inspect", "-f", "{{.Mountpoint}}",
+                                f"{self.project}_{name}").stdout.strip())
+
+    def exec(self, service: str, *argv: str) -> subprocess.CompletedProcess[str]:
+        return self.docker("exec", self.container(service), *argv, check=False)
+
+    def crash(self, service: str) -> dict[str, Any]:
+        """kill -9 of the container's init (pid 1) from the host; returns the kill's record
+        once the restart policy has brought the service back (running, and healthy where it
+        has a healthcheck)."""
+        before = self.state(service)
+        assert before["Running"], before
+        t0 = time.time()
+        os.kill(before["Pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while True:
+            st = self.state(service)
+            health = (st.get("Health") or {}).get("Status", "healthy")
+            if st["restarts"] > before["restarts"] and st["Running"] and health == "healthy":
+                break
+            assert time.monotonic() < deadline, f"{service} not back after 300 s: {st}"
+            time.sleep(0.5)
+        return {"service": service, "at": t0, "back_s": round(time.time() - t0, 1),
+                "exit": 137, "restarts": st["restarts"]}
+
+
+def wait_for(what: str, probe: Any, timeout: float, every: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (got := probe()):
+        assert time.monotonic() < deadline, f"{what}: not after {timeout:.0f} s"
+        time.sleep(every)
+    return got
+
+
+def proc_status(compose: Compose, service: str) -> dict[str, Any]:
+    """/proc/1/status (the container's init) and the service process's, read inside the
+    container, plus a write outside its volumes and a read of the credential secret."""
+    out: dict[str, Any] = {}
+    code = ("import os,re,json,sys\n"
+            "def st(p):\n"
+            "    t=open(f'/proc/{p}/status').read()\n"
+            f"    return {{k: re.search(rf'^{{k}}:\\s*(.*)$', t, re.M)[1] for k in {STATUS_FIELDS!r}}}\n"
+            "pids=[p for p in os.listdir('/proc') if p.isdigit() and p!=str(os.getpid())]\n"
+            "svc=[p for p in pids if b'python' in open(f'/proc/{p}/cmdline','rb').read()"
+            " and p!='1']\n"
+            "print(json.dumps({'init': st(1), 'service': st(min(svc, key=int)) if svc else None,"
+            " 'cmd': open(f'/proc/{min(svc, key=int)}/cmdline','rb').read().decode()"
+            ".replace(chr(0),' ') if svc else None}))\n")
+    r = compose.exec(service, "python", "-c", code)
+    assert r.returncode == 0, f"{service}: {r.stderr}"
+    out.update(json.loads(r.stdout))
+    write = compose.exec(service, "python", "-c",
+                         "import sys\nfor p in sys.argv[1:]:\n"
+                         "    try: open(p + '/.hrl-write-probe', 'w').write('x'); print(p)\n"
+                         "    except OSError as e: pass\n",
+                         "/", "/opt", "/usr", "/etc", "/var/lib/harnessrl", "/tmp")
+    out["writable"] = write.stdout.split()
+    secret = compose.exec(service, "python", "-c", f"print(len(open({SECRET!r}).read()))")
+    out["reads_secret"] = secret.returncode == 0
+    return out
+
+
+def redis_status(compose: Compose) -> dict[str, Any]:
+    """Redis's image has no Python: its checks through the shell tools it has."""
+    out: dict[str, Any] = {}
+    status = compose.exec("redis", "cat", "/proc/1/status").stdout
+    out["init"] = {k: re.search(rf"^{k}:\s*(.*)$", status, re.M)[1]  # type: ignore[index]
+                   for k in STATUS_FIELDS}
+    out["reads_secret"] = compose.exec("redis", "cat", SECRET).returncode == 0
+    return out
+
+
+def account(compose: Compose, expected: dict[str, int], prefix: str,
+            metrics_file: Path) -> dict[str, Any]:
+    """Every expected rollout (the trainer's documented task rule, recomputed) is in Redis
+    (read directly, on the compose network's address), and is trained (claimed by the
+    trainer and its group acknowledged in Redis) or dropped with a reason; none twice."""
+    view = ca.read_redis(f"redis://{compose.ip('redis')}:6379/0", KEY_PREFIX, prefix,
+                         set(expected))
+    claims = ca.read_claims(metrics_file)
+    acked = {e.group_id for e in view.entries if e.acked and e.dead_reason is None}
+    lost = sorted(set(expected) - set(view.rollouts))
+    twice = sorted(r for r, n in claims.trained.items() if n > 1)
+    trained = sorted(r for r in expected if claims.trained[r] == 1
+                     and r.rsplit("/", 1)[0] in acked)
+    dropped: dict[str, str] = {}
+    unexplained = []
+    for rid in sorted(set(expected) - set(trained) - set(lost)):
+        ro = view.rollouts[rid]
+        reason = claims.dropped.get(rid) or (ro.error or "").strip()
+        if reason and ro.status != ca.SUCCEEDED or rid in claims.dropped:
+            dropped[rid] = reason
+        else:
+            unexplained.append(f"{rid}: status {ro.status}, not claimed trained or dropped")
+    return {"expected": len(expected), "trained": len(trained), "lost": lost,
+            "trained_twice": twice, "dropped": dropped, "unexplained": unexplained,
+            "dropped_by_reason": dict(Counter(
+                re.sub(r"[0-9a-f]{8,}|\d+", "#", r)[:80] for r in dropped.values()))}
+
+
+@pytest.fixture(scope="module")
+def compose(docker_daemon, built_images, tiny_model_dir: Path,  # type: ignore[no-untyped-def]
+            tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("compose")
+    secret = tmp / "secret-dir" / "secret"
+    subprocess.run(["bash", str(REPO / "scripts" / "compose-secret.sh")], check=True,
+                   env={**os.environ, "HARNESSRL_SECRET_FILE": str(secret)}, timeout=30)
+    project = f"hrltest{secrets.token_hex(3)}"
+    env = {k: v for k, v in docker_daemon.env.items() if not k.startswith("COMPOSE_")}
+    env.update({var: str(free_port()) for var in PORT_VARS})
+    env.update({"COMPOSE_PROFILES": "cpu", "HARNESSRL_SECRET_FILE": str(secret),
+                "REDIS_IMAGE": built_images["redis"]["tag"]})
+    override = tmp / "steps.override.yml"
+    override.write_text(yaml.safe_dump({"services": {"trainer-cpu": {
+        "environment": {"HARNESSRL_TRAINER_STEPS": str(STEPS)}}}}))
+    base = Compose(project, [REPO / "docker-compose.yml"], env)
+    dc = Compose(project, [REPO / "docker-compose.yml", override], env)
+    run = ComposeRun(logs=tmp / "compose.log")
+    run.base = yaml.safe_load(base.compose("config").stdout)
+    run.merged = yaml.safe_load(dc.compose("config").stdout)
+    try:
+        # the tiny model in the `models` volume (model-cpu then finds it and exits at once)
+        vol = f"{project}_models"
+        dc.docker("volume", "create", "--label", f"com.docker.compose.project={project}",
+                  "--label", "com.docker.compose.volume=models", vol)
+        dc.docker("run", "--rm", "--network", "none", "--user", "0:0", "-v", f"{vol}:/models",
+                  "-v", f"{tiny_model_dir}:/src:ro", built_images["trainer"]["tag"], "sh", "-c", "cp -a /src /models/tiny-qwen3 && chown -R 10001:10001 /models",
+                  timeout=300)
+        t0 = time.monotonic()
+        dc.compose("up", "-d", "--no-build", timeout=900)
+        run.up_s = round(time.monotonic() - t0, 1)
+        checkpoints = dc.volume("checkpoints") / "calc"
+        r = redis.Redis(host=dc.ip("redis"), port=6379)
+
+        def rollouts_of_step(step: int) -> int:
+            return sum(1 for _ in r.scan_iter(match=f"{KEY_PREFIX}ro:*-step{step:06d}/*",
+                                              count=1000))
+
+        t_train = time.monotonic()
+        # the trainer's view from inside, while it runs (it exits when training is done)
+        wait_for("step 1's first rollout", lambda: rollouts_of_step(1), 600)
+        run.inside["trainer-cpu"] = proc_status(dc, "trainer-cpu")
+        run.kills.append(dc.crash("gateway"))  # step 1's rollouts in flight
+        metrics = checkpoints / "metrics.jsonl"
+
+        def steps_done() -> int:
+            return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+        wait_for("step 1 trained", lambda: steps_done() >= 1, 900)
+        wait_for("step 2's first rollout", lambda: rollouts_of_step(2), 600)
+        run.kills.append(dc.crash("trainer-cpu"))  # mid step 2: it resumes and redoes it
+
+        def trainer_done() -> bool:
+            st = dc.state("trainer-cpu")
+            return st["Status"] == "exited" and not st["Restarting"]
+
+        wait_for("the trainer's last step", trainer_done, 1500, every=2.0)
+        run.train_s = round(time.monotonic() - t_train, 1)
+        run.trainer_exit = dc.state("trainer-cpu")["ExitCode"]
+        run.metrics = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+        latest = checkpoints / "checkpoints" / "latest"
+        run.checkpoint = latest.read_text().strip() if latest.exists() else ""
+        if run.checkpoint:
+            ck = checkpoints / "checkpoints" / run.checkpoint
+            run.checkpoint_files = sorted(p.name for p in ck.iterdir()) if ck.is_dir() else []
+        prefix = json.loads((checkpoints / "run.json").read_text())["run_prefix"]
+        tasks = REPO / "examples" / "calc" / "tasks.jsonl"  # the trainer image's copy
+        from services.trainer.config import TrainerConfig
+
+        tc = TrainerConfig.model_fields
+        expected = ca.expected_sync(tasks, tc["seed"].default, STEPS,
+                                    tc["tasks_per_step"].default, tc["group_size"].default,
+                                    prefix)
+        run.accounting = account(dc, expected, prefix, metrics)
+        r.close()
+        for svc in RUNNING:
+            run.inside[svc] = redis_status(dc) if svc == "redis" else proc_status(dc, svc)
+        yield run
+    finally:
+        logs = dc.compose("logs", "--no-color", "--timestamps", timeout=120, check=False)
+        (tmp / "compose.log").write_text(logs.stdout + logs.stderr)
+        dc.compose("down", "-v", "--remove-orphans", "-t", "20", timeout=300, check=False)
+
+
+# -- the tests ---------------------------------------------------------------------------------
+
+def test_images_built_and_light_services_hold_no_torch(built_images, docker_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Every compose image exists with its input-hash label; the gateway, store and
+    controller images cannot import torch (they install their own locks only)."""
+    for name, row in built_images.items():
+        assert row["size_mb"] > 0, name
+    for name in ("gateway", "store", "controller", "controller-example"):
+        out = subprocess.run(["docker", "run", "--rm", "--network", "none",
+                              built_images[name]["tag"], "python", "-c", "import torch"],
+                             capture_output=True, text=True, env=docker_daemon.env, timeout=120)
+        assert out.returncode != 0 and "No module named 'torch'" in out.stderr, (name, out)
+    out = subprocess.run(["docker", "run", "--rm", "--network", "none",
+                          built_images["trainer"]["tag"], "python", "-c",
+                          "import torch; print(torch.__version__)"],
+                         capture_output=True, text=True, env=docker_daemon.env, timeout=300)
+    assert out.returncode == 0 and out.stdout.startswith("2."), out.stderr  # so the probe works
+
+
+def test_images_are_reused_when_inputs_are_unchanged(built_images, docker_daemon) -> None:  # type: ignore[no-untyped-def]
+    """A second `scripts/images.sh` builds nothing (every image's label matches its inputs)."""
+    import sys
+
+    mode = [] if os.environ.get("HARNESSRL_IMAGES_ONLINE") == "1" else ["--offline"]
+    report = REPO / ".harnessrl" / "images-again.json"
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "images.py"), *mode,
+                          "--only", "store", "gateway", "controller-example", "--report",
+                          str(report)], env=docker_daemon.env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(report.read_text())
+    assert [r["built"] for r in rows if r["name"] != "python-standin"] == [False] * 3, rows
+
+
+def test_merged_config_differs_from_the_base_only_in_the_steps(compose: ComposeRun) -> None:
+    base, merged = compose.base, compose.merged
+    env = merged["services"]["trainer-cpu"]["environment"]
+    assert env.pop("HARNESSRL_TRAINER_STEPS") == str(STEPS)
+    assert merged == base
+    for name in PYTHON_SERVICES:  # the security fields, spelled out
+        svc = base["services"][name]
+        assert svc["read_only"] is True and svc["cap_drop"] == ["ALL"], name
+        assert svc["security_opt"] == ["no-new-privileges:true"] and svc["init"] is True, name
+
+
+def test_compose_trains_through_a_gateway_and_a_trainer_crash(compose: ComposeRun) -> None:
+    print(json.dumps({k: v for k, v in compose.__dict__.items()
+                      if k not in ("base", "merged", "inside")}, indent=1, default=str))
+    assert compose.trainer_exit == 0, f"trainer exited {compose.trainer_exit}; {compose.logs}"
+    assert [m["step"] for m in compose.metrics] == list(range(1, STEPS + 1))
+    for m in compose.metrics:
+        assert "reward_mean" in m and 0.0 <= m["reward_mean"] <= 1.0, m
+    assert compose.checkpoint.endswith(f"{STEPS:06d}") and compose.checkpoint_files
+    assert [k["service"] for k in compose.kills] == ["gateway", "trainer-cpu"]
+    acc = compose.accounting
+    assert not acc["lost"] and not acc["trained_twice"] and not acc["unexplained"], acc
+    assert acc["trained"] + len(acc["dropped"]) == acc["expected"] > 0, acc
+
+
+@pytest.mark.parametrize("service", [*RUNNING, "trainer-cpu"])
+def test_each_service_runs_unprivileged_and_read_only(compose: ComposeRun, service: str) -> None:
+    """From /proc inside: uid 10001 (Redis: 999), no effective capabilities, NoNewPrivs set;
+    a write outside the service's volumes (and its tmpfs /tmp) fails; only the gateway and
+    the controller can read the credential secret."""
+    seen = compose.inside[service]
+    uid = "999" if service == "redis" else "10001"
+    procs = [seen["init"]] + ([seen["service"]] if seen.get("service") else [])
+    if service != "redis":
+        assert seen["service"], f"{service}: no service process found"
+    for st in procs:
+        assert st["Uid"].split()[0] == uid and st["Gid"].split()[0] == uid, st
+        assert int(st["CapEff"], 16) == 0 and int(st["CapPrm"], 16) == 0, st
+        if service != "redis":  # Redis's service has no hardening in the file (it has no
+            assert st["NoNewPrivs"] == "1", st  # Python, runs Debian's or the official image)
+    if service != "redis":
+        assert seen["writable"] == ["/tmp"], seen["writable"]
+    assert seen["reads_secret"] == (service in SECRET_READERS), seen
