@@ -52,7 +52,9 @@ DEBIAN_STANDIN = "harnessrl/debian-standin:bookworm"
 PYTHON_STANDIN = "harnessrl/python-standin:3.11-bookworm"
 REDIS_IMAGE = "redis:7.4.2-bookworm"  # docker-compose.yml's default (REDIS_IMAGE)
 REDIS_STANDIN = "harnessrl/redis-standin:7-bookworm"
-SKIP = ("__pycache__", "*.pyc")  # .dockerignore's patterns that match below copied folders
+WHEELHOUSE_PORT = int(os.environ.get("HARNESSRL_WHEELHOUSE_PORT", "47321"))
+"""Where the builds' pip finds the wheelhouse. Fixed: the URL is a build argument, part of the
+layer cache's key, so a new port would rebuild every image's dependency layer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +124,31 @@ def base_default(dockerfile: Path) -> str:
     return m[1]
 
 
+def dockerignore() -> list[str]:
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    return [x.strip().rstrip("/") for x in lines if x.strip() and not x.startswith("#")]
+
+
+def ignored(rel: str, patterns: list[str]) -> bool:
+    """Whether .dockerignore keeps `rel` (a path in the context) out of the context: a
+    pattern matches the path or a folder above it; `**/` matches at any depth."""
+    parts = rel.split("/")
+    prefixes = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    for pat in patterns:
+        if pat.startswith("**/"):
+            if any(fnmatch.fnmatch(part, pat[3:]) for part in parts):
+                return True
+        elif any(fnmatch.fnmatch(p, pat) for p in prefixes):
+            return True
+    return False
+
+
 def copied_files(dockerfile: Path, args: dict[str, str]) -> list[Path]:
     """The files of the build context that the Dockerfile's COPY steps take (not
-    `COPY --from`), folders expanded, .dockerignore's __pycache__/*.pyc left out."""
+    `COPY --from`), folders expanded, what .dockerignore leaves out left out."""
     text = re.sub(r"\\\n", " ", dockerfile.read_text())
     files: set[Path] = set()
+    patterns = dockerignore()
     for line in text.splitlines():
         words = line.split()
         if not words or words[0].upper() != "COPY" or any(w.startswith("--from") for w in words):
@@ -138,8 +160,7 @@ def copied_files(dockerfile: Path, args: dict[str, str]) -> list[Path]:
             if not path.exists():
                 raise SystemExit(f"images: {dockerfile} copies {src}, which is not there")
             for p in ([path] if path.is_file() else sorted(path.rglob("*"))):
-                if p.is_file() and not any(fnmatch.fnmatch(part, pat) for part in
-                                           p.relative_to(REPO).parts for pat in SKIP):
+                if p.is_file() and not ignored(str(p.relative_to(REPO)), patterns):
                     files.add(p)
     return sorted(files)
 
@@ -202,7 +223,13 @@ def serve(folder: Path) -> Iterator[str]:
             pass
 
     handler = functools.partial(Quiet, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", WHEELHOUSE_PORT), handler)
+    except OSError as exc:
+        print(f"images: 127.0.0.1:{WHEELHOUSE_PORT} is taken ({exc}); the wheelhouse goes on "
+              "another port, so dependency layers are rebuilt (HARNESSRL_WHEELHOUSE_PORT "
+              "moves it)", file=sys.stderr)
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -251,12 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     report = []
     with contextlib.ExitStack() as stack:
         extra: list[str] = []
+
+        def offline_args() -> list[str]:
+            """The wheelhouse, filled and served on the first build that needs it."""
+            if not extra:
+                house = fill_wheelhouse({lock for i in todo for lock in i.locks} | {"build"})
+                url = stack.enter_context(serve(house))
+                extra.extend(["--network", "host", "--build-arg", "PIP_NO_INDEX=1",
+                              "--build-arg", f"PIP_FIND_LINKS={url}"])
+            return extra
+
         if ns.offline:
             debian_standin()
-            house = fill_wheelhouse({lock for i in todo for lock in i.locks} | {"build"})
-            url = stack.enter_context(serve(house))
-            extra = ["--network", "host", "--build-arg", "PIP_NO_INDEX=1",
-                     "--build-arg", f"PIP_FIND_LINKS={url}"]
             # The Python stand-in is an image like the others (hashed, reused).
             todo = [Image("python-standin", "deploy/offline/python.Dockerfile", PYTHON_STANDIN,
                           offline_base=DEBIAN_STANDIN), *todo]
@@ -278,8 +311,10 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             built = label_of(img.tag) != digest
             if built:
+                args = offline_args() if ns.offline else []
                 print(f"images: building {img.name} -> {img.tag}", flush=True)
-                build(img, base, digest, extra, logs / f"{img.name}.log")
+                t0 = time.monotonic()
+                build(img, base, digest, args, logs / f"{img.name}.log")
             row = {"name": img.name, "tag": img.tag, "built": built,
                    "seconds": round(time.monotonic() - t0, 1), "size_mb": size_mb(img.tag),
                    "inputs": digest[:16]}
