@@ -204,6 +204,36 @@ def test_root_under_run_as_non_root_is_refused(kube: FakeKubeAPIServer, tmp_path
     delete_job(kube, name)
 
 
+def test_exec_failure_and_deletion(kube: FakeKubeAPIServer, tmp_path: Path,
+                                   docker_daemon: Any) -> None:
+    """A command the image lacks is a StartError (exit code 128, the runtime's message); a
+    running container is stopped when its Job is deleted (SIGTERM, then SIGKILL after the
+    grace period: `sleep` as pid 1 ignores SIGTERM) and removed with its pod."""
+    template = manifests.load_template(TEMPLATE)
+    missing = submit(kube, spec_for("missing", ["no-such-command"], tmp_path), template)
+    pod = job_pod(kube, missing, finished)
+    term = pod.status.container_statuses[0].state.terminated
+    assert (pod.status.phase, term.exit_code, term.reason) == ("Failed", 128, "StartError")
+    assert "no-such-command" in term.message and "not found" in term.message, term.message
+    delete_job(kube, missing)
+
+    sleeper = submit(kube, spec_for("sleeper", ["sleep", "600"], tmp_path), template)
+    pod = job_pod(kube, sleeper, lambda p: p.status.phase == "Running")
+    ours = ["ps", "-q", "--filter", f"label={LABEL}.pod={kube.namespace}/{pod.metadata.name}"]
+    assert docker(docker_daemon, *ours)
+    delete_job(kube, sleeper)
+    api, _, core = admin_apis(kube)
+    try:
+        deadline = time.monotonic() + 60
+        while core.list_namespaced_pod(kube.namespace,
+                                       label_selector=f"job-name={sleeper}").items:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        api.close()
+    assert not docker(docker_daemon, *ours[:1], "-a", *ours[1:])
+
+
 @pytest.mark.vllm
 def test_training_step_with_rollout_pods_as_containers(
         stack: Stack, tmp_path: Path, tiny_model_dir: Path,  # noqa: F811

@@ -113,7 +113,7 @@ class _Container:
         return Exit(code, "Completed" if code == 0 else "Error")
 
     def signal(self, sig: int) -> None:
-        if self.poll() is None:
+        if self.waiter.poll() is None:  # (not self.poll(): the pod's worker thread reaps)
             subprocess.run([self.rt.docker, "kill", "--signal", str(int(sig)), self.name],
                            env=self.rt.env, capture_output=True, timeout=CLI_TIMEOUT)
 
