@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from conftest import CONTROLLER_SA, REPO
 from harnessrl import procs
@@ -33,8 +34,10 @@ from test_trainer_loop import stack, start_trainer  # noqa: F401  (the module's 
 
 TEMPLATE = REPO / "examples" / "calc" / "k8s-job-template.yaml"
 IMAGE = "harnessrl/example-harness:0.1.0"
-HARNESS = ["python", "/opt/examples/calc/harness.py"]
-GRADER = ["python", "/opt/examples/calc/grader.py"]
+# The harness and grader commands of the shipped run (paths inside the example image).
+RUN_CONFIG = yaml.safe_load((REPO / "k8s" / "base" / "run-config.yaml").read_text())["data"]
+HARNESS = json.loads(RUN_CONFIG["HARNESSRL_TRAINER_HARNESS_COMMAND"])
+GRADER = json.loads(RUN_CONFIG["HARNESSRL_TRAINER_GRADER_COMMAND"])
 
 # Runs in the harness container in place of the harness: what the container shows.
 PROBE = """
@@ -59,8 +62,9 @@ print(json.dumps({
 
 
 @pytest.fixture(scope="module")
-def example_image(docker_daemon) -> str:  # DEV ONLY
-    docker(docker_daemon, "image", "inspect", IMAGE)
+def example_image(built_images: dict[str, dict]) -> str:  # type: ignore[type-arg]
+    """The example harness image, built (or reused) with the others."""
+    assert IMAGE in {row["tag"] for row in built_images.values()}, built_images
     return IMAGE
 
 
