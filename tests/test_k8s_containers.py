@@ -208,6 +208,22 @@ def test_root_under_run_as_non_root_is_refused(kube: FakeKubeAPIServer, tmp_path
     delete_job(kube, name)
 
 
+def test_an_image_the_daemon_lacks_cannot_be_pulled(kube: FakeKubeAPIServer,
+                                                    tmp_path: Path) -> None:
+    """The node's images are the daemon's: nothing is pulled, a missing one is ErrImagePull."""
+    template = manifests.load_template(TEMPLATE)
+    template["spec"]["template"]["spec"]["containers"][0]["image"] = "harnessrl/absent:0"
+
+    def waiting(pod: Any) -> str:
+        statuses = pod.status.container_statuses or []
+        state = statuses[0].state.waiting if statuses else None
+        return str(state.reason) if state is not None else ""
+    name = submit(kube, spec_for("absent", ["true"], tmp_path), template)
+    pod = job_pod(kube, name, lambda p: waiting(p) in ("ErrImagePull", "ImagePullBackOff"))
+    assert "harnessrl/absent:0" in pod.status.container_statuses[0].state.waiting.message
+    delete_job(kube, name)
+
+
 def test_exec_failure_and_deletion(kube: FakeKubeAPIServer, tmp_path: Path,
                                    docker_daemon: Any) -> None:
     """A command the image lacks is a StartError (exit code 128, the runtime's message); a
