@@ -3,11 +3,12 @@ Kubernetes through the official `kubernetes` Python client (the controller's Kub
 backend). No real API server can run on these machines; this one speaks the real REST paths
 and JSON closely enough for the official client (`BatchV1Api`, `CoreV1Api`, `watch.Watch`,
 `read_namespaced_pod_log`) and plays the Job controller, the scheduler and a kubelet that runs
-containers as local processes.
+containers as local processes (the default) or as real Docker containers (`--kubelet
+container`).
 
     python -m harnessrl.testing.fake_kube_apiserver --root DIR [--port 0] [--ready-file F]
-        [--images IMG,...] [--node-cpu 4] [--kube-version 1.37] [--namespaces a,b]
-        [--rbac k8s/base ...] [--disable-admission-plugins NAME,...]
+        [--images IMG,...] [--kubelet process|container] [--node-cpu 4] [--kube-version 1.37]
+        [--namespaces a,b] [--rbac k8s/base ...] [--disable-admission-plugins NAME,...]
 
 It writes `DIR/kubeconfig` (server http://127.0.0.1:PORT, the cluster admin's bearer token,
 namespace `default`) and, for each ServiceAccount of the `--rbac` manifests, a token minted
@@ -52,8 +53,21 @@ with batch/v1's legacy default of Orphan for Jobs; garbage collection through ow
 graceful pod deletion (SIGTERM, SIGKILL after the grace period); ttlSecondsAfterFinished;
 activeDeadlineSeconds; backoffLimit; suspend.
 
+Container mode (`--kubelet container`, `FakeKubeAPIServer(..., kubelet="container")`): each
+pod container is a Docker container of its image on the daemon DOCKER_HOST names
+(`fake_kube/container_runtime.py` lists exactly what it applies). The node's images are the
+ones that daemon has (`--images` is not used; nothing is pulled). Applied: the pod's and
+containers' securityContext (user and groups, runAsNonRoot, read-only root file system,
+capabilities, no-new-privileges, privileged, seccomp RuntimeDefault or unconfined), the
+volumes as bind mounts at their mountPaths, the environment from the fake's objects (the
+credential from its Secret), workingDir, command/args over the image's entrypoint, cpu and
+memory limits, signals on deletion. NOT enforced: the network (host networking: pods reach
+127.0.0.1, NetworkPolicies are not enforced), AppArmor/SELinux, sysctls, ephemeral-storage
+limits, imagePullPolicy, probes, lifecycle hooks, service account tokens. The process-mode
+points below about paths, `command` and the environment do not apply to it; the others do.
+
 Where it differs from a real cluster (know these before trusting a green test):
-  - No container isolation. A container's `command` + `args` run as a host process (its own
+  - No container isolation (process mode). A container's `command` + `args` run as a host process (its own
     session; stdout+stderr merged into the pod log). The image only decides whether the pull
     succeeds (`--images`); a container without `command` fails with StartError. Paths are
     mapped, not mounted: a volumeMount's mountPath appearing (at a path boundary) in
@@ -77,7 +91,8 @@ Where it differs from a real cluster (know these before trusting a green test):
     restarts containers in place and counts restarts against backoffLimit.
   - `previous`, `sinceSeconds`, `timestamps` on logs are ignored. Lists with `continue` are
     paged from the current state, not a snapshot. Watches carry no `sendInitialEvents`.
-  - Pod processes are killed on SIGTERM of this server; a SIGKILLed server leaves them.
+  - Pod processes are killed on SIGTERM of this server; a SIGKILLed server leaves them (in
+    container mode, the next start with the same --root removes them).
   - Authentication is bearer tokens only (no client certificates, no anonymous user, no
     TokenReview, no impersonation); tokens never expire. RBAC objects are loaded at start
     and cannot be read or changed through the API (no rbac.authorization.k8s.io API, no
@@ -103,12 +118,25 @@ import yaml
 
 from harnessrl import procs
 from harnessrl.testing.fake_kube.cluster import Cluster
+from harnessrl.testing.fake_kube.container_runtime import ContainerRuntime
 from harnessrl.testing.fake_kube.http import FakeKubeHTTPServer
 from harnessrl.testing.fake_kube.rbac import (OWNER_REFS_PLUGIN, Authorizer, load_manifests,
                                               mint_tokens)
+from harnessrl.testing.fake_kube.runtime import ProcessRuntime, Runtime
 from harnessrl.testing.fake_kube.validation import newest_kube_version
 
 DEFAULT_IMAGES = ("harnessrl/harness:dev",)
+KUBELETS = ("process", "container")
+
+
+def make_runtime(kubelet: str, root: Path, images: list[str]) -> Runtime:
+    """The kubelet's runtime: local processes with `images` as the node's image list, or
+    Docker containers (the daemon's images)."""
+    if kubelet == "container":
+        return ContainerRuntime(root)
+    if kubelet == "process":
+        return ProcessRuntime(images)
+    raise ValueError(f"kubelet must be one of {KUBELETS}, not {kubelet!r}")
 
 
 def write_kubeconfig(path: Path, port: int, token: str, namespace: str = "default") -> None:
@@ -147,13 +175,15 @@ def write_service_accounts(root: Path, port: int, tokens: dict[str, str]) -> dic
 
 def serve(root: Path, port: int, ready_file: Path | None, images: list[str], node_cpu: float,
           kube_version: str, namespaces: list[str], bookmark_seconds: float,
-          rbac: list[Path] | None = None, disabled_plugins: list[str] | None = None) -> None:
+          rbac: list[Path] | None = None, disabled_plugins: list[str] | None = None,
+          kubelet: str = "process") -> None:
     root.mkdir(parents=True, exist_ok=True)
     objects = [o for path in rbac or [] for o in load_manifests(path)]
     by_token, tokens = mint_tokens(objects)
     namespaces = namespaces + [o["metadata"]["namespace"] for o in objects
                                if o["metadata"].get("namespace")]
-    cluster = Cluster(root, images, node_cpu, kube_version, namespaces)
+    cluster = Cluster(root, make_runtime(kubelet, root, images), node_cpu, kube_version,
+                      namespaces)
     server = FakeKubeHTTPServer(port, cluster, by_token, Authorizer(objects),
                                 OWNER_REFS_PLUGIN not in (disabled_plugins or []), kube_version,
                                 bookmark_seconds)
@@ -166,8 +196,9 @@ def serve(root: Path, port: int, ready_file: Path | None, images: list[str], nod
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     cluster.start()
     threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    pullable = images if kubelet == "process" else "those of the docker daemon"
     print(f"fake kube-apiserver v{kube_version} on http://127.0.0.1:{port} (root {root}, "
-          f"images {images}, node cpu {node_cpu})", flush=True)
+          f"kubelet {kubelet}, images {pullable}, node cpu {node_cpu})", flush=True)
     if ready_file is not None:
         _write_atomic(ready_file, json.dumps({"pid": os.getpid(), "http_port": port,
                                               "kubeconfig": str(kubeconfig),
@@ -186,7 +217,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=0, help="HTTP port on 127.0.0.1; 0 picks one")
     p.add_argument("--ready-file", type=Path, help="JSON {pid, http_port, kubeconfig} once up")
     p.add_argument("--images", default=",".join(DEFAULT_IMAGES),
-                   help="comma-separated images the node can pull; others get ErrImagePull")
+                   help="comma-separated images the node can pull; others get ErrImagePull "
+                        "(process mode; in container mode the daemon's images are the node's)")
+    p.add_argument("--kubelet", choices=KUBELETS, default="process",
+                   help="process: containers run as local processes (paths mapped, nothing "
+                        "isolated); container: as Docker containers of their images on the "
+                        "daemon DOCKER_HOST names (see the docstring)")
     p.add_argument("--node-cpu", type=float, default=4.0, help="allocatable CPU of the node")
     p.add_argument("--kube-version", default=newest_kube_version(),
                    help="schema version for validation (default: newest kubernetes_validate "
@@ -203,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     serve(args.root.resolve(), args.port, args.ready_file, _split(args.images), args.node_cpu,
           args.kube_version, _split(args.namespaces), args.bookmark_seconds,
-          [r.resolve() for r in args.rbac], _split(args.disable_admission_plugins))
+          [r.resolve() for r in args.rbac], _split(args.disable_admission_plugins),
+          args.kubelet)
 
 
 def _split(text: str) -> list[str]:
@@ -213,21 +250,25 @@ def _split(text: str) -> list[str]:
 class FakeKubeAPIServer:
     """Starts and stops the fake API server as a child process (`harnessrl.procs`).
     `rbac`: manifests to load (`--rbac`); `identity`: "namespace/name" of the ServiceAccount
-    whose kubeconfig `.kubeconfig` is, else it is the admin's (`.admin_kubeconfig`)."""
+    whose kubeconfig `.kubeconfig` is, else it is the admin's (`.admin_kubeconfig`);
+    `kubelet`: "process" or "container" (`--kubelet`; container mode talks to the daemon
+    DOCKER_HOST names in `env`, else in this process's environment)."""
 
     def __init__(self, root: Path, images: list[str] | tuple[str, ...] = DEFAULT_IMAGES,
                  node_cpu: float = 4.0, kube_version: str | None = None,
                  namespaces: list[str] | tuple[str, ...] = (),
                  bookmark_seconds: float = 10.0, env: dict[str, str] | None = None,
                  rbac: list[Path] | tuple[Path, ...] = (), identity: str | None = None,
-                 disable_admission_plugins: list[str] | tuple[str, ...] = ()) -> None:
+                 disable_admission_plugins: list[str] | tuple[str, ...] = (),
+                 kubelet: str = "process") -> None:
         self.root = Path(root)
         self.env = env
         self.identity = identity
         self.args = ["--root", str(self.root), "--images", ",".join(images),
                      "--node-cpu", str(node_cpu), "--namespaces", ",".join(namespaces),
                      "--bookmark-seconds", str(bookmark_seconds),
-                     "--disable-admission-plugins", ",".join(disable_admission_plugins)]
+                     "--disable-admission-plugins", ",".join(disable_admission_plugins),
+                     "--kubelet", kubelet]
         for path in rbac:
             self.args += ["--rbac", str(Path(path).resolve())]
         if kube_version:

@@ -17,6 +17,7 @@ from typing import Any
 from .kubelet import Node, is_terminal, set_condition
 from .objects import KINDS, ApiError, Obj, bad_request, conflict, not_found, parse_time, rfc3339
 from .rbac import Admit
+from .runtime import Runtime
 from .store import Store
 from .validation import (JOB_LABELS, check_body_kind, check_job_update, check_labels,
                          check_schema, check_secret, raise_if, validate_new)
@@ -68,12 +69,12 @@ class JobTrack:
 
 
 class Cluster:
-    def __init__(self, root: Path, images: list[str], node_cpu: float, kube_version: str,
+    def __init__(self, root: Path, runtime: Runtime, node_cpu: float, kube_version: str,
                  namespaces: list[str]) -> None:
         self.store = Store()
         self.kube_version = kube_version
         self.namespaces = set(KNOWN_NAMESPACES) | set(namespaces)
-        self.node = Node(self.store, root, images, node_cpu)
+        self.node = Node(self.store, root, runtime, node_cpu)
         self.tracks: dict[str, JobTrack] = {}
         self.stopping = threading.Event()
 

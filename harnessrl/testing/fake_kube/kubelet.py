@@ -1,63 +1,31 @@
 """The fake node: a scheduler (CPU requests against one node's capacity) and a kubelet that
-runs each bound pod's containers as local processes, publishing the pod status a real kubelet
-would (container states, phase, conditions).
-
-A container's file system is simulated by rewriting paths: in `workingDir`, `command`, `args`
-and env values, a volumeMount's `mountPath` (at a path boundary) is replaced by that volume's
-directory under `<root>/pods/<ns>/<pod>/volumes/`. Nothing else is isolated: the process sees
-the host's file system, network and users.
+runs each bound pod's containers through a runtime (`runtime.Runtime`: local processes by
+default, `container_runtime.ContainerRuntime` for real containers), publishing the pod status
+a real kubelet would (container states, phase, conditions).
 """
 
 from __future__ import annotations
 
 import base64
 import copy
-import os
 import re
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
 
 from .objects import ApiError, Obj, parse_quantity, rfc3339
+from .runtime import ConfigError, Exit, Launch, Running, Runtime, expand
 from .store import Store
 
 NODE_NAME = "fake-node"
-STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 POLL = 0.1
 RECHECK = 0.2
 
 
-
-def _wait_group_gone(pgid: int, bound_s: float = 5.0) -> None:
-    """Waits until no live (non-zombie) process is left in process group `pgid`."""
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        alive = False
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            fields = stat[stat.rfind(")") + 2:].split()
-            if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-                alive = True
-                break
-        if not alive:
-            return
-        time.sleep(0.01)
-
 class PodGone(Exception):
     """The pod object disappeared (it was removed from the API)."""
-
-
-class ConfigError(Exception):
-    """A container cannot be configured yet (CreateContainerConfigError)."""
 
 
 def set_condition(status: Obj, type_: str, value: bool, reason: str | None = None,
@@ -90,54 +58,14 @@ def is_terminal(pod: Obj) -> bool:
     return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
 
 
-def expand(text: str, env: dict[str, str]) -> str:
-    """Kubernetes' `$(VAR)` expansion: defined variables are replaced, `$$` escapes, anything
-    else is left as written."""
-    out, i = [], 0
-    while i < len(text):
-        if text.startswith("$$", i):
-            out.append("$")
-            i += 2
-        elif text.startswith("$(", i) and (end := text.find(")", i + 2)) != -1:
-            name = text[i + 2:end]
-            out.append(env[name] if name in env else text[i:end + 1])
-            i = end + 1
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
-
-
-class PathMap:
-    """Container paths → host directories, longest mountPath first."""
-
-    def __init__(self, mounts: list[tuple[str, Path]]) -> None:
-        mounts = [(m.rstrip("/"), d) for m, d in mounts if m.rstrip("/")]
-        mounts.sort(key=lambda m: -len(m[0]))
-        self.mounts = mounts
-        self.pattern = re.compile("|".join(
-            rf"(?<![\w./-]){re.escape(m)}(?=/|$|[^\w.-])" for m, _ in mounts)) if mounts else None
-        self.dirs = {m: str(d) for m, d in mounts}
-
-    def __call__(self, text: str) -> str:
-        if self.pattern is None:
-            return text
-        return self.pattern.sub(lambda m: self.dirs[m.group(0)], text)
-
-    def directory(self, path: str) -> Path | None:
-        for mount, d in self.mounts:
-            if path == mount or path.startswith(mount + "/"):
-                return Path(str(d) + path[len(mount):])
-        return None
-
-
 class Node:
-    """One node with `cpu` cores of allocatable CPU and a fixed list of pullable images."""
+    """One node with `cpu` cores of allocatable CPU, running containers through `runtime`
+    (which also says what images it can pull)."""
 
-    def __init__(self, store: Store, root: Path, images: list[str], cpu: float) -> None:
+    def __init__(self, store: Store, root: Path, runtime: Runtime, cpu: float) -> None:
         self.store = store
         self.root = root
-        self.images = set(images)
+        self.runtime = runtime
         self.cpu = cpu
         self.workers: dict[str, PodWorker] = {}
         self.lock = threading.Lock()
@@ -147,10 +75,11 @@ class Node:
         threading.Thread(target=self._schedule_loop, name="scheduler", daemon=True).start()
 
     def kill_all(self) -> None:
-        """Shutdown: SIGKILL every container process at once."""
+        """Shutdown: SIGKILL every container at once."""
         self.stopping.set()
         with self.lock:
             workers = list(self.workers.values())
+        self.runtime.shutdown()
         for w in workers:
             w.kill_processes(signal.SIGKILL)
 
@@ -237,7 +166,7 @@ class PodWorker(threading.Thread):
         self.uid = pod["metadata"]["uid"]
         self.spec: Obj = pod["spec"]
         self.dir = node.pod_dir(self.namespace, self.name)
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.procs: dict[str, Running] = {}  # container name -> running container
         self.status: Obj = copy.deepcopy(pod.get("status") or {})
         self.pull_attempts: dict[str, int] = {}
 
@@ -280,7 +209,8 @@ class PodWorker(threading.Thread):
         except Exception as e:
             print(f"pod {self.namespace}/{self.name}: kubelet error {e!r}", flush=True)
         finally:
-            self.kill_processes(signal.SIGKILL)
+            for proc in list(self.procs.values()):
+                proc.remove()
             with self.node.lock:
                 self.node.workers.pop(self.uid, None)
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -349,7 +279,7 @@ class PodWorker(threading.Thread):
         blocked: dict[str, tuple[str, str]] = {}
         volume_error = self._volume_error()
         for c in self._all_containers():
-            if c["image"] not in self.node.images:
+            if not self.node.runtime.has_image(c["image"]):
                 tries = self.pull_attempts[c["name"]] = self.pull_attempts.get(c["name"], 0) + 1
                 if tries == 1:
                     blocked[c["name"]] = ("ErrImagePull", f'failed to pull and unpack image '
@@ -362,6 +292,7 @@ class PodWorker(threading.Thread):
             else:
                 try:
                     self._environment(c)
+                    self.node.runtime.check(self.spec, c)
                 except ConfigError as e:
                     blocked[c["name"]] = ("CreateContainerConfigError", str(e))
         return blocked
@@ -386,6 +317,8 @@ class PodWorker(threading.Thread):
         for vol in self.spec.get("volumes") or []:
             d = self._volume_dir(vol["name"])
             d.mkdir(parents=True, exist_ok=True)
+            if "emptyDir" in vol:
+                d.chmod(0o777)  # as a kubelet makes it: writable whatever the container's user
             ref = vol.get("secret")
             if ref:
                 secret = self._secret(ref["secretName"]) or {}
@@ -397,10 +330,6 @@ class PodWorker(threading.Thread):
                         f.parent.mkdir(parents=True, exist_ok=True)
                         f.write_bytes(data[item["key"]])
                         f.chmod(item.get("mode", ref.get("defaultMode", 0o644)))
-
-    def _path_map(self, c: Obj) -> PathMap:
-        return PathMap([(m["mountPath"], self._volume_dir(m["name"]) / m.get("subPath", ""))
-                        for m in c.get("volumeMounts") or []])
 
     def _secret_value(self, name: str, key: str | None, optional: bool) -> dict[str, str] | None:
         secret = self._secret(name)
@@ -462,29 +391,12 @@ class PodWorker(threading.Thread):
 
     # -- running containers
 
-    def _launch(self, c: Obj) -> subprocess.Popen[bytes] | str:
-        """Starts the container's process; returns it, or why it could not start."""
-        declared = self._environment(c)
-        pmap = self._path_map(c)
-        home = str(self.dir / "root")
-        env = {"PATH": STANDARD_PATH, "HOSTNAME": self.name, "HOME": home}
-        env.update({k: pmap(v) for k, v in declared.items()})
-        lookup = {"PATH": STANDARD_PATH, "HOSTNAME": self.name, "HOME": "/root", **declared}
-        argv = [pmap(expand(a, lookup)) for a in (c.get("command") or []) + (c.get("args") or [])]
-        if not c.get("command"):
-            return ("the fake kubelet runs only a container's `command`: images have no "
-                    "entrypoint here")
-        cwd = Path(home)
-        if c.get("workingDir"):
-            cwd = pmap.directory(c["workingDir"]) or self.dir / "fs" / c["workingDir"].lstrip("/")
-            cwd.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / "logs" / f"{c['name']}.log", "ab") as log:
-            try:
-                return subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                        stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True, close_fds=True)
-            except OSError as e:
-                return f'exec: "{argv[0]}": {e.strerror}'
+    def _launch(self, c: Obj) -> Running | str:
+        """Starts the container; returns it, or why it could not start."""
+        volumes = {v["name"]: self._volume_dir(v["name"]) for v in self.spec.get("volumes") or []}
+        return self.node.runtime.start(Launch(
+            self.namespace, self.name, self.uid, self.spec, c, self._environment(c), volumes,
+            self.dir, self.dir / "logs" / f"{c['name']}.log", self.cstatus(c["name"])["restartCount"]))
 
     def _start(self, c: Obj) -> bool:
         cs = self.cstatus(c["name"])
@@ -499,24 +411,26 @@ class PodWorker(threading.Thread):
                                           "finishedAt": now}}
             return False
         self.procs[c["name"]] = proc
-        cs["containerID"] = f"fake://{self.uid}/{c['name']}/{cs['restartCount']}"
-        cs["imageID"] = c["image"]
+        cs["containerID"] = proc.container_id
+        cs["imageID"] = proc.image_id
         cs["state"] = {"running": {"startedAt": now}}
         cs["started"] = True
         return True
 
-    def _terminated(self, c: Obj, proc: subprocess.Popen[bytes]) -> int:
-        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+    def _terminated(self, c: Obj, proc: Running, how: Exit) -> int:
         cs = self.cstatus(c["name"])
-        started = cs["state"].get("running", {}).get("startedAt", rfc3339())
-        cs["state"] = {"terminated": {"exitCode": code,
-                                      "reason": "Completed" if code == 0 else "Error",
-                                      "startedAt": started, "finishedAt": rfc3339()}}
+        started = "1970-01-01T00:00:00Z" if how.reason == "StartError" else \
+            cs["state"].get("running", {}).get("startedAt", rfc3339())
+        term = {"exitCode": how.code, "reason": how.reason, "startedAt": started,
+                "finishedAt": rfc3339()}
+        if how.message:
+            term["message"] = how.message
+        cs["state"] = {"terminated": term}
         cs["ready"] = False
         cs["started"] = False
         self.procs.pop(c["name"], None)
-        self._kill_group(proc, signal.SIGKILL)   # a container's processes die with its pid 1
-        return code
+        proc.remove()   # a container's processes die with its pid 1
+        return how.code
 
     def _run_containers(self, containers: list[Obj]) -> dict[str, int] | None:
         """Runs `containers` side by side until all have exited (restarting failures under
@@ -535,10 +449,11 @@ class PodWorker(threading.Thread):
             changed = False
             for name, c in list(running.items()):
                 proc = self.procs[name]
-                if proc.poll() is None:
+                how = proc.poll()
+                if how is None:
                     continue
                 changed = True
-                code = self._terminated(c, proc)
+                code = self._terminated(c, proc, how)
                 del running[name]
                 if code != 0 and self.spec["restartPolicy"] == "OnFailure":
                     cs = self.cstatus(name)
@@ -592,15 +507,9 @@ class PodWorker(threading.Thread):
 
     # -- deletion
 
-    def _kill_group(self, proc: subprocess.Popen[bytes], sig: int) -> None:
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
     def kill_processes(self, sig: int) -> None:
         for proc in list(self.procs.values()):
-            self._kill_group(proc, sig)
+            proc.signal(sig)
 
     def _finish_deletion(self) -> None:
         """SIGTERM, SIGKILL after the grace period, final statuses, then the object goes."""
@@ -608,8 +517,8 @@ class PodWorker(threading.Thread):
         grace = pod["metadata"].get("deletionGracePeriodSeconds",
                                     self.spec.get("terminationGracePeriodSeconds", 30))
         if self.procs:
-            # The container threads may reap (and forget) a main process meanwhile: the groups
-            # to kill are the ones running now, and all of them get the SIGKILL.
+            # The container threads may reap (and forget) a main process meanwhile: the
+            # containers to kill are the ones running now, and all of them get the SIGKILL.
             running = list(self.procs.values())
             self.kill_processes(signal.SIGTERM)
             deadline = time.monotonic() + grace
@@ -617,13 +526,11 @@ class PodWorker(threading.Thread):
                     and time.monotonic() < deadline and not self.node.stopping.is_set():
                 time.sleep(POLL / 2)
             for proc in running:
-                self._kill_group(proc, signal.SIGKILL)
-            for proc in running:  # as a runtime does: the container is gone once its
-                _wait_group_gone(proc.pid)  # processes are (the pod then goes too)
-            containers = {c["name"]: c for c in self._all_containers()}
-            for name, proc in list(self.procs.items()):
-                proc.wait()
-                self._terminated(containers[name], proc)
+                proc.signal(signal.SIGKILL)
+            ended = {id(proc): proc.wait_gone() for proc in running}  # as a runtime does: the
+            containers = {c["name"]: c for c in self._all_containers()}  # container is gone
+            for name, proc in list(self.procs.items()):  # once its processes are (then the pod)
+                self._terminated(containers[name], proc, ended[id(proc)])
             if self.status.get("phase") not in ("Succeeded", "Failed"):
                 self.status["phase"] = "Failed"
             self.publish()
