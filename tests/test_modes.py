@@ -10,8 +10,9 @@
   test double of the controller, runs the one admission-controlled run in a thread with the
   real `Admission`, each rollout's two calls recorded under the policy version the engines
   (`RecordingSink`) serve when each call is made — so rollouts span pushes. A trainer killed
-  (-9) mid-run, then a new one on the same output: nothing trained twice, nothing lost, the
-  bound holds. The kill -9 form: tests/async_trainer_proc.py is the killed trainer.
+  (-9) mid-run with the whole admission window in flight, then a new one on the same output:
+  nothing trained twice, nothing lost, the bound holds, the groups the kill cut short finish.
+  The kill -9 form: tests/async_trainer_proc.py is the killed trainer.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +35,11 @@ from test_checkpoint import RecordingSink, make_config, small_model, store, voca
 from test_gateway import SIGNER, world  # noqa: F401
 
 from harnessrl.clients import StoreClient
+from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 from services.controller.admission import Admission
+from services.controller.run_execution import _started_and_done_groups
 from services.trainer import checkpoint as ckpt
 from services.trainer.loop import Trainer, train_async
 from services.trainer.staleness import group_staleness, select_groups
@@ -106,11 +110,24 @@ class PoolRuns:
     in a thread, with the real `Admission` rule, writing each group into the real store as the
     controller and gateway would. Each rollout makes two calls, the second after a pause, each
     recorded with the version the engines (`sink`) serve at that moment. Groups finish in a
-    random order. Re-attaching (a restarted trainer) resumes after the groups already in the
-    store."""
+    random order.
 
-    def __init__(self, store: StoreClient, sink: RecordingSink, vocab: int, seed: int) -> None:
+    Re-attaching (a restarted trainer) resumes the run as the controller's `RunExecution` does
+    after a restart: groups whose rollouts all ended are skipped, groups started and not ended
+    count as admitted and are finished (their rollouts go on where the store has them), groups
+    never started wait for admission like new ones. Here the double dies with the killed
+    trainer's process (a real controller would not), so its successor must finish what it cut
+    short: groups left admitted but never finished would hold the admission window forever.
+
+    `stall_from_version`: a group whose first call (rollout 0's) that version or a later one
+    served makes its first calls and then waits for the run's cancellation (jobs still
+    running), so the trainer, once it consumed every group that ended, waits with the whole
+    window in flight (`stalled` tells such a group from the store's record)."""
+
+    def __init__(self, store: StoreClient, sink: RecordingSink, vocab: int, seed: int,
+                 stall_from_version: int | None = None) -> None:
         self.store, self.sink, self.vocab, self.seed = store, sink, vocab, seed
+        self.stall_from_version = stall_from_version
         self.admission: Admission | None = None
         self.thread: threading.Thread | None = None
         self.stop = threading.Event()
@@ -142,12 +159,12 @@ class PoolRuns:
     def _execute(self, run_id: str, spec: c.RunSpec) -> None:
         assert self.admission is not None
         rng = random.Random(self.seed)
-        existing = {ro.group_id for ro in self.store.list_rollouts(run_id).rollouts}
-        self.admission.restore(existing, existing)
+        started, done = _started_and_done_groups(self.store.list_rollouts(run_id).rollouts)
+        self.admission.restore(started, done)
         live: list[threading.Thread] = []
         for task in spec.tasks:
             gid = f"{run_id}.{task.task_id}"
-            if gid in existing:
+            if gid in done:
                 continue
             while not self.admission.try_admit(gid) and not self.stop.is_set():
                 self.stop.wait(0.02)
@@ -163,15 +180,23 @@ class PoolRuns:
 
     def _group(self, run_id: str, spec: c.RunSpec, task: c.Task, gid: str,
                pause: float) -> None:
+        """Runs (or, resumed, finishes) one group: what the store holds already is kept (a
+        create, a start of the running attempt or a call stored again changes nothing)."""
         rollouts = [c.Rollout(rollout_id=f"{gid}.{i}", run_id=run_id, task_id=task.task_id,
                               group_id=gid, index_in_group=i, group_size=spec.group_size,
                               max_attempts=1, task_json=task.data_json, stream=spec.stream)
                     for i in range(spec.group_size)]
         self.store.create_rollouts(rollouts)
+        ended = {ro.rollout_id for ro in self.store.list_rollouts(run_id, gid).rollouts
+                 if ro.status in TERMINAL}
+        rollouts = [ro for ro in rollouts if ro.rollout_id not in ended]
         for ro in rollouts:
             self.store.start_attempt(ro.rollout_id, 1)
         calls: dict[str, list[c.Call]] = {}
         for k in range(2):  # the second call after a pause: it may be served by a newer version
+            if k and self.stalled(calls.get(f"{gid}.0", []), self.stall_from_version):
+                self.stop.wait()
+                return
             if k:
                 time.sleep(pause)
             for ro in rollouts:
@@ -194,10 +219,18 @@ class PoolRuns:
                 rollout_id=ro.rollout_id, attempt=1, status=c.ROLLOUT_STATUS_SUCCEEDED,
                 reward=float(r.random() < 0.5)))
 
+    @staticmethod
+    def stalled(first_calls: Sequence[c.Call], from_version: int | None) -> bool:
+        """A group stalls when its rollout 0's first call (of `first_calls`, that rollout's)
+        was served by `from_version` or later."""
+        return from_version is not None and bool(first_calls) and \
+            first_calls[0].policy_version >= from_version
+
 
 def async_trainer(cfg: Any, store: StoreClient, sink: RecordingSink, vocab: int,
-                  seed: int) -> tuple[Trainer, PoolRuns]:
-    runs = PoolRuns(store, sink, vocab, seed)
+                  seed: int, stall_from_version: int | None = None
+                  ) -> tuple[Trainer, PoolRuns]:
+    runs = PoolRuns(store, sink, vocab, seed, stall_from_version)
     return Trainer(cfg, runs, store, sink, admission=runs), runs
 
 
@@ -205,29 +238,54 @@ def test_async_trainer_killed_and_restarted_trains_each_group_once_within_the_bo
         tmp_path: Path, small_model: Path, store: StoreClient, vocab: int,  # noqa: F811
         store_service: Any) -> None:
     """kill -9 of an async trainer process mid-run (checkpoint every 2 steps, so groups it took
-    since its last checkpoint come back), then a new trainer on the same output dir: every group
-    that reached the stream is in exactly one step (trained or dropped) or still unacknowledged
-    there; the staleness bound holds throughout; and rollouts that spanned pushes trained."""
+    since its last checkpoint come back) while it waits for groups with the whole admission
+    window in flight (its controller double stalls the groups whose first call policy version 3
+    or a later one served), then a new trainer on the same output dir: the groups the kill cut short finish
+    (a successor that left them admitted and unfinished would never be admitted another group:
+    the second trainer would wait out run_timeout_s); every group that reached the stream is in
+    exactly one step (trained or dropped) or still unacknowledged there; the staleness bound
+    holds throughout; and rollouts that spanned pushes trained."""
     steps, max_staleness = 6, 1
     cfg = make_config(tmp_path, "async", small_model, steps, checkpoint_every=2,
+                      run_timeout_s=300,  # a step's wait for groups fails instead of hanging
                       mode={"kind": "async", "max_staleness": max_staleness, "pool_factor": 3})
+    window, stall_from = (max_staleness + 1) * cfg.tasks_per_step, 3
     cfg_file = tmp_path / "cfg.json"
     cfg_file.write_text(cfg.model_dump_json())
+
+    def in_flight() -> tuple[set[str], set[str]]:  # groups started, not ended; those stalled
+        prefix = json.loads((Path(cfg.output_dir) / "run.json").read_text())["run_prefix"]
+        rollouts = store.list_rollouts(f"{prefix}-async", include_calls=True).rollouts
+        started, done = _started_and_done_groups(rollouts)
+        stalled = {ro.group_id for ro in rollouts if ro.index_in_group == 0 and
+                   PoolRuns.stalled(ro.calls, stall_from)}
+        return started - done, stalled
+
+    def window_stalled() -> bool:  # every group in flight stalled, and the window full of them
+        flying, stalled = in_flight()
+        return len(flying) == window and flying <= stalled
+
     with open(tmp_path / "first.log", "w") as err:
         proc = subprocess.Popen([sys.executable,
                                  str(Path(__file__).parent / "async_trainer_proc.py"),
-                                 store_service.address, str(cfg_file), "1"],
+                                 store_service.address, str(cfg_file), "1", str(stall_from)],
                                 stdout=subprocess.DEVNULL, stderr=err)
+    # groups whose first call version 3 (pushed after step 3) or later served stall: at most
+    # 6 + 9 + (groups dropped by then) end, so at most 5 steps train; once the window is all
+    # stalled groups, nothing ends or starts any more in that process
     try:
         deadline = time.monotonic() + 600  # a loaded machine: the process imports torch first
         while not (cfg.metrics_file.exists()
-                   and len(cfg.metrics_file.read_text().splitlines()) >= 3):
+                   and len(cfg.metrics_file.read_text().splitlines()) >= 3
+                   and window_stalled()):
             assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the first trainer made no progress"
             time.sleep(0.1)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+    cut_short, _ = in_flight()
+    assert len(cut_short) == window
     killed_at = len(cfg.metrics_file.read_text().splitlines())
     assert killed_at < steps, "the first trainer finished before the kill"
     checkpointed = ckpt.read_state(ckpt.latest_checkpoint(cfg.checkpoints_dir)).step
@@ -257,12 +315,13 @@ def test_async_trainer_killed_and_restarted_trains_each_group_once_within_the_bo
     assert len(taken) == len(set(taken)), "a group was taken twice"
     assert len(taken) == st_.groups_trained + st_.groups_dropped
     # nothing lost: every group that completed (reached the stream) was taken, or is still
-    # unacknowledged in the stream; groups the kill cut short never completed
+    # unacknowledged in the stream
     by_group: dict[str, list[int]] = {}
     for ro in store.list_rollouts(second.pool_run_id).rollouts:
         by_group.setdefault(ro.group_id, []).append(ro.status)
     completed = {g for g, sts in by_group.items()
                  if all(x == c.ROLLOUT_STATUS_SUCCEEDED for x in sts)}
+    assert cut_short <= completed, "a group the kill cut short never finished"
     left = {g.group_id for g in store.read_groups(stream=cfg.stream, max_groups=1000,
                                                   include_calls=False).groups}
     assert not left & set(taken)
