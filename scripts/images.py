@@ -204,6 +204,10 @@ def fill_wheelhouse(locks: set[str]) -> Path:
     house = CACHE / "wheelhouse"
     house.mkdir(parents=True, exist_ok=True)
     for lock in sorted(locks):
+        text = (REPO / "locks" / f"{lock}.txt").read_bytes()
+        stamp = house / f".{lock}-{hashlib.sha256(text).hexdigest()[:16]}"
+        if stamp.exists():  # this lock's wheels are there (pip would ask the index again)
+            continue
         print(f"images: wheelhouse <- locks/{lock}.txt", flush=True)
         out = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
                               "--require-hashes", "--only-binary", ":all:", "--retries", "1",
@@ -212,6 +216,7 @@ def fill_wheelhouse(locks: set[str]) -> Path:
         if out.returncode != 0:
             raise SystemExit(f"images: pip download of locks/{lock}.txt failed:\n"
                              f"{out.stderr[-4000:]}")
+        stamp.touch()
     return house
 
 
