@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import fnmatch
 import functools
 import hashlib
@@ -272,6 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         print("images: no Docker daemon answers (set DOCKER_HOST, or start one: "
               "python3 -m harnessrl.testing.dockerd start)", file=sys.stderr)
         return 1
+    CACHE.mkdir(parents=True, exist_ok=True)
+    lock = open(CACHE / "images.lock", "w")  # one build at a time; the next reuses its images
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        print("images: another scripts/images.sh is building; waiting for it", flush=True)
+        fcntl.flock(lock, fcntl.LOCK_EX)
     todo = images(ns.accel)
     if ns.only:
         unknown = set(ns.only) - {i.name for i in todo}

@@ -14,6 +14,12 @@ from harnessrl import procs
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The container tests run last: their images may still be building in the background
+    (.ci/run starts `scripts/images.sh` before the suite; the fixture waits for it)."""
+    items.sort(key=lambda item: item.get_closest_marker("containers") is not None)
+
+
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A redis-server of the test session's own (AOF on), on a free port."""

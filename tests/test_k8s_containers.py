@@ -32,6 +32,8 @@ from services.controller.backends import k8s_manifests as manifests
 from services.controller.backends.base import GraderStep, JobSpec
 from test_trainer_loop import stack, start_trainer  # noqa: F401  (the module's own stack)
 
+pytestmark = pytest.mark.containers
+
 TEMPLATE = REPO / "examples" / "calc" / "k8s-job-template.yaml"
 IMAGE = "harnessrl/example-harness:0.1.0"
 # The harness and grader commands of the shipped run (paths inside the example image).

@@ -9,7 +9,8 @@ that built images are reused by the next run (they are labelled with the hash of
 inputs, `scripts/images.py`); the socket and the daemon's runtime state are in a fresh
 temporary folder.
 
-    python -m harnessrl.testing.dockerd start   # prints `export DOCKER_HOST=...`
+    eval "$(python -m harnessrl.testing.dockerd start)"  # sets DOCKER_HOST (and
+                                          # HARNESSRL_DOCKERD_STARTED=1 when it started one)
     python -m harnessrl.testing.dockerd stop    # stops the one `start` left running
 
 Stdlib only: `scripts/images.py` runs it before any virtual environment exists.
@@ -127,10 +128,11 @@ class Dockerd:
 def _main(argv: list[str]) -> int:
     if argv[:1] == ["start"]:
         daemon = Dockerd.find_or_start()
-        if daemon.owned:
+        print(f"export DOCKER_HOST={daemon.host}")
+        if daemon.owned:  # `stop` stops it; one found running is left alone
             assert daemon.proc is not None
             STATE.write_text(f"{daemon.host}\n{daemon.proc.pid}\n")
-        print(f"export DOCKER_HOST={daemon.host}")
+            print("export HARNESSRL_DOCKERD_STARTED=1")
         return 0
     if argv[:1] == ["stop"]:
         if not STATE.exists():
