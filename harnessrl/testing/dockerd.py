@@ -123,6 +123,8 @@ class Dockerd:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.proc = None
+        if self.run_dir is not None:  # the socket, pid file, log and exec root
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _main(argv: list[str]) -> int:
@@ -147,6 +149,7 @@ def _main(argv: list[str]) -> int:
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.5)
         STATE.unlink()
+        shutil.rmtree(Path(host.removeprefix("unix://")).parent, ignore_errors=True)
         print(f"dockerd: stopped {pid} ({host})")
         return 0
     print(__doc__, file=sys.stderr)
