@@ -335,6 +335,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"images: {img.name:<18} {img.tag:<40} {row['size_mb']:>7.0f} MB  "
                   f"{'built in %.0f s' % row['seconds'] if built else 'reused (same inputs)'}",
                   flush=True)
+    if any(row["built"] for row in report):
+        # The images these builds replaced, now untagged: ours only (by label), or a machine
+        # that rebuilds (CI) fills its disk (the trainer and engine are ~4 GB each).
+        out = docker("image", "prune", "--force", "--filter", f"label={LABEL}")
+        print(f"images: removed the replaced images: {out.splitlines()[-1] if out else 'none'}",
+              flush=True)
     if ns.report:
         ns.report.write_text(json.dumps(report, indent=2) + "\n")
     return 0
