@@ -54,6 +54,16 @@ def answers(host: str | None, timeout: float = 10.0) -> bool:
     return out.returncode == 0
 
 
+def remove_run_dir(run_dir: Path) -> None:
+    """Removes a stopped daemon's run folder. dockerd leaves its default network namespace
+    mounted there (`exec/netns/default`, nsfs): unmounted first, deepest first."""
+    with open("/proc/mounts") as f:
+        mounts = [line.split()[1] for line in f]
+    for point in sorted((m for m in mounts if m.startswith(f"{run_dir}/")), reverse=True):
+        subprocess.run(["umount", point], capture_output=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
 class Dockerd:
     """A daemon to talk to: `host` is its DOCKER_HOST; `owned` says whether we started it
     (and so stop it)."""
@@ -124,7 +134,7 @@ class Dockerd:
                 self.proc.wait(10)
         self.proc = None
         if self.run_dir is not None:  # the socket, pid file, log and exec root
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            remove_run_dir(self.run_dir)
 
 
 def _main(argv: list[str]) -> int:
@@ -149,7 +159,7 @@ def _main(argv: list[str]) -> int:
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.5)
         STATE.unlink()
-        shutil.rmtree(Path(host.removeprefix("unix://")).parent, ignore_errors=True)
+        remove_run_dir(Path(host.removeprefix("unix://")).parent)
         print(f"dockerd: stopped {pid} ({host})")
         return 0
     print(__doc__, file=sys.stderr)
