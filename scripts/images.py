@@ -274,12 +274,12 @@ def main(argv: list[str] | None = None) -> int:
               "python3 -m harnessrl.testing.dockerd start)", file=sys.stderr)
         return 1
     CACHE.mkdir(parents=True, exist_ok=True)
-    lock = open(CACHE / "images.lock", "w")  # one build at a time; the next reuses its images
+    one_at_a_time = open(CACHE / "images.lock", "w")  # held until exit; the next one reuses
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(one_at_a_time, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         print("images: another scripts/images.sh is building; waiting for it", flush=True)
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        fcntl.flock(one_at_a_time, fcntl.LOCK_EX)
     todo = images(ns.accel)
     if ns.only:
         unknown = set(ns.only) - {i.name for i in todo}

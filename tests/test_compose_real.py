@@ -255,7 +255,8 @@ def compose(docker_daemon, built_images, tiny_model_dir: Path,  # type: ignore[n
         dc.docker("volume", "create", "--label", f"com.docker.compose.project={project}",
                   "--label", "com.docker.compose.volume=models", vol)
         dc.docker("run", "--rm", "--network", "none", "--user", "0:0", "-v", f"{vol}:/models",
-                  "-v", f"{tiny_model_dir}:/src:ro", built_images["trainer"]["tag"], "sh", "-c", "cp -a /src /models/tiny-qwen3 && chown -R 10001:10001 /models",
+                  "-v", f"{tiny_model_dir}:/src:ro", built_images["trainer"]["tag"],
+                  "sh", "-c", "cp -a /src /models/tiny-qwen3 && chown -R 10001:10001 /models",
                   timeout=300)
         t0 = time.monotonic()
         dc.compose("up", "-d", "--no-build", timeout=900)
