@@ -22,7 +22,6 @@ import pytest
 import yaml
 
 from conftest import CONTROLLER_SA, REPO
-from harnessrl import procs
 from harnessrl.clients import StoreClient
 from harnessrl.local.stack import Stack
 from harnessrl.testing.fake_kube.container_runtime import LABEL
@@ -30,7 +29,8 @@ from harnessrl.testing.fake_kube_apiserver import FakeKubeAPIServer
 from harnessrl.v1 import common_pb2 as c
 from services.controller.backends import k8s_manifests as manifests
 from services.controller.backends.base import GraderStep, JobSpec
-from test_trainer_loop import stack, start_trainer  # noqa: F401  (the module's own stack)
+from test_trainer_loop import (  # noqa: F401  (the module's own stack)
+    stack, start_k8s_controller, start_trainer)
 
 pytestmark = pytest.mark.containers
 
@@ -263,17 +263,9 @@ def test_training_step_with_rollout_pods_as_containers(
     """A trainer step whose rollouts are Jobs of the shipped template with the example image:
     the harness runs in its container and reaches the gateway (127.0.0.1, host network), the
     grader container scores it, the rollouts are recorded with their rewards."""
-    controller, info = procs.start_service(
-        "controller-k8s-ct", "services.controller",
-        ["--bind", "127.0.0.1:0", "--store-address", stack.store_address,
-         "--gateway-url", stack.gateway_url, "--secret-file", str(stack.secret_file),
-         "--workdir-root", str(tmp_path / "rollouts"), "--default-backend", "kubernetes",
-         "--k8s-job-template", str(TEMPLATE), "--k8s-kubeconfig", str(kube.kubeconfig)],
-        tmp_path)
+    controller, stack_like = start_k8s_controller(stack, tmp_path, TEMPLATE, kube.kubeconfig,
+                                                  "controller-k8s-ct")
     try:
-        stack_like = type("S", (), {"store_address": stack.store_address,
-                                    "controller_address": f"127.0.0.1:{info['grpc_port']}",
-                                    "gateway_admin_address": stack.gateway_admin_address})
         trainer = start_trainer(stack_like, tmp_path, tiny_model_dir,  # type: ignore[arg-type]
                                 "--steps", "1", "--tasks-per-step", "2", "--group-size", "3",
                                 "--concurrency", "6", "--run-name", "k8sct",

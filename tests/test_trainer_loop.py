@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from typing import Any
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,6 +149,24 @@ def test_failed_push_marks_the_engine_and_raises_after_the_tries(
         gateway.stop()
 
 
+def start_k8s_controller(stack: Stack, tmp_path: Path, template: Path, kubeconfig: Path,
+                         name: str = "controller-k8s") -> tuple[procs.ServiceProcess, Any]:
+    """A controller whose default job backend is Kubernetes (`template`, the fake API server's
+    `kubeconfig`) beside the module's store and gateway; returns it and the stack a trainer
+    sees through it (`start_trainer`'s first argument)."""
+    controller, info = procs.start_service(
+        name, "services.controller",
+        ["--bind", "127.0.0.1:0", "--store-address", stack.store_address,
+         "--gateway-url", stack.gateway_url, "--secret-file", str(stack.secret_file),
+         "--workdir-root", str(tmp_path / "rollouts"), "--default-backend", "kubernetes",
+         "--k8s-job-template", str(template), "--k8s-kubeconfig", str(kubeconfig)],
+        tmp_path)
+    stack_like = type("S", (), {"store_address": stack.store_address,
+                                "controller_address": f"127.0.0.1:{info['grpc_port']}",
+                                "gateway_admin_address": stack.gateway_admin_address})
+    return controller, stack_like
+
+
 @pytest.mark.vllm
 def test_short_training_run_with_rollouts_as_kubernetes_jobs(
         stack: Stack, tmp_path: Path, tiny_model_dir: Path, fake_kube) -> None:  # type: ignore[no-untyped-def]
@@ -161,18 +180,9 @@ def test_short_training_run_with_rollouts_as_kubernetes_jobs(
     template.write_text(yaml.safe_dump({"apiVersion": "batch/v1", "kind": "Job", "spec": {
         "template": {"spec": {"containers": [
             {"name": "harness", "image": "harnessrl/harness:dev"}]}}}}))
-    controller, info = procs.start_service(
-        "controller-k8s", "services.controller",
-        ["--bind", "127.0.0.1:0", "--store-address", stack.store_address,
-         "--gateway-url", stack.gateway_url, "--secret-file", str(stack.secret_file),
-         "--workdir-root", str(tmp_path / "rollouts"), "--default-backend", "kubernetes",
-         "--k8s-job-template", str(template), "--k8s-kubeconfig", str(fake_kube.kubeconfig)],
-        tmp_path)
+    controller, stack_like = start_k8s_controller(stack, tmp_path, template,
+                                                  fake_kube.kubeconfig)
     try:
-        address = f"127.0.0.1:{info['grpc_port']}"
-        stack_like = type("S", (), {"store_address": stack.store_address,
-                                    "controller_address": address,
-                                    "gateway_admin_address": stack.gateway_admin_address})
         trainer = start_trainer(stack_like, tmp_path, tiny_model_dir,  # type: ignore[arg-type]
                                 "--steps", "2", "--tasks-per-step", "2", "--group-size", "3",
                                 "--concurrency", "6", "--run-name", "k8s", "--stream", "k8s",
