@@ -103,8 +103,6 @@ class SpanSet:
         for span in self._spans:
             cursor = span.start
             for hole in other._spans:
-                if hole.end <= cursor:
-                    continue
                 if hole.start >= span.end:
                     break
                 if hole.start > cursor:
@@ -144,7 +142,6 @@ class SpanSet:
 
     def take(self, first: int, stop: int) -> SpanSet:
         """The integers whose rank (0-based position in ascending order) is in ``[first, stop)``."""
-        first = max(first, 0)
         picked: list[Span] = []
         offset = 0
         for span in self._spans:

@@ -18,7 +18,6 @@ def parse_item(item: str, lower: int, upper: int | None) -> Span:
 
     An open end is filled in from ``lower`` / ``upper``; ``"5-"`` needs ``upper``.
     """
-    item = item.strip()
     if "-" not in item:
         value = _parse_bound(item, item)
         return Span.closed(value, value)

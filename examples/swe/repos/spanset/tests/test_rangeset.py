@@ -38,12 +38,17 @@ def test_membership():
     assert "3" not in values, "only integers are members"
 
 
+def test_empty_set_has_no_members():
+    assert 3 not in SpanSet()
+
+
 def test_equality_and_hash_follow_contents():
     a = SpanSet([Span(0, 2), Span(2, 4)])
     b = SpanSet([Span(0, 4)])
     assert a == b
     assert hash(a) == hash(b)
     assert a != SpanSet([Span(0, 3)])
+    assert a != [Span(0, 4)], "a list of spans is not a SpanSet"
 
 
 def test_repr():
@@ -147,6 +152,8 @@ def test_chunks():
 def test_chunks_rejects_zero_size():
     with pytest.raises(ValueError):
         SpanSet([Span(0, 3)]).chunks(0)
+    with pytest.raises(ValueError):
+        SpanSet([Span(0, 3)]).chunks(-2)
     assert len(SpanSet([Span(0, 3)]).chunks(1)) == 3
 
 

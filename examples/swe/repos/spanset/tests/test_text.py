@@ -16,6 +16,7 @@ def test_parse_item_single_and_closed_range():
     assert parse_item("7", 0, None) == Span(7, 8)
     assert parse_item(" 3-9 ", 0, None) == Span(3, 10)
     assert parse_item("4-4", 0, None) == Span(4, 5)
+    assert parse_item("3 - 9", 0, None) == Span(3, 10), "spaces around the dash"
 
 
 def test_parse_item_open_ends():
@@ -29,6 +30,10 @@ def test_parse_item_rejects_backwards_and_garbage():
     with pytest.raises(ValueError):
         parse_item("9-3", 0, None)
     with pytest.raises(ValueError):
+        parse_item("4-3", 0, None)
+    with pytest.raises(ValueError):
+        parse_item("+5", 0, None)
+    with pytest.raises(ValueError):
         parse_item("x", 0, None)
     with pytest.raises(ValueError):
         parse_item("2-y", 0, None)
@@ -37,6 +42,7 @@ def test_parse_item_rejects_backwards_and_garbage():
 def test_parse_ranges_list():
     values = parse_ranges("1-3, 7, 9-12")
     assert values.spans == (Span(1, 4), Span(7, 8), Span(9, 13))
+    assert parse_ranges("0,2") == SpanSet.of(0, 2), "0 is allowed by default"
 
 
 def test_parse_ranges_skips_empty_items():

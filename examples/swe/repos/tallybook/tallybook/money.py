@@ -59,7 +59,7 @@ def parse_amount(text: str, decimals: int = 2) -> int:
         raise ValueError(f"not an amount: {text!r}")
     if len(fraction) > decimals:
         raise ValueError(f"more than {decimals} decimal places in {text!r}")
-    minor = int(whole) * 10**decimals + int(fraction.ljust(decimals, "0") or "0")
+    minor = int(whole) * int(10**decimals) + int(fraction.ljust(decimals, "0") or "0")
     return -minor if negative else minor
 
 
@@ -79,7 +79,7 @@ def format_amount(
     accounting: bool = False,
 ) -> str:
     """Write minor units as ``"-1,234.50"``; ``accounting`` writes negatives as ``"(1,234.50)"``."""
-    whole, fraction = divmod(abs(minor), 10**decimals)
+    whole, fraction = divmod(abs(minor), int(10**decimals))
     text = group_thousands(str(whole), thousands)
     if decimals > 0:
         text += point + str(fraction).rjust(decimals, "0")

@@ -32,6 +32,10 @@ def test_volume_discount_tiers():
     assert volume_discount_bp(150, TIERS) == 1500
 
 
+def test_volume_discount_tier_from_zero():
+    assert volume_discount_bp(1, [(0, 200), (10, 500)]) == 200
+
+
 def test_volume_discount_unsorted_tiers():
     assert volume_discount_bp(60, [(50, 1000), (10, 500)]) == 1000
 
@@ -66,6 +70,12 @@ def test_tax_rounded_per_invoice():
     assert invoice.tax_by_code() == {"std": 133}, "133.2 on the summed 666"
 
 
+def test_tax_per_invoice_sums_before_rounding():
+    lines = [Line("A", 1, 1001), Line("B", 1, 1001), Line("C", 1, 1000)]
+    invoice = make_invoice(*lines, rounding="per_invoice")
+    assert invoice.tax_by_code() == {"std": 600}, "600.4 on the summed 3002"
+
+
 def test_tax_by_code_groups_codes_in_order():
     invoice = make_invoice(Line("A", 1, 1000), Line("B", 1, 2000, tax_code="red"))
     taxes = invoice.tax_by_code()
@@ -85,6 +95,12 @@ def test_status_open_and_partial():
     invoice.pay(500)
     assert invoice.status() == "partial"
     assert invoice.balance() == 700
+
+
+def test_status_partial_after_one_cent():
+    invoice = make_invoice(Line("A", 1, 1000))
+    invoice.pay(1)
+    assert invoice.status() == "partial"
 
 
 def test_status_paid_and_overpaid():
@@ -124,6 +140,19 @@ def test_late_fee_nothing_owed():
     assert invoice.late_fee(90) == 0
 
 
+def test_late_fee_never_negative():
+    invoice = make_invoice(Line("A", 1, 10000, tax_code="inc"))
+    assert invoice.late_fee(0, grace_days=60) == 0, "well before the due date"
+    invoice.pay(20000)
+    assert invoice.late_fee(90) == 0, "overpaid"
+
+
+def test_late_fee_on_a_one_cent_balance():
+    invoice = make_invoice(Line("A", 1, 1, tax_code="inc"))
+    assert invoice.balance() == 1
+    assert invoice.late_fee(30, monthly_bp=10000) == 1
+
+
 def test_render_full_invoice():
     invoice = make_invoice(Line("Widget", 2, 1250), Line("Gadget with a very long name", 1, 99900))
     invoice.pay(20000)
@@ -143,6 +172,7 @@ def test_render_truncates_long_labels():
     invoice = make_invoice(Line("Extremely long product description", 1, 500, tax_code="inc"))
     first = invoice.render(width=24).splitlines()[0]
     assert first == "1 x Extremely lon~  5.00"
+    assert invoice.render(width=6).splitlines()[0] == "~  5.00", "the amount is never cut"
 
 
 def test_render_marks_inclusive_tax_and_skips_payments():

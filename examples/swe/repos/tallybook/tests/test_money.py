@@ -15,6 +15,7 @@ def test_round_div_exact_division_ignores_mode():
     assert round_div(10, 5) == 2
     assert round_div(10, 5, "up") == 2, "nothing to round up"
     assert round_div(0, 3, "up") == 0
+    assert round_div(7, 1) == 7
 
 
 def test_round_div_half_even_ties():
@@ -71,7 +72,7 @@ def test_parse_amount_plain():
 
 def test_parse_amount_signs_and_symbol():
     assert parse_amount("-3.10") == -310
-    assert parse_amount("(12.00)") == -1200, "accounting negative"
+    assert parse_amount("(12.05)") == -1205, "accounting negative"
     assert parse_amount("$7.25") == 725
     assert parse_amount("-$7.25") == -725
 
@@ -86,7 +87,7 @@ def test_parse_amount_other_decimals():
 def test_parse_amount_rejects_garbage():
     with pytest.raises(ValueError):
         parse_amount("1.234")
-    for text in ("abc", "1.2x", "", "."):
+    for text in ("abc", "1.2x", "", ".", "+5", "1_000"):
         with pytest.raises(ValueError):
             parse_amount(text)
 
@@ -112,6 +113,7 @@ def test_format_amount_accounting_negative():
 
 def test_format_amount_decimals_and_separators():
     assert format_amount(1500, decimals=0) == "1,500"
+    assert format_amount(15, decimals=1) == "1.5"
     assert format_amount(1234, decimals=3) == "1.234"
     assert format_amount(123456789, thousands=" ", point=",") == "1 234 567,89"
 
@@ -151,6 +153,6 @@ def test_allocate_negative_total_still_sums():
 
 def test_allocate_rejects_bad_weights():
     with pytest.raises(ValueError):
-        allocate(10, [1, -1])
+        allocate(10, [2, -1])
     with pytest.raises(ValueError):
         allocate(10, [0, 0])

@@ -48,6 +48,8 @@ def test_bracket_tax_within_first_bracket():
     assert bracket_tax(500_000, BRACKETS) == 0
     assert bracket_tax(0, BRACKETS) == 0
     assert bracket_tax(-100, BRACKETS) == 0
+    assert bracket_tax(-100, [(None, 1000)]) == 0, "no negative tax"
+    assert bracket_tax(1, [(None, 10000)]) == 1
 
 
 def test_bracket_tax_middle_and_top():
@@ -71,12 +73,15 @@ def test_bracket_tax_bounded_last_bracket():
 def test_bracket_tax_limits_must_increase():
     with pytest.raises(ValueError):
         bracket_tax(2000, [(1000, 0), (1000, 100)])
+    with pytest.raises(ValueError):
+        bracket_tax(2000, [(1000, 0), (500, 100), (None, 200)])
 
 
 def test_effective_rate():
     assert effective_rate(200, 1000) == 2000
     assert effective_rate(1, 3) == 3333
     assert effective_rate(600_000, 4_000_000) == 1500
+    assert effective_rate(1, 1) == 10000
     assert effective_rate(5, 0) == 0
     assert effective_rate(5, -10) == 0
 
