@@ -150,3 +150,26 @@ def test_compare_and_the_side_by_side_page(tmp_path: Any) -> None:
     assert 'id="eval-metrics"' in page and "B - A" in page and "+0.250" in page
     assert "boom" in page  # the failed sample, named with its reason
     assert "<th>B.json passed</th>" in page
+
+
+def test_model_argument_names_a_folder_a_checkpoint_or_a_trainer_output_dir(
+        tmp_path: Any) -> None:
+    out = tmp_path / "train"
+    step = out / "checkpoints" / "step-000003"
+    step.mkdir(parents=True)
+    (step / "config.json").write_text("{}")
+    (step / "state.json").write_text('{"step": 3, "policy_version": 3}')
+    (out / "checkpoints" / "latest").write_text("step-000003")
+    for arg in (out, out / "checkpoints", step):
+        m = evaluate.resolve_model(str(arg), None)
+        assert (m.kind, m.model_dir, m.served_name) == ("checkpoint", step.resolve(), "tiny")
+        assert m.describe()["step"] == 3 and m.describe()["policy_version"] == 3
+    plain = tmp_path / "hf"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    assert evaluate.resolve_model(str(plain), "mine").describe() == {
+        "kind": "model_dir", "served_name": "mine", "path": str(plain.resolve())}
+    assert evaluate.resolve_model(None, None).kind == "base"
+    with pytest.raises(evaluate.EvalError, match="neither a model folder"):
+        evaluate.resolve_model(str(tmp_path), None)
+    assert evaluate.engine_root("http://h:1/v1/") == "http://h:1"

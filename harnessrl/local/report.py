@@ -208,6 +208,7 @@ table.grid { border-collapse: collapse; font-size: 13px; }
 table.grid th, table.grid td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; }
 table.grid td:first-child, table.grid th:first-child { text-align: left; }
 td.up { background: #e3f4e3; } td.down { background: #fbe3e3; }
+table.how td, table.how th { text-align: left; }
 """
 
 
@@ -266,7 +267,7 @@ def _how(r: dict[str, Any]) -> list[tuple[str, str]]:
             ("tasks", f"{r['tasks_evaluated']} of {r['tasks_in_file']} in {r['tasks_file']} "
                       f"(sha256 {str(r['tasks_sha256'])[:12]})"),
             ("k, threshold", f"{r['k']}, reward >= {r['threshold']}"),
-            ("sampling", ", ".join(f"{k} {'harness' if v is None else v}"
+            ("sampling", ", ".join(f"{k} {'(the harness’s own)' if v is None else v}"
                                    for k, v in r["sampling"].items())),
             ("harness", " ".join(r["harness"])), ("grader", " ".join(r["grader"]) or "-"),
             ("samples (failed)", f"{r['samples']} ({r['samples_failed']})"),
@@ -293,7 +294,8 @@ def render_eval(results: list[tuple[str, dict[str, Any]]]) -> str:
                   (_signed(diff) if two else "") + "</tr>")
     how = "".join(f"<tr><td>{html.escape(label)}</td>" +
                   "".join(f"<td>{html.escape(dict(_how(r))[label])}</td>" for r in rs) +
-                  ("<td></td>" if two else "") + "</tr>" for label, _ in _how(rs[0]))
+                  "</tr>" for label, _ in _how(rs[0]))
+    how_cols = "".join(f"<th>{html.escape(n)}</th>" for n in names)
     by_id = [{t["task_id"]: t for t in r["tasks"]} for r in rs]
     ids = list(dict.fromkeys(t for d in by_id for t in d))
     trows = ""
@@ -319,7 +321,8 @@ def render_eval(results: list[tuple[str, dict[str, Any]]]) -> str:
             f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
             f"<h1>{html.escape(title)}</h1>"
             f'<table class="grid" id="eval-metrics"><tr><th>metric</th>{cols}</tr>{mrows}'
-            f"</table><h2>How</h2><table class=\"grid\"><tr><th></th>{cols}</tr>{how}</table>"
+            f"</table><h2>How</h2><table class=\"grid how\"><tr><th></th>{how_cols}</tr>{how}"
+            "</table>"
             f'<h2>Tasks</h2><table class="grid" id="eval-tasks"><tr><th>task</th>'
             f"{''.join(f'<th>{html.escape(n)} passed</th>' for n in names)}"
             f"{'<th>pass@1 B - A</th>' if two else ''}<th>rewards</th></tr>{trows}</table>"
