@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -15,12 +16,22 @@ from typing import Any
 
 import pytest
 
-from examples.calc.evaluate import GRADER, HARNESS, task_env
 from harnessrl.local.engine import EngineProcess
 from harnessrl.model import calc_task
 
-TASKS = Path(__file__).resolve().parent.parent / "examples" / "calc" / "tasks.jsonl"
+CALC = Path(__file__).resolve().parent.parent / "examples" / "calc"
+TASKS, HARNESS, GRADER = CALC / "tasks.jsonl", CALC / "harness.py", CALC / "grader.py"
 TASK = {"id": "calc-x", "question": "What is 12 + 30?", "expression": "12 + 30", "answer": 42}
+
+
+def task_env(task: dict[str, Any], base_url: str, model: str, api_key: str) -> dict[str, str]:
+    """The environment the controller gives a harness run (services/controller/run_spec.py):
+    API, model and the task, whole and one `HARNESSRL_TASK_<FIELD>` per field."""
+    env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": api_key,
+           "HARNESSRL_MODEL": model, "HARNESSRL_TASK_JSON": json.dumps(task)}
+    for k, v in task.items():
+        env[f"HARNESSRL_TASK_{k.upper()}"] = v if isinstance(v, str) else json.dumps(v)
+    return env
 
 
 def _harness_module() -> Any:

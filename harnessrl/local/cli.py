@@ -11,6 +11,9 @@
   `logs SERVICE`, `run` and `down` find it through `--state-dir` (default `.harnessrl`).
 - `harnessrl run`: creates a run of your harness on a running stack and follows it.
 - `harnessrl report RUN_DIR`: an HTML page of a training run (`harnessrl/local/report.py`).
+- `harnessrl eval`: pass@k of a model (the tiny model, a checkpoint, a running engine) on a task
+  file through the same harness, grader and controller (`harnessrl/local/evaluate.py`);
+  `harnessrl eval --compare A.json B.json` puts two results side by side.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harnessrl import log as hlog
-from harnessrl.local import operate, progress
+from harnessrl.local import evaluate, operate, progress
 from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import controller_pb2 as cpb
@@ -146,6 +149,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.harness and not args.grader and not args.rollouts_only:
         console.print("[red]training your harness needs --grader (a command whose last stdout "
                       "line is {\"reward\": x}); --rollouts-only runs it without one")
+        return 2
+    if args.eval_tasks and args.rollouts_only:
+        console.print("[red]--eval-tasks evaluates during training; for an evaluation alone "
+                      "use harnessrl eval")
+        return 2
+    if args.eval_tasks and not Path(args.eval_tasks).is_file():
+        console.print(f"[red]--eval-tasks {args.eval_tasks}: no such file")
+        return 2
+    if args.eval_k < 1 or args.eval_every < 0:
+        console.print("[red]--eval-k must be >= 1 and --eval-every >= 0")
         return 2
     if args.engine_url and not args.rollouts_only:
         console.print("[red]--engine-url is for --rollouts-only: the trainer pushes weights only "
@@ -417,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--mode", choices=("sync", "async", "collocated"), default="sync",
                     help="training mode (docs/modes.md)")
     up.add_argument("--output-dir", default=None, help="checkpoints, metrics, reward curve")
+    up.add_argument("--eval-tasks", default=None, help="evaluate during training on this JSONL "
+                    "task file (held-out tasks): before the first step, every --eval-every "
+                    "steps and after the last; pass@k into metrics.jsonl and the report")
+    up.add_argument("--eval-every", type=int, default=0, help="--eval-tasks: evaluate after "
+                    "every N-th step too (0: before and after training only)")
+    up.add_argument("--eval-k", type=int, default=4, help="--eval-tasks: samples per task")
     up.add_argument("--detach", action="store_true", help="leave the stack running in the "
                     "background, supervised; the other verbs find it through --state-dir")
     up.add_argument("--start-timeout", type=float, default=900, help="--detach: give up when "
@@ -463,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", "--lines", type=int, default=50)
     p.add_argument("-f", "--follow", action="store_true")
     verb("down", "stop the detached stack", cmd_down)
+
+    evaluate.add_parser(sub).set_defaults(fn=lambda a: evaluate.cmd_eval(a, console))
 
     report = sub.add_parser("report", help="write an HTML report of a training run "
                             "(curves, step times, rendered rollouts)")

@@ -20,19 +20,31 @@ from harnessrl.local.progress import fmt_s
 from harnessrl.local.stack import Stack
 
 
-def _read_metrics(path: Path) -> list[dict]:  # type: ignore[type-arg]
+def _read_metrics(path: Path, kind: str = "step") -> list[dict]:  # type: ignore[type-arg]
+    """metrics.jsonl's step lines, or (kind "eval") its evaluation lines."""
     if not path.exists():
         return []
     rows = []
     for line in path.read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line being written
+        if (row.get("kind") == "eval") == (kind == "eval"):
+            rows.append(row)
     return rows
 
 
-def _progress_table(rows: list[dict], steps: int, started: float) -> Table:  # type: ignore[type-arg]
+def eval_text(r: dict) -> str:  # type: ignore[type-arg]
+    """An evaluation line of metrics.jsonl in a few words."""
+    metrics = ", ".join(f"{k} {v:.3f}" for k, v in r.items()
+                        if (k.startswith("pass@") or k.startswith("avg@")) and v is not None)
+    return (f"eval at step {r['step']} (version {r['policy_version']}): {metrics}; "
+            f"{r['samples_failed']} of {r['samples']} samples failed, {r['eval_s']:.0f}s")
+
+
+def _progress_table(rows: list[dict], steps: int, started: float,  # type: ignore[type-arg]
+                    evals: tuple[dict, ...] = ()) -> Table:  # type: ignore[type-arg]
     table = Table(title=f"training: step {len(rows)}/{steps}  "
                         f"({time.monotonic() - started:.0f}s)", expand=False)
     for col in ("step", "version", "reward", "loss", "kl", "clip", "entropy", "tokens",
@@ -47,6 +59,8 @@ def _progress_table(rows: list[dict], steps: int, started: float) -> Table:  # t
                       f(r.get("loss"), ".4f"), f(r.get("kl"), ".4f"),
                       f(r.get("clip_fraction"), ".3f"), f(r.get("entropy"), ".3f"),
                       str(r.get("tokens", "-")), f(r.get("step_time_s"), ".1f"))
+    if evals:
+        table.caption = eval_text(evals[-1])
     return table
 
 
@@ -119,6 +133,9 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
                  "--rollout-timeout-s", str(args.timeout), "--max-attempts", str(args.attempts)]
     if getattr(args, "tasks_per_step", None):
         argv += ["--tasks-per-step", str(args.tasks_per_step)]
+    if getattr(args, "eval_tasks", None):  # evaluation during training (evaluation.py)
+        argv += ["--eval.tasks-file", str(Path(args.eval_tasks).resolve()),
+                 "--eval.every", str(args.eval_every), "--eval.k", str(args.eval_k)]
     argv += list(getattr(args, "trainer_flags", None) or ())
     if getattr(args, "mode", "sync") != "sync":
         argv += ["--mode.kind", args.mode]
@@ -127,6 +144,7 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
                       "continue from it)")
         import shutil
         shutil.rmtree(out / "checkpoints")
+        shutil.rmtree(out / "eval", ignore_errors=True)  # the evaluations of that run
         (out / "metrics.jsonl").unlink(missing_ok=True)
     trainer = procs.ServiceProcess("trainer", argv, stack.logs, ready_file=ready)
     trainer.restart = "on-failure"  # exit 0: its steps are done
@@ -156,15 +174,21 @@ def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
         with Live(_progress_table([], steps, started), console=console,
                   refresh_per_second=2) as live:
             while not finished():
-                live.update(_progress_table(_read_metrics(metrics), steps, started))
+                live.update(_progress_table(_read_metrics(metrics), steps, started,
+                                            tuple(_read_metrics(metrics, "eval"))))
                 time.sleep(1.0)
-            live.update(_progress_table(_read_metrics(metrics), steps, started))
+            live.update(_progress_table(_read_metrics(metrics), steps, started,
+                                        tuple(_read_metrics(metrics, "eval"))))
     else:  # a log: one plain line per step, and a heartbeat while a step runs
-        seen, beat = 0, time.monotonic()
+        seen, beat, evals_seen = 0, time.monotonic(), 0
         while not finished():
             rows = _read_metrics(metrics)
             for r in rows[seen:]:
                 progress.line(console, step_line(r, steps, started, rows))
+            evals = _read_metrics(metrics, "eval")
+            for r in evals[evals_seen:]:
+                progress.line(console, f"[harnessrl] {eval_text(r)}")
+            evals_seen = len(evals)
             if len(rows) > seen or time.monotonic() - beat > 30:
                 if len(rows) == seen:
                     progress.line(console, f"[harnessrl] training: step {seen + 1}/{steps} "
@@ -186,6 +210,12 @@ def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
     console.print(terminal_plot(rows))
     first = [r["reward_mean"] for r in rows[:5] if r.get("reward_mean") is not None]
     last = [r["reward_mean"] for r in rows[-5:] if r.get("reward_mean") is not None]
+    evals = _read_metrics(metrics, "eval")
+    for r in evals:
+        console.print(eval_text(r), markup=False, highlight=False, soft_wrap=True)
+    if len(evals) >= 2:
+        console.print(f"compare: harnessrl eval --compare {evals[0]['result']} "
+                      f"{evals[-1]['result']}", markup=False, highlight=False, soft_wrap=True)
     latest = out / "checkpoints" / "latest"
     ckpt = latest.resolve() if latest.exists() else out / "checkpoints"
     console.print(f"""

@@ -79,7 +79,7 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
     for k, v in s.env.items():
         if not k or "=" in k or "\0" in k or "\0" in v:
             raise InvalidArgument(f"invalid environment variable {k!r}")
-    if s.HasField("sampling") and (problem := unmatched(s.sampling)):
+    if s.HasField("sampling") and (problem := unmatched(s.sampling, s.stream)):
         raise InvalidArgument(problem)
     if s.tasks and s.tasks_file:
         raise InvalidArgument("give tasks inline or as tasks_file, not both")

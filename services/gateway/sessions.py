@@ -124,7 +124,7 @@ class Sessions:
         session.run_model = run.spec.model
         if run.spec.HasField("sampling") and run.spec.sampling.ListFields():
             session.sampling = run.spec.sampling
-            session.sampling_problem = unmatched(run.spec.sampling)
+            session.sampling_problem = unmatched(run.spec.sampling, run.spec.stream)
 
     def close(self, session: Session, why: str) -> None:
         session.closed = why

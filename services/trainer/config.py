@@ -104,6 +104,50 @@ class ModeConfig(BaseModel):
         return {"kind": value} if isinstance(value, str) else value
 
 
+class EvalConfig(BaseModel):
+    """Evaluation during training (evaluation.py): k samples of each held-out task through the
+    same controller, harness and grader, on the engines' current weights, in a run that
+    publishes to no stream (never trained on). Results go to metrics.jsonl (lines with
+    "kind": "eval"), <output_dir>/eval/step-<N>.json (the `harnessrl eval` JSON), TensorBoard
+    and W&B (`eval/<metric>`) and `harnessrl report`. When: between steps, after the step's
+    push and checkpoint (the engines serve the step's weights); in async and collocated mode
+    the pool's rollouts go on meanwhile (within the admission window) beside the
+    evaluation's. On for the trainer's configuration as soon as `tasks_file` is set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tasks_file: str = Field("", description="JSONL file of the evaluation tasks (held out "
+                                            "from tasks_file); empty: no evaluation")
+    every: int = Field(0, ge=0, description="evaluate after every N-th step; 0: only "
+                                            "before_training and at_end")
+    before_training: bool = Field(True, description="evaluate the initial weights, as step 0, "
+                                                    "before the first step")
+    at_end: bool = Field(True, description="evaluate after the last step (when `every` did "
+                                           "not already)")
+    k: int = Field(4, ge=1, description="samples per task (the run's group_size): pass@1.."
+                                        "pass@k and avg@k are reported")
+    limit: int = Field(0, ge=0, description="evaluate the first N tasks of the file only; 0: "
+                                            "all")
+    threshold: float = Field(1.0, description="a sample passes (for pass@k) when its reward "
+                                              ">= this")
+    temperature: float | None = Field(None, ge=0, description="sampling temperature imposed "
+                                                              "on every evaluation call; "
+                                                              "empty: the harness's own")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus imposed on every "
+                                                              "evaluation call; empty: the "
+                                                              "harness's own")
+    max_tokens: int | None = Field(None, ge=1, description="completion tokens per call at "
+                                                           "most; empty: the harness's own")
+    harness_command: list[str] = Field(default_factory=list, description="argv of the "
+                                       "evaluation's harness; empty: the training run's")
+    grader_command: list[str] = Field(default_factory=list, description="argv of the "
+                                      "evaluation's grader; empty: the training run's")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tasks_file)
+
+
 class TrainerConfig(ServiceConfig):
     """harnessrl trainer: learns from recorded groups, pushes weights into the engines."""
 
@@ -182,8 +226,11 @@ class TrainerConfig(ServiceConfig):
     rollout_backend: str = Field(
         "", description="job backend the controller runs the harness on ('local', "
                         "'kubernetes'); empty: the controller's default_backend")
-    run_timeout_s: float = Field(3600.0, gt=0, description="how long one step's run may take "
+    run_timeout_s: float = Field(3600.0, gt=0, description="how long one step's run (or "
+                                                           "evaluation run) may take "
                                                            "before the trainer gives up")
+    eval: EvalConfig = Field(default_factory=EvalConfig,
+                             description="evaluation during training (EvalConfig)")
 
     # -- the learning algorithm --------------------------------------------------------------
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig,

@@ -74,7 +74,8 @@ resume, lines of steps after the checkpoint are dropped, so each step appears on
     checkpoint         str    checkpoint written after this step, or null
 
 A line is appended before the step's checkpoint is written: if the trainer dies in between, the
-resumed trainer drops the line and redoes the step.
+resumed trainer drops the line and redoes the step. Lines with "kind": "eval" are evaluations
+(step 0: before training), their schema in evaluation.py.
 
 `<output_dir>/rollouts.jsonl`: `sample_rollouts` rendered rollouts of each step (step,
 rollout_id, task_id, reward, status, calls, text), trimmed on resume like metrics.jsonl. Rows and
@@ -87,7 +88,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
 import statistics
 import time
@@ -106,10 +106,12 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import trainer_pb2 as tpb
 
 from . import checkpoint as ckpt
+from . import evaluation
 from . import metrics as prom
 from .config import TrainerConfig
 from .control import TrainerControl
 from .gauges import GatewayHold, Gauges, GaugeWindow
+from .outputs import append_jsonl, trim_metrics
 from .rollouts import (
     AdmissionReporter,
     RunLauncher,
@@ -136,6 +138,7 @@ RUN_FILE = "run.json"
 def train_sync(t: "Trainer") -> None:
     """The sync loop: generate a batch, train on it, push, checkpoint, repeat."""
     t.start()  # resume or initialise; the engines get the trainer's weights
+    t.evaluate()  # an eval run of the weights before training (step 0), when asked
     while t.more_steps():  # steps left, no stop requested (rank 0 decides for every rank)
         step, version = t.state.step + 1, t.state.policy_version
         s = StepRecord(step=step, behaviour_version=version)
@@ -151,6 +154,7 @@ def train_sync(t: "Trainer") -> None:
         if due:
             t.commit()  # checkpoint, then acknowledge the entries it holds
         t.answer_checkpoint_requests()
+        t.evaluate()  # an eval run of the new weights when one is due (evaluation.py)
     if t.final_checkpoint_wanted():
         t.commit()  # no-op when the last step is checkpointed already
 
@@ -159,6 +163,7 @@ def train_async(t: "Trainer") -> None:
     """Async and collocated modes (docs/modes.md): rollouts keep running while the trainer
     trains and pushes; collocated also holds new model calls while it does."""
     t.start()  # resume or initialise; the engines get the trainer's weights
+    t.evaluate()  # before training (step 0), when asked; before the pool's rollouts start
     t.open_pool()  # one controller run of every step's tasks, admission-controlled
     while t.more_steps():
         step, version = t.state.step + 1, t.state.policy_version
@@ -175,6 +180,7 @@ def train_async(t: "Trainer") -> None:
         if due:
             t.commit()  # checkpoint, then acknowledge the entries it holds
         t.answer_checkpoint_requests()
+        t.evaluate()  # when due: between steps, while the pool's rollouts go on
     t.close_pool()  # the run's groups never admitted are cancelled
     if t.final_checkpoint_wanted():
         t.commit()
@@ -306,8 +312,8 @@ class Trainer:
             log.info("acknowledged %d of the %d entries the checkpoint consumed", n,
                      len(self.state.consumed_entries))
             self.state.consumed_entries = []
-        _trim_metrics(self.cfg.metrics_file, self.state.step)
-        _trim_metrics(self.rollouts_file, self.state.step)
+        trim_metrics(self.cfg.metrics_file, self.state.step)
+        trim_metrics(self.rollouts_file, self.state.step)
 
     @property
     def rollouts_file(self) -> Path:
@@ -604,6 +610,11 @@ class Trainer:
         self.control.set_drop_reasons(st.drop_reasons)
         self._report_consumed()
 
+    def evaluate(self) -> None:
+        """Rank 0: the eval run due at this step, recorded (evaluation.py); none after a stop."""
+        if self.dist.is_main and not self.control.stop_requested:
+            evaluation.evaluate_if_due(self)
+
     def checkpoint_due(self) -> bool:
         return self.dist.agree(
             self.state.step % self.cfg.checkpoint_every == 0
@@ -702,9 +713,9 @@ class Trainer:
         if w.groups_in_flight is not None:
             self.control.update(groups_in_flight=w.groups_in_flight,
                                 groups_admitted=w.groups_admitted or 0)
-        _append_jsonl(self.cfg.metrics_file, row)
+        append_jsonl(self.cfg.metrics_file, row)
         for rendered in s.rollouts:
-            _append_jsonl(self.rollouts_file, rendered)
+            append_jsonl(self.rollouts_file, rendered)
         prom.observe_step(row)
         if self.trackers is not None:
             self.trackers.log_step(row, s.rollouts)
@@ -737,26 +748,6 @@ class Trainer:
 
 def _num(x: float | None) -> float:
     return math.nan if x is None else float(x)
-
-
-def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _trim_metrics(path: Path, step: int) -> None:
-    """Drops lines of steps after `step` (written before a crash, redone after the resume)."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines()
-    keep = [x for x in lines if x.strip() and json.loads(x)["step"] <= step]
-    if len(keep) != len(lines):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(x + "\n" for x in keep))
-        tmp.replace(path)
 
 
 def build_trainer(cfg: TrainerConfig, control: TrainerControl | None = None,

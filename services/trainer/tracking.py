@@ -7,7 +7,9 @@ TensorBoard and Weights & Biases when the config switches them on (rank 0 only).
   after its checkpoint (they are redone).
 - W&B (`wandb_project`): one run whose id is the trainer's run prefix (a resumed trainer goes on
   with it), the config as its config (harness_env values masked), every field of the row under `train/<field>` at the
-  step, the rollouts as a table. `WANDB_MODE=offline` writes it under `<output_dir>/wandb`
+  step, the rollouts as a table.
+- Evaluations (evaluation.py, `log_eval`): every number of the eval line under `eval/<field>`
+  (`eval/pass@1`, `eval/avg@4`, ...) at its step, in both. `WANDB_MODE=offline` writes it under `<output_dir>/wandb`
   without an account (`wandb sync` uploads it later).
 
 Both need the `tracking` extra (`pip install harnessrl[tracking]`); asked for without it, the
@@ -92,6 +94,19 @@ class Trackers:
                     columns=list(ROLLOUT_COLUMNS),
                     data=[[r[c] for c in ROLLOUT_COLUMNS] for r in rollouts])
             self._wandb.log(data, step=step)
+
+    def log_eval(self, row: dict[str, Any]) -> None:
+        """An evaluation's metrics.jsonl line (evaluation.py): its numbers under
+        `eval/<field>` at its step (0: before training)."""
+        step = int(row["step"])
+        numbers = {k: float(v) for k, v in row.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        if self._tb is not None:
+            for k, number in numbers.items():
+                self._tb.add_scalar(f"eval/{k}", number, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({f"eval/{k}": v for k, v in numbers.items()}, step=step)
 
     def close(self) -> None:
         if self._tb is not None:

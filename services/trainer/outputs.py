@@ -1,0 +1,43 @@
+"""The trainer's line files (`metrics.jsonl`, `rollouts.jsonl`): appended one fsynced line at
+a time, and trimmed on resume to the steps the checkpoint holds (lines of later steps were
+written before a crash and are redone)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Drops lines of steps after `step` (written before a crash, redone after the resume)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    keep = [x for x in lines if x.strip() and json.loads(x)["step"] <= step]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(path)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete line of `path` (none when it does not exist)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written
+    return rows
