@@ -48,5 +48,6 @@ done
 compile locks/example.txt examples/calc/requirements.in
 # examples/swe's harness venv (mini-swe-agent + litellm; examples/swe/harness_env.py installs it)
 compile locks/swe-harness.txt examples/swe/requirements.in
+compile locks/swe-tools.txt examples/swe/tools-requirements.in  # its images: pytest, pydantic
 compile locks/build.txt locks/build.in
 echo "lock: $(ls locks | tr '\n' ' ')"
