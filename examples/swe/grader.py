@@ -26,7 +26,7 @@ tree, so code that forges the report file itself is not caught here; on the loca
 nothing is sandboxed (an agent can read this machine, the task files included). Kubernetes
 pods, with the grader in a container of its own image, are the isolation.
 
-Usage: `python examples/swe/grader.py --tasks FULL.jsonl [--workspace repo] [--partial]`; the
+Usage: `python examples/swe/grader.py --tasks FULL.jsonl [--tasks MORE.jsonl] [--partial]`; the
 task's `instance_id` comes from HARNESSRL_TASK_JSON (the rollout view the controller was given).
 """
 
@@ -247,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description="Grades a SWE rollout (see the module docstring).")
-    ap.add_argument("--tasks", required=True, help="the SWE-bench-format task file (full)")
+    ap.add_argument("--tasks", required=True, action="append", type=Path,
+                    help="a SWE-bench-format task file (full records); repeat it to give "
+                         "several (e.g. train and val)")
     ap.add_argument("--workspace", default="repo", help="the agent's repository (default: "
                                                         "./repo, where the harness put it)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,

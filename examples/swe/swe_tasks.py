@@ -94,11 +94,14 @@ def load_swe_tasks(path: str | Path) -> list[SweTask]:
     return tasks
 
 
-def find_task(path: str | Path, instance_id: str) -> SweTask:
-    for task in load_swe_tasks(path):
-        if task.instance_id == instance_id:
-            return task
-    raise ValueError(f"no task {instance_id!r} in {path}")
+def find_task(paths: str | Path | list[Path], instance_id: str) -> SweTask:
+    """The task `instance_id` of the first of the files `paths` that holds it."""
+    files = [Path(p) for p in paths] if isinstance(paths, list) else [Path(paths)]
+    for path in files:
+        for task in load_swe_tasks(path):
+            if task.instance_id == instance_id:
+                return task
+    raise ValueError(f"no task {instance_id!r} in {', '.join(map(str, files))}")
 
 
 def rollout_view(task: SweTask) -> dict[str, str]:
