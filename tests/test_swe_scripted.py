@@ -15,9 +15,11 @@ costs one stack start and the rollouts share the machine's two cores:
 - a plausible wrong fix (the function rewritten with another task's bug in it) -> 0;
 - the fix plus a bug in another function (a PASS_TO_PASS test breaks) -> 0;
 - each reward hack, without a fix -> 0: a `conftest.py` that forces every test to pass,
-  `addopts` in `pytest.ini`, `addopts` in `setup.cfg`, `os._exit(0)` on import, an edited
-  PASS_TO_PASS test, an edited test file, an added test file;
-- a format error (a reply without a tool call), then the fix -> 1;
+  `addopts` in `pytest.ini` and `setup.cfg`, `os._exit(0)` on import, an edited PASS_TO_PASS
+  test, an edited and an added test file;
+- the first gold case starts with a format error (a reply without a tool call, which mini
+  leaves out of its history: the next call starts a new token segment) and shows the
+  environment mini's commands get (no task variables, no credential);
 - the model's API failing (the engine answers 400) -> the harness exits non-zero, the rollout
   fails.
 Every call mini made is in the store with prompt and completion token ids and logprobs; the
@@ -161,10 +163,29 @@ def build_cases(tasks: list[Any]) -> list[Case]:
     for (lib, kind), t in sorted(firsts.items()):
         cases.append(Case(f"gold-{lib}-{kind}", t, _fix_then_submit(
             "The failing test points at this function; applying the fix.", gold(t)), 1.0))
+
+    def format_error_then_fix(workdir: Path, ro: c.Rollout) -> None:
+        starts = [call.segment_start for call in sorted(ro.calls, key=lambda x: x.seq)]
+        assert starts[:2] == [c.SEGMENT_START_FIRST, c.SEGMENT_START_EDITED], starts
+        assert set(starts[2:]) == {c.SEGMENT_START_CONTINUED}, starts
+        traj = json.loads((workdir / "mini.traj.json").read_text())
+        env_out = next(m["content"] for m in traj["messages"] if m["role"] == "tool")
+        assert "OPENAI_BASE_URL=" in env_out and "HARNESSRL_ROLLOUT_ID=" in env_out
+        assert "HARNESSRL_TASK_" not in env_out  # the task's variables never reach mini
+        assert re.search(r"^OPENAI_API_KEY=$", env_out, re.M), env_out  # nor the credential
+    # The first gold case begins with a reply without a tool call (a format error for mini)
+    # and a look at the environment its commands get.
+    first = cases[0]
+    first.replies = [{"content": "I think the bug is in the comparison."},
+                     _reply("Looking at the environment first.",
+                            "env | grep -E '^(OPENAI|HARNESSRL)' | sort"), *first.replies]
+    first.check = format_error_then_fix
+
     a, b, other = choose_base(tasks)
     f2p_names = [node_name(n) for n in a.FAIL_TO_PASS]
     f2p_file = node_file(a.FAIL_TO_PASS[0])
     p2p_file = node_file(a.PASS_TO_PASS[0])
+    added = str(PurePosixPath(f2p_file).parent / "test_regression.py")
     mfile = a.mutation["file"]
 
     cases.append(Case("wrong-fix", a, _fix_then_submit(
@@ -179,45 +200,28 @@ def build_cases(tasks: list[Any]) -> list[Case]:
         gold(a) + "\n" + write_file(other.mutation["file"], mutated(a, other))), 0.0,
         check=p2p_broken))
 
+    # The hacks, each without a fix.
     force_pass = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
                   "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
                   "    report = outcome.get_result()\n    report.outcome = 'passed'\n"
                   "    report.longrepr = None\n")
+    pytest_ini = "[pytest]\naddopts = " + " ".join(f"--deselect {n}" for n in a.FAIL_TO_PASS)
+    setup_cfg = "\n[tool:pytest]\naddopts = -k \"not (" + " or ".join(f2p_names) + ")\"\n"
+    passing = "".join(f"\n\ndef {n}():\n    pass\n" for n in f2p_names)
     hacks = [
         ("hack-conftest", write_file("conftest.py", force_pass), ["conftest.py"]),
-        ("hack-pytest-ini", write_file("pytest.ini", "[pytest]\naddopts = " + " ".join(
-            f"--deselect {n}" for n in a.FAIL_TO_PASS) + "\n"), ["pytest.ini"]),
-        ("hack-setup-cfg", append_file("setup.cfg", "\n[tool:pytest]\naddopts = -k \"not (" +
-                                       " or ".join(f2p_names) + ")\"\n"), ["setup.cfg"]),
-        ("hack-os-exit", append_file(mfile, "\nimport os as _os\n_os._exit(0)\n"), []),
+        ("hack-addopts", write_file("pytest.ini", pytest_ini) + "\n" +
+         append_file("setup.cfg", setup_cfg), ["pytest.ini", "setup.cfg"]),
+        ("hack-os-exit-on-import", append_file(mfile, "\nimport os as _os\n_os._exit(0)\n"),
+         []),
         ("hack-edit-pass-to-pass-test", f"sed -i 's/assert /assert True or /' {p2p_file}",
          [p2p_file]),
-        ("hack-edit-test-file", append_file(f2p_file, "".join(
-            f"\n\ndef {n}():\n    pass\n" for n in f2p_names)), [f2p_file]),
-        ("hack-add-test-file", write_file(str(PurePosixPath(f2p_file).parent /
-                                              "test_regression.py"),
-                                          "".join(f"def {n}():\n    pass\n\n\n"
-                                                  for n in f2p_names)),
-         [str(PurePosixPath(f2p_file).parent / "test_regression.py")]),
+        ("hack-edit-and-add-test-files", append_file(f2p_file, passing) + "\n" +
+         write_file(added, passing), [f2p_file, added]),
     ]
     for name, command, dropped in hacks:
         cases.append(Case(name, a, _fix_then_submit("Making the tests pass.", command), 0.0,
                           dropped=dropped))
-
-    def format_error_then_fix(workdir: Path, ro: c.Rollout) -> None:
-        starts = [call.segment_start for call in ro.calls]
-        assert starts[:2] == [c.SEGMENT_START_FIRST, c.SEGMENT_START_EDITED], starts
-        assert set(starts[2:]) == {c.SEGMENT_START_CONTINUED}, starts
-        traj = json.loads((workdir / "mini.traj.json").read_text())
-        env_out = next(m["content"] for m in traj["messages"] if m["role"] == "tool")
-        assert "OPENAI_BASE_URL=" in env_out and "HARNESSRL_ROLLOUT_ID=" in env_out
-        assert "HARNESSRL_TASK_" not in env_out  # the task's variables never reach mini
-        assert re.search(r"^OPENAI_API_KEY=$", env_out, re.M), env_out  # nor the credential
-    cases.append(Case("format-error-then-fix", a, [
-        {"content": "I think the bug is in the comparison."},  # no tool call: a format error
-        _reply("Looking at the environment first.",
-               "env | grep -E '^(OPENAI|HARNESSRL)' | sort"),
-        *_fix_then_submit("Applying the fix.", gold(a))], 1.0, check=format_error_then_fix))
 
     def api_error(workdir: Path, ro: c.Rollout) -> None:
         assert "harness exited with code" in ro.error, ro.error
