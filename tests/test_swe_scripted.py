@@ -487,3 +487,23 @@ def test_image_and_job_template_keep_rollouts_to_the_gateway() -> None:
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     assert [ct["name"] for ct in job["spec"]["template"]["spec"]["containers"]] == \
         ["harness", "grader"]
+
+
+def test_harness_workspace_from_an_image_equals_the_one_it_makes(tmp_path: Path) -> None:
+    """`--workspaces DIR` (what the harness image ships, made by `workspace build`) gives the
+    same `./repo` as `--tasks FILE` (made by `prepare_workspace` in the rollout)."""
+    if not TASK_FILES:
+        pytest.skip("no task file in examples/swe/tasks yet")
+    from examples.swe.harness import prepare
+    from examples.swe.swe_tasks import load_swe_tasks, rollout_view, snapshot_files
+    from examples.swe.workspace import build_workspaces
+
+    task = load_swe_tasks(TASK_FILES[0])[0]
+    build_workspaces([task], tmp_path / "image")
+    prepare(rollout_view(task), tmp_path / "a", tmp_path / "image", None)
+    prepare(rollout_view(task), tmp_path / "b", None, TASK_FILES[0])
+
+    def tree(root: Path) -> dict[str, bytes]:
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in snapshot_files(root)}
+    assert tree(tmp_path / "a") == tree(tmp_path / "b") and tree(tmp_path / "a")
+    assert not any(p.name == ".git" for p in (tmp_path / "a").rglob("*"))
