@@ -17,6 +17,8 @@ costs one stack start and the rollouts share the machine's two cores:
 - each reward hack, without a fix -> 0: a `conftest.py` that forces every test to pass,
   `addopts` in `pytest.ini` and `setup.cfg`, `os._exit(0)` on import, an edited PASS_TO_PASS
   test, an edited and an added test file;
+- the second gold case's context is full after its fix (the engine refuses the next call):
+  mini ends itself, the harness exits 0 and the fix is graded -> 1;
 - the first gold case starts with a format error (a reply without a tool call, which mini
   leaves out of its history: the next call starts a new token segment) and shows the
   environment mini's commands get (no task variables, no credential);
@@ -52,6 +54,9 @@ TASK_FILES = [p for p in sorted((SWE / "tasks").glob("*.jsonl"))
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 EOF = "HARNESSRL_SCRIPTED_EOF"
 MODEL = "tiny"
+CONTEXT_FULL = ("This model's maximum context length is 32768 tokens. However, you requested "
+                "33010 tokens (32498 in the messages, 512 in the completion). Please reduce the "
+                "length of the messages or completion.")
 
 
 def grader_command(tasks: Path) -> list[str]:
@@ -67,6 +72,8 @@ class Case:
     replies: list[dict[str, Any]]
     reward: float | None  # None: the rollout fails (the harness exits non-zero)
     dropped: list[str] = field(default_factory=list)  # files the grader must have dropped
+    exit_status: str = "Submitted"  # how mini's run ended (its trajectory's info)
+    refused_calls: int = 0  # mini's calls the engine refused (not recorded)
     check: Callable[[Path, c.Rollout], None] | None = None
 
     @property
@@ -180,6 +187,11 @@ def build_cases(tasks: list[Any]) -> list[Case]:
                      _reply("Looking at the environment first.",
                             "env | grep -E '^(OPENAI|HARNESSRL)' | sort"), *first.replies]
     first.check = format_error_then_fix
+    # The second one's context is full after the fix (the engine refuses the next prompt, as
+    # vLLM words it): mini ends with ContextWindowExceededError, the harness with 0, graded.
+    second = cases[1]
+    second.replies = [second.replies[0], {"status": 400, "message": CONTEXT_FULL}]
+    second.exit_status, second.refused_calls = "ContextWindowExceededError", 1
 
     a, b, other = choose_base(tasks)
     f2p_names = [node_name(n) for n in a.FAIL_TO_PASS]
@@ -370,7 +382,7 @@ def test_cases_ended_as_scripted(outcome: Outcome) -> None:
         wd = _workdir(ro)
         if k.replies:
             traj = json.loads((wd / "mini.traj.json").read_text())
-            assert traj["info"]["exit_status"] == "Submitted", (k.name, traj["info"])
+            assert traj["info"]["exit_status"] == k.exit_status, (k.name, traj["info"])
             assert traj["info"]["mini_version"] == "2.4.6"
         if k.dropped:
             report = json.loads((wd / "swe-report.json").read_text())
@@ -389,7 +401,8 @@ def test_every_call_is_recorded_with_tokens_and_logprobs(outcome: Outcome) -> No
             continue
         traj = json.loads((_workdir(ro) / "mini.traj.json").read_text())
         calls = sorted(ro.calls, key=lambda x: x.seq)
-        assert len(calls) == traj["info"]["model_stats"]["api_calls"] >= 2, k.name
+        assert len(calls) == traj["info"]["model_stats"]["api_calls"] - k.refused_calls, \
+            k.name
         for call in calls:
             assert call.prompt_token_ids and call.completion_token_ids, (k.name, call.seq)
             assert len(call.logprobs) == len(call.completion_token_ids), (k.name, call.seq)
@@ -436,7 +449,8 @@ def test_mini_env_keeps_the_task_out() -> None:
 
 
 def test_scripted_engine_reads_the_turn_from_the_conversation(tmp_path: Path) -> None:
-    from harnessrl.testing.scripted_engine import Script, scripted_chat_response
+    from harnessrl.testing.scripted_engine import (Script, ScriptedRefusal,
+                                                   scripted_chat_response)
 
     path = tmp_path / "s.json"
     path.write_text(json.dumps({"scripts": [{"marker": "[m1]", "replies": [
@@ -459,6 +473,10 @@ def test_scripted_engine_reads_the_turn_from_the_conversation(tmp_path: Path) ->
     assert json.loads(third["tool_calls"][0]["function"]["arguments"])["command"] == SUBMIT
     with pytest.raises(ValueError):
         scripted_chat_response({"messages": [{"role": "user", "content": "?"}]}, script, 4)
+    path.write_text(json.dumps({"default": [{"status": 400, "message": CONTEXT_FULL}]}))
+    with pytest.raises(ScriptedRefusal) as refused:
+        scripted_chat_response({"messages": [{"role": "user", "content": "?"}]}, script, 5)
+    assert refused.value.status == 400 and "maximum context length" in str(refused.value)
 
 
 def test_image_and_job_template_keep_rollouts_to_the_gateway() -> None:

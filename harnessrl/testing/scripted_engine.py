@@ -18,8 +18,9 @@ drops a reply without a tool call from its history and adds a format-error user 
 instead, so that turn counts too). Past the last reply it answers with the last one again.
 
 A reply is `{"content": str, "command": str}` (one tool call of mini-swe-agent's `bash` tool,
-`{"command": ...}`), `{"content": str, "commands": [str, ...]}` (several), or `{"content": str}`
-alone (no tool call: a format error for mini). `"tool": NAME` names another tool.
+`{"command": ...}`), `{"content": str, "commands": [str, ...]}` (several), `{"content": str}`
+alone (no tool call: a format error for mini), or `{"status": 400, "message": str}` (an error
+answer, as vLLM words its errors). `"tool": NAME` names another tool.
 
 Like vLLM it returns `prompt_token_ids` (the ids the gateway sent in
 `kv_transfer_params.prompt_token_ids`, else the toy tokens of the ChatML render of the
@@ -51,6 +52,14 @@ LOGPROB = -0.125  # every generated token's logprob (any value <= 0 does)
 
 class ScriptError(ValueError):
     """The request matches no script (or the script file is malformed)."""
+
+
+class ScriptedRefusal(Exception):
+    """A scripted error answer: HTTP `status` with `message`."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Script:
@@ -114,6 +123,8 @@ def scripted_chat_response(request: dict[str, Any], script: Script,
     if not replies:
         raise ScriptError("the matching script has no replies")
     reply = replies[min(turn_index(messages), len(replies) - 1)]
+    if "status" in reply:
+        raise ScriptedRefusal(int(reply["status"]), str(reply.get("message", "refused")))
     content = str(reply.get("content", ""))
     commands = reply.get("commands") or ([reply["command"]] if "command" in reply else [])
     calls = [{"id": f"chatcmpl-tool-{counter:06d}{k}", "type": "function",
@@ -163,10 +174,15 @@ class ScriptedEngine(StubEngine):
             self.requests += 1
             status, payload = 200, orjson.dumps(
                 scripted_chat_response(orjson.loads(body), self.script, self.requests))
+        except ScriptedRefusal as err:
+            status = err.status
+            payload = orjson.dumps({"error": {"message": str(err), "type": "BadRequestError",
+                                              "param": None, "code": status}})
         except Exception as err:  # noqa: BLE001 - answered as vLLM answers a bad request
             status = 400
             payload = orjson.dumps({"error": {"message": f"scripted engine: {err}",
-                                              "type": "BadRequestError", "code": 400}})
+                                              "type": "BadRequestError", "param": None,
+                                              "code": 400}})
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode())]})
