@@ -525,3 +525,42 @@ def test_harness_workspace_from_an_image_equals_the_one_it_makes(tmp_path: Path)
         return {p.relative_to(root).as_posix(): p.read_bytes() for p in snapshot_files(root)}
     assert tree(tmp_path / "a") == tree(tmp_path / "b") and tree(tmp_path / "a")
     assert not any(p.name == ".git" for p in (tmp_path / "a").rglob("*"))
+
+
+def test_harness_env_installs_once_for_concurrent_callers(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two callers at once: one installs (under the lock file), the other waits and finds it
+    done; a failed install leaves nothing that counts as installed and is tried again."""
+    import threading
+
+    from examples.swe import harness_env
+
+    monkeypatch.setenv("HARNESSRL_CACHE_DIR", str(tmp_path / "cache"))
+    lock = tmp_path / "lock.txt"
+    lock.write_text("six==1.17.0 --hash=sha256:0\n")
+    installs: list[Path] = []
+    fail = [True]
+
+    def fake_install(venv: Path, lock_: Path, quiet: bool) -> None:
+        installs.append(venv)
+        time.sleep(0.3)
+        if fail[0]:
+            raise harness_env.HarnessEnvError("pip said no")
+        (venv / "bin").mkdir(parents=True)
+        (venv / "bin" / "mini").touch()
+        (venv / harness_env.DONE).touch()
+
+    monkeypatch.setattr(harness_env, "_install", fake_install)
+    with pytest.raises(harness_env.HarnessEnvError, match="pip said no"):
+        harness_env.ensure(lock, quiet=True)
+    assert not (harness_env.venv_dir(lock) / harness_env.DONE).exists()
+    fail[0] = False
+    got: list[Path] = []
+    threads = [threading.Thread(target=lambda: got.append(harness_env.ensure(lock, quiet=True)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(installs) == 2 and len(set(got)) == 1 and got[0].name == "mini"
+    assert harness_env.venv_dir(lock).name == f"swe-harness-{harness_env.lock_hash(lock)}"
