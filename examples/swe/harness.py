@@ -8,7 +8,7 @@ rollout's credential), `HARNESSRL_MODEL`, `HARNESSRL_TASK_JSON` (the task's roll
 1. makes the broken workspace in `./repo`: a copy of `--workspaces DIR/<instance_id>/` (what an
    image ships, made by `python -m examples.swe.workspace build`), or
    `examples.swe.workspace.prepare_workspace` of the task's full record from `--tasks FILE`
-   (by instance_id), or of the task record itself when neither is given;
+   (by instance_id; repeatable, like the grader's), or of the task record itself when neither is given;
 2. runs mini-swe-agent's own `mini` executable, from its own virtualenv (`--mini PATH`, else
    `$HARNESSRL_SWE_MINI`, else `examples/swe/harness_env.py` installs `locks/swe-harness.txt`
    once into the cache), configured only by its config file (`examples/swe/mini.yaml`, or
@@ -59,7 +59,7 @@ FINISHED_ERRORS = {"ContextWindowExceededError"}
 
 
 def prepare(task: dict[str, Any], dest: Path, workspaces: Path | None,
-            tasks: Path | None) -> None:
+            tasks: Path | list[Path] | None) -> None:
     if dest.exists():  # a folder left from an earlier try of this attempt
         shutil.rmtree(dest)
     if workspaces is not None:
@@ -71,10 +71,10 @@ def prepare(task: dict[str, Any], dest: Path, workspaces: Path | None,
     from examples.swe.workspace import prepare_workspace
 
     record: Any = task
-    if tasks is not None:
+    if tasks:
         from examples.swe.swe_tasks import find_task
 
-        record = find_task(tasks, task["instance_id"])
+        record = find_task(tasks if isinstance(tasks, list) else [tasks], task["instance_id"])
     prepare_workspace(record, dest)
 
 
@@ -114,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workspaces", type=Path, help="prepared workspaces: DIR/<instance_id>/")
-    ap.add_argument("--tasks", type=Path, help="the full SWE task file (to make the workspace)")
+    ap.add_argument("--tasks", type=Path, action="append",
+                    help="a full SWE task file (to make the workspace; repeatable: the first "
+                         "that holds the task's instance_id)")
     ap.add_argument("--mini", help="mini-swe-agent's `mini` executable (default: "
                                    "$HARNESSRL_SWE_MINI, else the cached harness venv)")
     ap.add_argument("--config", type=Path, default=CONFIG, help="mini's config file")
