@@ -46,5 +46,8 @@ for f in locks/trainer-cpu.txt locks/engine-cpu.txt; do  # pip in the image: tor
   sed -i "1a --extra-index-url $TORCH_CPU_URL" "$f"
 done
 compile locks/example.txt examples/calc/requirements.in
+# examples/swe's harness venv (mini-swe-agent + litellm; examples/swe/harness_env.py installs it)
+compile locks/swe-harness.txt examples/swe/requirements.in
+compile locks/swe-tools.txt examples/swe/tools-requirements.in  # its images: pytest, pydantic
 compile locks/build.txt locks/build.in
 echo "lock: $(ls locks | tr '\n' ' ')"

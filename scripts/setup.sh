@@ -40,7 +40,11 @@ fi
 
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then extra=gpu; else extra=cpu; fi
 stamp=".venv/.harnessrl-setup-$(sha256sum pyproject.toml | cut -c1-16)-$extra"
+# examples/swe's harness: mini-swe-agent in a venv of its own (locks/swe-harness.txt, in the
+# cache, once per lock: about 2 minutes; a no-op when it is there).
+swe_harness() { .venv/bin/python examples/swe/harness_env.py >/dev/null; }
 if [ -f "$stamp" ]; then
+  swe_harness
   exit 0
 fi
 [ -d .venv ] || "$PY" -m venv .venv
@@ -56,4 +60,5 @@ fi
 python -c "import vllm, torch, transformers, grpc, redis" 
 rm -f .venv/.harnessrl-setup-*
 touch "$stamp"
+swe_harness
 echo "setup: done (.venv)"

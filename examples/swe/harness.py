@@ -1,0 +1,154 @@
+"""The swe example's harness: mini-swe-agent 2.4.6, unchanged, on one SWE task.
+
+Run by the controller in the attempt's folder (`python examples/swe/harness.py [flags]`), with
+the controller's environment: `OPENAI_BASE_URL`, `OPENAI_API_KEY` (the gateway and the
+rollout's credential), `HARNESSRL_MODEL`, `HARNESSRL_TASK_JSON` (the task's rollout view:
+`instance_id`, `problem_statement`, `repo`, `base_commit`). It
+
+1. makes the broken workspace in `./repo`: a copy of `--workspaces DIR/<instance_id>/` (what an
+   image ships, made by `python -m examples.swe.workspace build`), or
+   `examples.swe.workspace.prepare_workspace` of the task's full record from `--tasks FILE`
+   (by instance_id; repeatable, like the grader's), or of the task record itself when neither is given;
+2. runs mini-swe-agent's own `mini` executable, from its own virtualenv (`--mini PATH`, else
+   `$HARNESSRL_SWE_MINI`, else `examples/swe/harness_env.py` installs `locks/swe-harness.txt`
+   once into the cache), configured only by its config file (`examples/swe/mini.yaml`, or
+   `--config`), its flags (model `openai/$HARNESSRL_MODEL` through litellm's OpenAI provider,
+   the problem statement as the task, the workspace as its commands' folder, `--mini-config
+   KEY=VALUE` for more of mini's own `-c` specs) and its environment: the harness's own, less
+   every `HARNESSRL_TASK_*` variable, plus mini's and litellm's settings (`MINI_ENV`);
+3. leaves mini's trajectory in `./mini.traj.json` (mini writes it after every step).
+
+Exit status: 0 when mini ran to its end, whatever the agent did (submitted, ran out of steps,
+repeated format errors, its context full); mini's own non-zero status otherwise (an API error
+that mini's retries did not get past, a crash), as the calc harness fails on an API error.
+A workspace that cannot be made exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+HERE = Path(__file__).resolve().parent
+CONFIG = HERE / "mini.yaml"
+WORKSPACE = "repo"
+TRAJECTORY = "mini.traj.json"
+MINI_HOME = ".mini"  # mini's global config folder (its .env, input history): the attempt's own
+# mini's and litellm's own settings, by environment.
+MINI_ENV = {
+    "MSWEA_CONFIGURED": "true",  # no first-run set-up dialogue
+    "MSWEA_COST_TRACKING": "ignore_errors",  # as cost_tracking in mini.yaml: no price known
+    # one try per model call: the gateway holds calls while engines are paused, so a failure
+    # that reaches mini is real (mini's default: 10 tries, backing off up to a minute)
+    "MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT": "1",
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # litellm reads no price list from the network
+    "PYTHONUNBUFFERED": "1",
+}
+# How a run that mini ended itself with an error still counts as the agent's run: its context
+# was full (the gateway's 400 for a too-long prompt, as litellm names it).
+FINISHED_ERRORS = {"ContextWindowExceededError"}
+
+
+def prepare(task: dict[str, Any], dest: Path, workspaces: Path | None,
+            tasks: Path | list[Path] | None) -> None:
+    if dest.exists():  # a folder left from an earlier try of this attempt
+        shutil.rmtree(dest)
+    if workspaces is not None:
+        src = workspaces / task["instance_id"]
+        if not src.is_dir():
+            raise ValueError(f"no prepared workspace {src}")
+        shutil.copytree(src, dest, symlinks=True)
+        return
+    from examples.swe.workspace import prepare_workspace
+
+    record: Any = task
+    if tasks:
+        from examples.swe.swe_tasks import find_task
+
+        record = find_task(tasks if isinstance(tasks, list) else [tasks], task["instance_id"])
+    prepare_workspace(record, dest)
+
+
+def mini_env(environ: dict[str, str], home: Path) -> dict[str, str]:
+    """mini's environment: the harness's, less the task's variables, plus mini's settings."""
+    env = {k: v for k, v in environ.items() if not k.startswith("HARNESSRL_TASK_")}
+    env.update(MINI_ENV)
+    env["MSWEA_GLOBAL_CONFIG_DIR"] = str(home)
+    return env
+
+
+def mini_argv(mini: str, config: Path, model: str, task: str, repo: Path, trajectory: Path,
+              extra: list[str]) -> list[str]:
+    specs = [str(config), f"environment.cwd={repo}", *extra]
+    return [mini, *[a for s in specs for a in ("-c", s)], f"--model=openai/{model}",
+            f"--task={task}", f"--output={trajectory}", "--yolo", "--exit-immediately"]
+
+
+def exit_status(trajectory: Path) -> str:
+    try:
+        return str(json.loads(trajectory.read_text())["info"]["exit_status"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def find_mini(flag: str | None) -> str:
+    if flag:
+        return flag
+    if os.environ.get("HARNESSRL_SWE_MINI"):
+        return os.environ["HARNESSRL_SWE_MINI"]
+    from examples.swe.harness_env import ensure
+
+    return str(ensure())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workspaces", type=Path, help="prepared workspaces: DIR/<instance_id>/")
+    ap.add_argument("--tasks", type=Path, action="append",
+                    help="a full SWE task file (to make the workspace; repeatable: the first "
+                         "that holds the task's instance_id)")
+    ap.add_argument("--mini", help="mini-swe-agent's `mini` executable (default: "
+                                   "$HARNESSRL_SWE_MINI, else the cached harness venv)")
+    ap.add_argument("--config", type=Path, default=CONFIG, help="mini's config file")
+    ap.add_argument("--mini-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more of mini's -c specs (e.g. agent.step_limit=4); repeatable")
+    a = ap.parse_args(argv)
+    task = json.loads(os.environ["HARNESSRL_TASK_JSON"])
+    model = os.environ["HARNESSRL_MODEL"]
+    cwd = Path.cwd()
+    repo = cwd / WORKSPACE
+    try:
+        prepare(task, repo, a.workspaces, a.tasks)
+    except Exception as exc:  # noqa: BLE001 - any failure to make it: the harness's error
+        print(f"swe harness: cannot make the workspace of {task.get('instance_id')!r}: "
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    mini = find_mini(a.mini)
+    home = cwd / MINI_HOME
+    home.mkdir(exist_ok=True)
+    trajectory = cwd / TRAJECTORY
+    argv_ = mini_argv(mini, a.config.resolve(), model, task["problem_statement"], repo,
+                      trajectory, a.mini_config)
+    sys.stdout.flush()
+    code = subprocess.run(argv_, cwd=repo, env=mini_env(dict(os.environ), home),
+                          stdin=subprocess.DEVNULL).returncode
+    status = exit_status(trajectory)
+    print(f"swe harness: mini exited with {code}, exit status {status or '(none)'}",
+          flush=True)
+    if code != 0 and status in FINISHED_ERRORS:
+        return 0
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
