@@ -18,6 +18,10 @@ command -v chromium >/dev/null || need_apt+=(chromium)  # tests/test_tracking.py
 # tini for compose's `init: true`) and debootstrap for the offline base images.
 command -v dockerd >/dev/null || need_apt+=(docker.io tini)
 command -v debootstrap >/dev/null || need_apt+=(debootstrap)
+# examples/swe: workspaces are made with git (archive, apply); the scripted tests apply gold
+# fixes with patch, as an agent's command would.
+command -v git >/dev/null || need_apt+=(git)
+command -v patch >/dev/null || need_apt+=(patch)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing ${need_apt[*]}"
