@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +29,7 @@ from examples.swe import grader as swe_grader
 from examples.swe.mutations import KINDS, Mutation, MutationMismatch, apply_mutation, \
     find_mutations
 from examples.swe.swe_tasks import SweTask, load_swe_tasks, rollout_view, snapshot_hash
+from examples.swe.testrun import TestRunner, run_tests
 from examples.swe.workspace import WorkspaceError, apply_patch, prepare_workspace
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,20 +46,20 @@ def val() -> list[SweTask]:
     return load_swe_tasks(TASKS / "val.jsonl")
 
 
-def _check_task(task: SweTask, tmp: Path) -> list[str]:
+def _check_task(task: SweTask, tmp: Path, runner: TestRunner) -> list[str]:
     """What is wrong with `task` (empty: nothing): built as a rollout's workspace, then graded
     without and with the gold patch."""
     problems = []
     ws = tmp / task.instance_id / "repo"
     prepare_workspace(task, ws)
-    bare = swe_grader.grade(task, ws, timeout_s=60)
+    bare = swe_grader.grade(task, ws, timeout_s=60, runner=runner)
     not_failing = [t for t, o in bare.fail_to_pass.items() if o == "passed"]
     if not_failing:
         problems.append(f"{task.instance_id}: without the fix, {not_failing} pass")
     if bare.reward != 0.0:
         problems.append(f"{task.instance_id}: reward {bare.reward} without the fix")
     apply_patch(ws, task.patch)
-    fixed = swe_grader.grade(task, ws, timeout_s=60)
+    fixed = swe_grader.grade(task, ws, timeout_s=60, runner=runner)
     bad = {t: o for t, o in {**fixed.fail_to_pass, **fixed.pass_to_pass}.items()
            if o != "passed"}
     if bad or fixed.reward != 1.0:
@@ -67,8 +69,21 @@ def _check_task(task: SweTask, tmp: Path) -> list[str]:
 
 def test_every_shipped_task_fails_without_its_fix_and_passes_with_it(train, val, tmp_path):
     tasks = train + val
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        problems = [p for ps in pool.map(lambda t: _check_task(t, tmp_path), tasks) for p in ps]
+    local = threading.local()
+    runners: list[TestRunner] = []
+
+    def check(task: SweTask) -> list[str]:
+        if not hasattr(local, "runner"):
+            local.runner = TestRunner()
+            runners.append(local.runner)
+        return _check_task(task, tmp_path, local.runner)
+
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            problems = [p for ps in pool.map(check, tasks) for p in ps]
+    finally:
+        for r in runners:
+            r.close()
     assert not problems, "\n".join(problems[:20])
 
 
@@ -274,7 +289,7 @@ def _break_something_else(task: SweTask, ws: Path) -> list[str]:
             shutil.copytree(ws, full)
             (full / rel).write_text(apply_mutation(text, other))
             apply_patch(full, task.test_patch)
-            run = swe_grader.run_tests(full, task.tests())
+            run = run_tests(full, task.tests())
             failing = sorted(t for t, o in run.outcomes.items() if o != "passed")
             if failing and set(failing) <= set(task.PASS_TO_PASS) \
                     and len(run.outcomes) == len(task.tests()):

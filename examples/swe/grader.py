@@ -35,12 +35,9 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
+import sys
 import time
-import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -48,6 +45,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.swe.swe_tasks import SweTask, find_task, snapshot_files
+from examples.swe.testrun import DEFAULT_TIMEOUT_S, TestRunner, run_tests
 from examples.swe.workspace import WorkspaceError, apply_patch, prepare_workspace
 
 REPORT = "swe-report.json"
@@ -56,7 +54,6 @@ TEST_DIRS = {"test", "tests", "testing"}
 CONFIG_FILES = {"pytest.ini", "setup.cfg", "tox.ini", "pyproject.toml", "setup.py",
                 "sitecustomize.py", "usercustomize.py", "conftest.py"}
 MAX_FILE_BYTES = 1 << 20
-DEFAULT_TIMEOUT_S = 120.0
 
 
 def source_change_allowed(rel: PurePosixPath, clean: Path) -> str | None:
@@ -128,72 +125,6 @@ def collect_changes(clean: Path, agent: Path) -> Changes:
 
 
 @dataclass
-class TestRun:
-    outcomes: dict[str, str]  # node id -> passed | failed | error | skipped
-    messages: dict[str, str]  # node id -> the failure's text
-    exit_code: int | None
-    timed_out: bool
-    duration_s: float
-    output_tail: str
-
-
-def run_tests(repo: Path, tests: list[str], *, timeout_s: float = DEFAULT_TIMEOUT_S,
-              python: str = sys.executable, plugins: bool = False) -> TestRun:
-    """Runs `tests` (pytest node ids; all of them when empty) in `repo` with the grader's own
-    configuration and reads their outcomes from the JUnit XML it asked for. Installed pytest
-    plugins are not loaded unless `plugins` (a repository whose tests need one)."""
-    with tempfile.TemporaryDirectory(prefix="swe-grade-") as tmp:
-        ini, xml = Path(tmp) / "pytest.ini", Path(tmp) / "junit.xml"
-        ini.write_text(f"[pytest]\npythonpath = {repo.resolve()}\njunit_family = xunit1\n"
-                       "addopts =\n")
-        argv = [python, "-I", "-m", "pytest", "-c", str(ini), "--rootdir", str(repo),
-                "-p", "no:cacheprovider", "-q", "--no-header", f"--junitxml={xml}",
-                *(tests or ["."])]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-        if not plugins:
-            env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-        start = time.monotonic()
-        proc = subprocess.Popen(argv, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=env)
-        timed_out = False
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-        duration = time.monotonic() - start
-        outcomes, messages = _read_junit(xml) if xml.exists() else ({}, {})
-    return TestRun(outcomes, messages, None if timed_out else proc.returncode, timed_out,
-                   duration, out.decode(errors="replace")[-4000:])
-
-
-def _read_junit(xml: Path) -> tuple[dict[str, str], dict[str, str]]:
-    outcomes: dict[str, str] = {}
-    messages: dict[str, str] = {}
-    try:
-        root = ET.parse(xml).getroot()
-    except ET.ParseError:
-        return outcomes, messages
-    for case in root.iter("testcase"):
-        file, name = case.get("file"), case.get("name")
-        if not file or not name:
-            continue
-        node = f"{file}::{name}"
-        outcome = "passed"
-        for tag in ("failure", "error", "skipped"):
-            child = case.find(tag)
-            if child is not None:
-                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
-                messages[node] = f"{child.get('message', '')}\n{child.text or ''}".strip()
-                break
-        # A test that fails in teardown is listed twice: the worse outcome stays.
-        if outcomes.get(node, "passed") == "passed":
-            outcomes[node] = outcome
-    return outcomes, messages
-
-
-@dataclass
 class Grade:
     reward: float
     reason: str
@@ -207,17 +138,21 @@ class Grade:
 
 def grade(task: SweTask, agent_repo: Path, *, timeout_s: float = DEFAULT_TIMEOUT_S,
           partial: bool = False, python: str = sys.executable, plugins: bool = False,
-          report_dir: Path | None = None) -> Grade:
+          report_dir: Path | None = None, runner: TestRunner | None = None) -> Grade:
     """The reward of the agent's workspace `agent_repo` for `task` (see the module docstring);
-    with `report_dir`, writes `swe-report.json` and `model.patch` there."""
+    with `report_dir`, writes `swe-report.json` and `model.patch` there. `runner`: a test
+    runner to reuse (many grades in one process; its python and plugins then apply)."""
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="swe-clean-") as tmp:
         clean = Path(tmp) / "repo"
         prepare_workspace(task, clean)
         changes = collect_changes(clean, agent_repo)
         apply_patch(clean, task.test_patch)
-        run = run_tests(clean, task.tests(), timeout_s=timeout_s, python=python,
-                        plugins=plugins)
+        if runner is not None:
+            run = runner.run(clean, task.tests(), timeout_s=timeout_s)
+        else:
+            run = run_tests(clean, task.tests(), timeout_s=timeout_s, python=python,
+                            plugins=plugins)
     f2p = {t: run.outcomes.get(t, "missing") for t in task.FAIL_TO_PASS}
     p2p = {t: run.outcomes.get(t, "missing") for t in task.PASS_TO_PASS}
     f2p_ok = sum(o == "passed" for o in f2p.values())

@@ -31,6 +31,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -39,9 +40,10 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from examples.swe.grader import run_tests, source_change_allowed
+from examples.swe.grader import source_change_allowed
 from examples.swe.mutations import KINDS, Mutation, apply_mutation, find_mutations
 from examples.swe.swe_tasks import SweTask, rollout_view, snapshot_files, snapshot_hash
+from examples.swe.testrun import TestRunner, run_tests
 
 HERE = Path(__file__).resolve().parent
 REPOS = HERE / "repos"
@@ -148,17 +150,27 @@ def library_tasks(repo: Path, out: Path, *, max_fail: int, per_function: int, va
                 seen.add(key)
                 candidates.append((m, text, mutated))
 
+    local = threading.local()
+    runners: list[TestRunner] = []
+
     def check(item: tuple[Mutation, str, str]) -> tuple[Mutation, str, str, Any]:
         m, _, mutated = item
+        if not hasattr(local, "runner"):
+            local.runner = TestRunner()
+            runners.append(local.runner)
         with tempfile.TemporaryDirectory(prefix=f"swe-mut-{lib}-") as tmp:
             copy = Path(tmp) / lib
             shutil.copytree(repo, copy, ignore=shutil.ignore_patterns("__pycache__",
                                                                       ".pytest_cache"))
             (copy / m.file).write_text(mutated)
-            return (*item, run_tests(copy, [], timeout_s=20))
+            return (*item, local.runner.run(copy, [], timeout_s=20))
 
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        results = list(pool.map(check, candidates))
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            results = list(pool.map(check, candidates))
+    finally:
+        for r in runners:
+            r.close()
     tasks: list[dict[str, Any]] = []
     taken: Counter[tuple[str, str]] = Counter()
     per_fn_index: Counter[tuple[str, str]] = Counter()
