@@ -144,3 +144,16 @@ def test_detached_stack_with_own_harness_status_rollouts_show_down(
     assert not (state / "stack.json").exists()
     r = cli(state, "rollouts", "x")
     assert r.returncode == 1 and "start one with harnessrl up --detach" in r.stdout
+
+
+def test_up_serves_a_given_model_dir_as_it_is(tmp_path):
+    """--model-dir names the user's model: never rebuilt into (a folder that is not a model is
+    refused before anything starts, and left as it was)."""
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "weights.bin").write_bytes(b"mine")
+    r = cli(tmp_path / "state", "up", "--model-dir", str(folder), "--steps", "1", timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "not a model folder" in r.stdout + r.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["weights.bin"]
+    assert (folder / "weights.bin").read_bytes() == b"mine"

@@ -47,23 +47,27 @@ def val() -> list[SweTask]:
 
 
 def _check_task(task: SweTask, tmp: Path, runner: TestRunner) -> list[str]:
-    """What is wrong with `task` (empty: nothing): built as a rollout's workspace, then graded
-    without and with the gold patch."""
+    """What is wrong with `task` (empty: nothing): its workspace built as a rollout's, then its
+    FAIL_TO_PASS tests run without the fix (with test_patch, as the grader adds them), then
+    graded with the gold patch."""
+    import shutil
     problems = []
     ws = tmp / task.instance_id / "repo"
     prepare_workspace(task, ws)
-    bare = swe_grader.grade(task, ws, timeout_s=60, runner=runner)
-    not_failing = [t for t, o in bare.fail_to_pass.items() if o == "passed"]
+    bare = tmp / task.instance_id / "bare"
+    shutil.copytree(ws, bare)
+    apply_patch(bare, task.test_patch)
+    run = runner.run(bare, task.FAIL_TO_PASS, timeout_s=60)
+    not_failing = [t for t in task.FAIL_TO_PASS if run.outcomes.get(t) not in ("failed", "error")]
     if not_failing:
-        problems.append(f"{task.instance_id}: without the fix, {not_failing} pass")
-    if bare.reward != 0.0:
-        problems.append(f"{task.instance_id}: reward {bare.reward} without the fix")
+        problems.append(f"{task.instance_id}: without the fix, {not_failing} do not fail")
     apply_patch(ws, task.patch)
     fixed = swe_grader.grade(task, ws, timeout_s=60, runner=runner)
     bad = {t: o for t, o in {**fixed.fail_to_pass, **fixed.pass_to_pass}.items()
            if o != "passed"}
     if bad or fixed.reward != 1.0:
         problems.append(f"{task.instance_id}: with the gold patch {bad} ({fixed.reason})")
+    shutil.rmtree(tmp / task.instance_id)
     return problems
 
 

@@ -233,12 +233,15 @@ def _up(args: argparse.Namespace, state: Path) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     engines = tuple(args.engine_url or ())
     t0 = time.monotonic()
-    if args.model_dir and engines:
+    if args.model_dir:  # the user's model, served and trained as it is (never rebuilt)
         model_dir: Path | None = Path(args.model_dir).resolve()
+        if not engines and not (model_dir / "config.json").is_file():
+            console.print(f"[red]--model-dir {model_dir} is not a model folder (no config.json)")
+            return 2
     else:
         with progress.phase(console, "building the tiny model (cached after the first time)",
-                            None if args.model_dir else 240):
-            model_dir = build_tiny_model(args.model_dir or default_model_dir())
+                            240):
+            model_dir = build_tiny_model(default_model_dir())
         console.print(f"model: {model_dir} ({time.monotonic() - t0:.0f}s)")
     cfg = StackConfig(state_dir=state, redis_url=args.redis_url,
                       model_dir=None if engines else model_dir,
