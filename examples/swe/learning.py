@@ -214,8 +214,8 @@ def segment_share(res: dict[str, Any], workdir: Path) -> dict[str, Any]:
 
     proc, info = procs.start_service(
         "store-readback", "services.store",
-        ["--bind", "127.0.0.1:0", "--redis-url", res["redis_url"], "--key-prefix",
-         res["key_prefix"]], workdir)
+        ["--bind", "127.0.0.1:0", "--redis-url", res["store"]["redis_url"], "--key-prefix",
+         res["store"]["key_prefix"]], workdir)
     try:
         store = StoreClient.connect(f"127.0.0.1:{info['grpc_port']}")
         rollouts = store.list_rollouts(res["run_id"], include_calls=True).rollouts
