@@ -154,6 +154,7 @@ def phase_slice(a: argparse.Namespace) -> dict[str, Any]:
     held, rl = split_slice(a)
     write_slice(held, a.out, "heldout")
     write_slice(rl, a.out, "rl-train")
+    write_slice(held + rl, a.out, "all")  # full records for the harness and the grader
     fns_val = {(t["library"], t["function"]) for t in held}
     fns_train = {(t["library"], t["function"]) for t in rl}
     assert not fns_val & fns_train
@@ -338,16 +339,23 @@ def phase_verify(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def phase_train(a: argparse.Namespace, seed: int) -> dict[str, Any]:
-    full = a.out / "rl-train.jsonl"
+    """`harnessrl up` on the RL tasks; with --eval-during, its trainer also evaluates the
+    held-out slice (k samples) before the first step and after the last, on the same stack
+    (`harnessrl up --eval-tasks`: one engine start instead of three)."""
+    full = a.out / "all.jsonl"
     argv, cwd = harnessrl_cli(a)
     out = a.out / f"train-seed{seed}"
+    prefix = f"swe-learn-{seed}-{int(time.time())}:"
     cmd = [*argv, "up", "--model-dir", str(a.model_dir), "--tasks",
            str(a.out / "rl-train.rollout.jsonl"), "--harness", harness_cmd(a, full),
            "--grader", grader_cmd(full), "--group-size", str(a.group_size),
            "--concurrency", str(a.concurrency), "--timeout", "300",
            "--steps", str(a.steps), "--tasks-per-step", str(a.tasks_per_step),
            "--output-dir", str(out), "--state-dir", str(a.out / f"state-train-{seed}"),
-           "--key-prefix", f"swe-learn-{seed}-{int(time.time())}:"]
+           "--key-prefix", prefix]
+    if a.eval_during:
+        cmd += ["--eval-tasks", str(a.out / "heldout.rollout.jsonl"), "--eval-k", str(a.k),
+                "--eval-every", str(a.eval_every)]
     env = os.environ | {"HARNESSRL_TRAINER_OPTIMIZER__LR": str(a.rl_lr),
                         "HARNESSRL_TRAINER_SEED": str(seed)}
     t0 = time.monotonic()
@@ -356,9 +364,25 @@ def phase_train(a: argparse.Namespace, seed: int) -> dict[str, Any]:
     (a.out / f"train-seed{seed}.log").write_text(p.stdout + p.stderr)
     metrics = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()
                if ln.strip()] if (out / "metrics.jsonl").exists() else []
+    steps = [m for m in metrics if m.get("kind") != "eval"]
+    evals = [m for m in metrics if m.get("kind") == "eval"]
+    seg = {}
+    for ev in evals:
+        try:
+            res = json.loads(Path(ev["result"]).read_text())
+            res.setdefault("store", {"redis_url": "redis://127.0.0.1:6379/0",
+                                     "key_prefix": prefix})
+            seg[ev["step"]] = segment_share(res, a.out / f"state-train-{seed}")
+        except Exception as exc:  # noqa: BLE001 - a figure, not the run
+            seg[ev["step"]] = {"error": repr(exc)}
     return {"phase": "train", "seed": seed, "rc": p.returncode, "seconds": round(seconds),
-            "steps": len(metrics),
-            "reward_per_step": [m.get("reward_mean") for m in metrics],
+            "steps": len(steps), "prefix": prefix,
+            "reward_per_step": [m.get("reward_mean") for m in steps],
+            "step_seconds": [m.get("step_time_s") for m in steps],
+            "evals": [{k: ev.get(k) for k in ("step", "pass@1", "pass@4", "avg@4", "tasks",
+                                               "samples_failed", "eval_s", "result")}
+                      for ev in evals],
+            "segments": seg,
             "checkpoint": str(out / "checkpoints")}
 
 
@@ -406,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks-per-step", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--rl-lr", type=float, default=6e-4)
+    ap.add_argument("--eval-during", action="store_true",
+                    help="train: evaluate the held-out slice inside the training run")
+    ap.add_argument("--eval-every", type=int, default=0)
     a = ap.parse_args(argv)
     from harnessrl import log
 
