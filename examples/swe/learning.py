@@ -66,7 +66,7 @@ def phase_warmup(a: argparse.Namespace) -> dict[str, Any]:
     _, train = split_slice(a)
     warm = train
     dialogues, weights, counts = policy.make_dialogues(
-        warm, a.right_fraction, a.seed, policy.mini_templates(a.mini_config))
+        warm, a.right_fraction, a.seed, policy.mini_templates(a.mini_config), a.renames)
     t_dialogues = time.monotonic() - t0
     recipe = SweRecipe(seed=a.seed, warmup_steps=a.warmup_steps,
                        warmup_batch_size=a.batch_size, warmup_lr=a.lr,
@@ -190,7 +190,8 @@ def phase_eval(a: argparse.Namespace, model: str, name: str) -> dict[str, Any]:
     if a.limit:
         cmd += ["--limit", str(a.limit)]
     t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=cwd, text=True, capture_output=True)
+    p = subprocess.run(cmd, cwd=cwd, text=True, capture_output=True,
+                       env=os.environ | {"PYTHONPATH": str(cwd)})
     seconds = time.monotonic() - t0
     (a.out / f"eval-{name}.log").write_text(p.stdout + p.stderr)
     if p.returncode != 0 or not result.exists():
@@ -356,7 +357,8 @@ def phase_train(a: argparse.Namespace, seed: int) -> dict[str, Any]:
     if a.eval_during:
         cmd += ["--eval-tasks", str(a.out / "heldout.rollout.jsonl"), "--eval-k", str(a.k),
                 "--eval-every", str(a.eval_every)]
-    env = os.environ | {"HARNESSRL_TRAINER_OPTIMIZER__LR": str(a.rl_lr),
+    env = os.environ | {"PYTHONPATH": str(cwd),  # the services it starts run that code too
+                        "HARNESSRL_TRAINER_OPTIMIZER__LR": str(a.rl_lr),
                         "HARNESSRL_TRAINER_SEED": str(seed)}
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=cwd, text=True, capture_output=True, env=env)
@@ -416,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--right-fraction", type=float, default=0.4)
+    ap.add_argument("--renames", type=int, default=0,
+                    help="warmup: renamed variants per task (fresh function and test names), "
+                         "so that the model learns to copy names instead of memorising them")
     ap.add_argument("--warmup-steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)

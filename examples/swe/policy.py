@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -90,6 +91,7 @@ class SliceInfo:
     file: str
     line: int
     op: str  # the broken operator, as it stands in the workspace
+    function: str = ""  # the mutated function's own name
 
 
 def _broken_op(m: dict[str, Any]) -> str | None:
@@ -119,7 +121,7 @@ def in_slice(task: Any) -> SliceInfo | None:
     op = _broken_op(m)
     if op is None:
         return None
-    return SliceInfo(first_test, m["file"], m["line"], op)
+    return SliceInfo(first_test, m["file"], m["line"], op, name)
 
 
 def mini_templates(config: Path = MINI_CONFIG) -> dict[str, str]:
@@ -171,12 +173,42 @@ def usable(task: Any, info: SliceInfo, workspace: Path, env: dict[str, str]) -> 
     return listing_shows(info, run_like_mini(list_command(info.test), workspace, env)["output"])
 
 
+def rename_map(info: SliceInfo, rng: random.Random) -> dict[str, str]:
+    """Fresh names for the mutated function and the failing test (same shape: the test stays
+    `test_<function>_...`), so that a warm-up dialogue cannot be memorised by its names and
+    the model must copy them (the first run of this proof memorised 43 tasks' names: 0 of 76
+    list moves on held-out tasks copied the test's name)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def word() -> str:
+        return "".join(rng.choice(letters) for _ in range(rng.randint(3, 7)))
+
+    fn_name = _function_of(info)
+    new_fn = "_".join(word() for _ in range(rng.randint(1, 2)))
+    suffix = info.test[len("test_") + len(fn_name):]  # "" or "_<case>"
+    new_suffix = "".join(f"_{word()}" for _ in range(rng.randint(1, 3))) if suffix else ""
+    return {fn_name: new_fn, info.test: f"test_{new_fn}{new_suffix}"}
+
+
+def _function_of(info: SliceInfo) -> str:
+    return info.function or info.test[len("test_"):].split("_")[0]
+
+
+def _rename_text(text: str, names: dict[str, str]) -> str:
+    for old in sorted(names, key=len, reverse=True):
+        text = re.sub(rf"\b{re.escape(old)}\b", names[old], text)
+    return text
+
+
 def dialogue(task: Any, info: SliceInfo, right: bool, workdir: Path,
-             templates: dict[str, Any] | None = None) -> list[dict[str, Any]] | None:
+             templates: dict[str, Any] | None = None,
+             rename: dict[str, str] | None = None) -> list[dict[str, Any]] | None:
     """mini's messages for this task when the model plays `moves(info, right)`: system, user,
     then (assistant tool call, tool observation) per move, the submit's observation left out
     (mini ends the run there). Runs the moves in a fresh broken workspace under `workdir`.
-    None when the list move's output does not show the broken line (not in the slice)."""
+    None when the list move's output does not show the broken line (not in the slice).
+    `rename` (old -> new, whole words): applied to the workspace's files and to the problem
+    statement, a synthetic variant of the task for the warm-up (lines stay where they were)."""
     from examples.swe.workspace import prepare_workspace
 
     t = templates or mini_templates()
@@ -184,11 +216,18 @@ def dialogue(task: Any, info: SliceInfo, right: bool, workdir: Path,
     ws = workdir / rec["instance_id"]
     shutil.rmtree(ws, ignore_errors=True)
     prepare_workspace(task, ws)
+    statement = rec["problem_statement"]
+    if rename:
+        for p in ws.rglob("*.py"):
+            p.write_text(_rename_text(p.read_text(), rename))
+        statement = _rename_text(statement, rename)
+        info = SliceInfo(rename.get(info.test, info.test), info.file, info.line, info.op,
+                         rename.get(info.function, info.function))
     msgs: list[dict[str, Any]] = [
         {"role": "system", "content": render(t["system"])},
-        {"role": "user", "content": render(t["instance"], task=rec["problem_statement"])}]
+        {"role": "user", "content": render(t["instance"], task=statement)}]
     env = {k2: str(v) for k2, v in t["env"].items()}
-    if not sed_fixes(task, info, ws):
+    if not sed_fixes(task, SliceInfo(info.test, info.file, info.line, info.op), ws):
         shutil.rmtree(ws, ignore_errors=True)
         return None
     cmds = moves(info, right)
@@ -210,25 +249,28 @@ def dialogue(task: Any, info: SliceInfo, right: bool, workdir: Path,
 
 
 def make_dialogues(tasks: list[Any], right_fraction: float, seed: int,
-                   templates: dict[str, Any] | None = None) -> tuple[list[list[dict[str, Any]]], list[float], dict[str, int]]:
+                   templates: dict[str, Any] | None = None, renames: int = 0) -> tuple[list[list[dict[str, Any]]], list[float], dict[str, int]]:
     """Both variants (right and wrong fix) of every slice task's dialogue, and the weight of
     each in the warm-up mix (right: `right_fraction`, wrong: the rest, per task)."""
     templates = templates or mini_templates()
     dialogues, weights = [], []
-    counts = {"tasks": 0, "dropped": 0}
+    counts = {"tasks": 0, "renamed": 0, "dropped": 0}
+    rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="swe-warmup-") as tmp:
         for rec in tasks:
             info = in_slice(rec)
             if info is None:
                 continue
-            pair = [dialogue(rec, info, right, Path(tmp), templates) for right in (True, False)]
-            if pair[0] is None or pair[1] is None:
-                counts["dropped"] += 1
-                continue
-            counts["tasks"] += 1
-            dialogues += pair
-            weights += [right_fraction, 1 - right_fraction]
-    del seed
+            for v in range(1 + renames):  # the task as it is, then renamed variants
+                names = rename_map(info, rng) if v else None
+                pair = [dialogue(rec, info, right, Path(tmp), templates, names)
+                        for right in (True, False)]
+                if pair[0] is None or pair[1] is None:
+                    counts["dropped"] += 1
+                    continue
+                counts["tasks" if not v else "renamed"] += 1
+                dialogues += pair
+                weights += [right_fraction, 1 - right_fraction]
     return dialogues, weights, counts
 
 
