@@ -1,0 +1,290 @@
+"""The warm-up policy of the swe learning proof: three copy moves that fix a flipped comparison,
+and the mini-swe-agent dialogues they make.
+
+A tiny model cannot reason about code, but it can copy. The policy the warm-up teaches is
+
+1. `LIST NAME`: a fixed one-line Python command (`list_command`) with one slot, NAME, copied
+   from the problem statement (the word after `test_` in the failing test's name, which the
+   slice requires to be the mutated function's name). It prints every comparison of every
+   function so named, one a line: `FILE:LINE: EXPR`.
+2. `sed -i 'LINEs/ OP / NEW /' FILE`: LINE, OP and FILE copied from one line of that output;
+   NEW is the one decision left open. The right fix writes the inverse operator (the mutation
+   turned `>` into `<`; `<` back to `>` undoes it); the wrong fix writes the operator's
+   same-direction neighbour (`<` to `<=`, `==` to `is`, ...), which leaves the bug in place.
+   The warm-up dialogues take the right fix with probability `right_fraction`, so the warmed-up
+   policy is right about that often and RL has headroom (examples/calc's 35 / 65 trick).
+3. `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`: submits.
+
+The slice (`in_slice`): flip_comparison tasks whose mutation is one operator on one line,
+whose failing test is named `test_<NAME>...` for the mutated function NAME, and whose broken
+line the policy's `sed` (first occurrence of ` OP ` on that line) turns back into the working
+line.
+
+The dialogues are mini-swe-agent's own messages: the system and instance templates of
+`examples/swe/mini.yaml` rendered as mini renders them (jinja2, StrictUndefined), the commands
+run as mini's local environment runs them (`bash` via `subprocess` with stderr merged, in the
+task's real broken workspace, with mini's environment variables) and their outputs rendered
+with mini.yaml's `observation_template`. `verify_against_mini` runs mini itself (its own venv)
+against the scripted engine with the same moves and checks that its trajectory's messages are
+these, message for message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from jinja2 import StrictUndefined, Template
+
+HERE = Path(__file__).resolve().parent
+MINI_CONFIG = HERE / "mini.yaml"
+SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+
+# mini 2.4.6's bash tool (minisweagent/models/utils/actions_toolcall.py BASH_TOOL), the one
+# tool every request carries
+BASH_TOOL = {"type": "function", "function": {
+    "name": "bash", "description": "Execute a bash command",
+    "parameters": {"type": "object", "properties": {"command": {
+        "type": "string", "description": "The bash command to execute"}},
+        "required": ["command"]}}}
+
+LIST_TEMPLATE = (
+    "python3 -c \"import ast,glob;t='TEST_';fs=[(p,s,f) for p in sorted(glob.glob('*/*.py')) "
+    "for s in [open(p).read()] for f in ast.walk(ast.parse(s)) "
+    "if isinstance(f,ast.FunctionDef) and t.startswith('test_'+f.name+'_')];"
+    "n=max([len(f.name) for p,s,f in fs],default=0);"
+    "[print(f'{p}:{c.lineno}: {ast.get_source_segment(s,c)}') for p,s,f in fs "
+    "if len(f.name)==n for c in ast.walk(f) if isinstance(c,ast.Compare)]\"")
+"""The first move: TEST is the failing test's name (copied from the statement's first line);
+it prints the comparisons of the functions with the longest name NAME such that the test is
+named `test_NAME` or `test_NAME_...`."""
+
+
+# broken operator -> the fix (the inverse, as mutations._FLIP) and the plausible wrong one
+RIGHT = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "==": "!=", "!=": "==",
+         "in": "not in", "not in": "in", "is": "is not", "is not": "is"}
+WRONG = {"<": "<=", ">": ">=", "<=": "<", ">=": ">", "==": "is", "!=": "is not",
+         "in": "==", "not in": "!=", "is": "==", "is not": "!="}
+_OPS = sorted(RIGHT, key=len, reverse=True)
+
+
+def list_command(test: str) -> str:
+    return LIST_TEMPLATE.replace("TEST", test)
+
+
+def sed_command(line: int, op: str, new: str, file: str) -> str:
+    return f"sed -i '{line}s/ {op} / {new} /' {file}"
+
+
+@dataclass(frozen=True)
+class SliceInfo:
+    test: str  # the first failing test's name (what the list move copies)
+    file: str
+    line: int
+    op: str  # the broken operator, as it stands in the workspace
+    function: str = ""  # the mutated function's own name
+
+
+def _broken_op(m: dict[str, Any]) -> str | None:
+    """The operator the mutation wrote: the one where original and replacement differ."""
+    orig, repl = m["original"], m["replacement"]
+    for op in _OPS:
+        for inv in (RIGHT[op],):
+            if repl.replace(f" {op} ", f" {inv} ", 1) == orig and f" {op} " in repl:
+                return op
+    return None
+
+
+def in_slice(task: Any) -> SliceInfo | None:
+    """The policy's view of a task, or None when the task is not in the slice."""
+    rec = task if isinstance(task, dict) else task.model_dump()
+    m = rec.get("mutation") or {}
+    if rec.get("kind", m.get("kind")) != "flip_comparison" or m.get("line") != m.get("end_line"):
+        return None
+    name = m["function"].split(".")[-1]
+    if name.startswith("_") or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        return None
+    first_test = rec["FAIL_TO_PASS"][0].split("::")[-1]
+    if not (first_test == f"test_{name}" or first_test.startswith(f"test_{name}_")):
+        return None
+    if f"::{first_test}` fails" not in rec["problem_statement"]:
+        return None
+    op = _broken_op(m)
+    if op is None:
+        return None
+    return SliceInfo(first_test, m["file"], m["line"], op, name)
+
+
+def mini_templates(config: Path = MINI_CONFIG) -> dict[str, str]:
+    data = yaml.safe_load(config.read_text())
+    return {"system": data["agent"]["system_template"],
+            "instance": data["agent"]["instance_template"],
+            "observation": data["model"]["observation_template"],
+            "env": data["environment"].get("env", {})}
+
+
+def render(template: str, **kw: Any) -> str:
+    return Template(template, undefined=StrictUndefined).render(**kw)
+
+
+def run_like_mini(command: str, cwd: Path, env: dict[str, str], timeout: int = 60) -> dict:
+    """mini's LocalEnvironment.execute (shell=True, stderr into stdout, utf-8 replace)."""
+    p = subprocess.run(command, shell=True, text=True, cwd=cwd, env=os.environ | env,
+                       encoding="utf-8", errors="replace", stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, timeout=timeout, start_new_session=True)
+    return {"output": p.stdout, "returncode": p.returncode, "exception_info": ""}
+
+
+def moves(info: SliceInfo, right: bool) -> list[str]:
+    new = RIGHT[info.op] if right else WRONG[info.op]
+    return [list_command(info.test), sed_command(info.line, info.op, new, info.file), SUBMIT]
+
+
+def listing_shows(info: SliceInfo, output: str) -> bool:
+    """The list move's output names the broken line (so the sed move can copy it)."""
+    return any(ln.startswith(f"{info.file}:{info.line}: ") for ln in output.splitlines())
+
+
+def sed_fixes(task: Any, info: SliceInfo, workspace: Path) -> bool:
+    """The right sed (first ` OP ` on the broken line) gives back the working line."""
+    m = (task if isinstance(task, dict) else task.model_dump())["mutation"]
+    broken = (workspace / info.file).read_text().splitlines()[info.line - 1]
+    col = m["col"]
+    if broken[col:col + len(m["replacement"])] != m["replacement"]:
+        return False
+    working = broken[:col] + m["original"] + broken[col + len(m["replacement"]):]
+    return broken.replace(f" {info.op} ", f" {RIGHT[info.op]} ", 1) == working
+
+
+def usable(task: Any, info: SliceInfo, workspace: Path, env: dict[str, str]) -> bool:
+    """In the slice for real: in the task's broken workspace the list move shows the broken
+    line and the right sed fixes it."""
+    if not sed_fixes(task, info, workspace):
+        return False
+    return listing_shows(info, run_like_mini(list_command(info.test), workspace, env)["output"])
+
+
+def rename_map(info: SliceInfo, rng: random.Random) -> dict[str, str]:
+    """Fresh names for the mutated function and the failing test (same shape: the test stays
+    `test_<function>_...`), so that a warm-up dialogue cannot be memorised by its names and
+    the model must copy them (the first run of this proof memorised 43 tasks' names: 0 of 76
+    list moves on held-out tasks copied the test's name)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def word() -> str:
+        return "".join(rng.choice(letters) for _ in range(rng.randint(3, 7)))
+
+    fn_name = _function_of(info)
+    new_fn = "_".join(word() for _ in range(rng.randint(1, 2)))
+    suffix = info.test[len("test_") + len(fn_name):]  # "" or "_<case>"
+    new_suffix = "".join(f"_{word()}" for _ in range(rng.randint(1, 3))) if suffix else ""
+    return {fn_name: new_fn, info.test: f"test_{new_fn}{new_suffix}"}
+
+
+def _function_of(info: SliceInfo) -> str:
+    return info.function or info.test[len("test_"):].split("_")[0]
+
+
+def _rename_text(text: str, names: dict[str, str]) -> str:
+    for old in sorted(names, key=len, reverse=True):
+        text = re.sub(rf"\b{re.escape(old)}\b", names[old], text)
+    return text
+
+
+def dialogue(task: Any, info: SliceInfo, right: bool, workdir: Path,
+             templates: dict[str, Any] | None = None,
+             rename: dict[str, str] | None = None) -> list[dict[str, Any]] | None:
+    """mini's messages for this task when the model plays `moves(info, right)`: system, user,
+    then (assistant tool call, tool observation) per move, the submit's observation left out
+    (mini ends the run there). Runs the moves in a fresh broken workspace under `workdir`.
+    None when the list move's output does not show the broken line (not in the slice).
+    `rename` (old -> new, whole words): applied to the workspace's files and to the problem
+    statement, a synthetic variant of the task for the warm-up (lines stay where they were)."""
+    from examples.swe.workspace import prepare_workspace
+
+    t = templates or mini_templates()
+    rec = task if isinstance(task, dict) else task.model_dump()
+    ws = workdir / rec["instance_id"]
+    shutil.rmtree(ws, ignore_errors=True)
+    prepare_workspace(task, ws)
+    statement = rec["problem_statement"]
+    if rename:
+        for p in ws.rglob("*.py"):
+            p.write_text(_rename_text(p.read_text(), rename))
+        statement = _rename_text(statement, rename)
+        info = SliceInfo(rename.get(info.test, info.test), info.file, info.line, info.op,
+                         rename.get(info.function, info.function))
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": render(t["system"])},
+        {"role": "user", "content": render(t["instance"], task=statement)}]
+    env = {k2: str(v) for k2, v in t["env"].items()}
+    if not sed_fixes(task, SliceInfo(info.test, info.file, info.line, info.op), ws):
+        shutil.rmtree(ws, ignore_errors=True)
+        return None
+    cmds = moves(info, right)
+    for k, cmd in enumerate(cmds):
+        msgs.append({"role": "assistant", "content": "", "tool_calls": [{
+            "id": f"call{k}", "type": "function",
+            "function": {"name": "bash",
+                         "arguments": json.dumps({"command": cmd}, ensure_ascii=False)}}]})
+        if cmd == SUBMIT:
+            break
+        out = run_like_mini(cmd, ws, env)
+        if k == 0 and not listing_shows(info, out["output"]):
+            shutil.rmtree(ws, ignore_errors=True)
+            return None
+        msgs.append({"role": "tool", "tool_call_id": f"call{k}",
+                     "content": render(t["observation"], output=out)})
+    shutil.rmtree(ws, ignore_errors=True)
+    return msgs
+
+
+def make_dialogues(tasks: list[Any], right_fraction: float, seed: int,
+                   templates: dict[str, Any] | None = None, renames: int = 0) -> tuple[list[list[dict[str, Any]]], list[float], dict[str, int]]:
+    """Both variants (right and wrong fix) of every slice task's dialogue, and the weight of
+    each in the warm-up mix (right: `right_fraction`, wrong: the rest, per task)."""
+    templates = templates or mini_templates()
+    dialogues, weights = [], []
+    counts = {"tasks": 0, "renamed": 0, "dropped": 0}
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="swe-warmup-") as tmp:
+        for rec in tasks:
+            info = in_slice(rec)
+            if info is None:
+                continue
+            for v in range(1 + renames):  # the task as it is, then renamed variants
+                names = rename_map(info, rng) if v else None
+                pair = [dialogue(rec, info, right, Path(tmp), templates, names)
+                        for right in (True, False)]
+                if pair[0] is None or pair[1] is None:
+                    counts["dropped"] += 1
+                    continue
+                counts["tasks" if not v else "renamed"] += 1
+                dialogues += pair
+                weights += [right_fraction, 1 - right_fraction]
+    return dialogues, weights, counts
+
+
+def strip_for_api(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A trajectory's messages as mini sends them (no `extra`), for comparison."""
+    out = []
+    for m in messages:
+        if m.get("role") == "exit":
+            continue
+        d = {"role": m["role"], "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            d["tool_calls"] = [{"function": {"name": c["function"]["name"],
+                                             "arguments": json.loads(
+                                                 c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        out.append(d)
+    return out
