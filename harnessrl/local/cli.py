@@ -234,10 +234,11 @@ def _up(args: argparse.Namespace, state: Path) -> int:
     engines = tuple(args.engine_url or ())
     t0 = time.monotonic()
     if args.model_dir:  # the user's model, served and trained as it is (never rebuilt)
-        model_dir: Path | None = Path(args.model_dir).resolve()
-        if not engines and not (model_dir / "config.json").is_file():
-            console.print(f"[red]--model-dir {model_dir} is not a model folder (no config.json)")
+        given = Path(args.model_dir).resolve()
+        if not engines and not (given / "config.json").is_file():
+            console.print(f"[red]--model-dir {given} is not a model folder (no config.json)")
             return 2
+        model_dir: Path | None = given
     else:
         with progress.phase(console, "building the tiny model (cached after the first time)",
                             240):
