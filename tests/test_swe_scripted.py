@@ -260,8 +260,7 @@ class SweStack:
 def swe_stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SweStack]:
     from examples.swe.harness_env import ensure
 
-    if not TASK_FILES:
-        pytest.skip("no task file in examples/swe/tasks yet")
+    assert TASK_FILES, "no task file in examples/swe/tasks (python -m examples.swe.make_tasks)"
     mini = ensure()  # scripts/setup.sh made it already; else about 2 minutes, once
     tmp = tmp_path_factory.mktemp("swe")
     script = tmp / "script.json"
@@ -510,8 +509,7 @@ def test_image_and_job_template_keep_rollouts_to_the_gateway() -> None:
 def test_harness_workspace_from_an_image_equals_the_one_it_makes(tmp_path: Path) -> None:
     """`--workspaces DIR` (what the harness image ships, made by `workspace build`) gives the
     same `./repo` as `--tasks FILE` (made by `prepare_workspace` in the rollout)."""
-    if not TASK_FILES:
-        pytest.skip("no task file in examples/swe/tasks yet")
+    assert TASK_FILES, "no task file in examples/swe/tasks (python -m examples.swe.make_tasks)"
     from examples.swe.harness import prepare
     from examples.swe.swe_tasks import load_swe_tasks, rollout_view, snapshot_files
     from examples.swe.workspace import build_workspaces

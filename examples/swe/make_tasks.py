@@ -173,7 +173,6 @@ def library_tasks(repo: Path, out: Path, *, max_fail: int, per_function: int, va
             r.close()
     tasks: list[dict[str, Any]] = []
     taken: Counter[tuple[str, str]] = Counter()
-    per_fn_index: Counter[tuple[str, str]] = Counter()
     for m, original, mutated, run in results:
         failing = sorted(t for t, o in run.outcomes.items() if o != "passed")
         if (run.timed_out or run.exit_code != 1 or set(run.outcomes) != set(all_tests)
@@ -182,7 +181,6 @@ def library_tasks(repo: Path, out: Path, *, max_fail: int, per_function: int, va
         if taken[(m.function, m.kind)] >= per_function:
             continue
         taken[(m.function, m.kind)] += 1
-        per_fn_index[(m.function, m.kind)] += 1
         passing = [t for t in all_tests if t not in failing]
         test_patch = ""
         by_file: dict[str, set[str]] = defaultdict(set)
@@ -193,7 +191,7 @@ def library_tasks(repo: Path, out: Path, *, max_fail: int, per_function: int, va
             full = (repo / file).read_text()
             test_patch += unified(file, strip_tests(full, repo / file, names), full)
         tasks.append({
-            "instance_id": _instance_id(lib, m, per_fn_index[(m.function, m.kind)]),
+            "instance_id": _instance_id(lib, m, taken[(m.function, m.kind)]),
             "repo": f"harnessrl-examples/{lib}",
             "base_commit": base,
             "problem_statement": problem_statement(lib, repo, failing, run.messages,
