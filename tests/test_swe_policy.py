@@ -33,26 +33,51 @@ def test_right_fix_inverts_and_wrong_fix_keeps_the_bug() -> None:
     assert policy.sed_command(12, "<", ">", "pkg/m.py") == "sed -i '12s/ < / > /' pkg/m.py"
 
 
+PINNED = "harnessrl__recq__fields_used__flip_comparison-1"  # suspects prints its broken line
+
+
 def test_moves_fix_a_slice_task_in_its_workspace(tmp_path: Path) -> None:
+    import random
+
     tasks = [t for t in _tasks() if policy.in_slice(t) is not None]
     assert tasks, "the slice is empty"
-    t = tasks[0]
+    t = next((t for t in tasks if t["instance_id"] == PINNED), tasks[0])
     info = policy.in_slice(t)
     assert info is not None
     templates = policy.mini_templates(MINI)
     right = policy.dialogue(t, info, True, tmp_path, templates)
-    wrong = policy.dialogue(t, info, False, tmp_path, templates)
-    assert right is not None and wrong is not None
+    assert right is not None, "suspects no longer pins the broken line of " + t["instance_id"]
     assert [m["role"] for m in right] == ["system", "user", "assistant", "tool", "assistant",
                                           "tool", "assistant"]
     listing = right[3]["content"]
-    assert f"{info.file}:{info.line}: " in listing
+    assert listing.split("<output>\n")[1].startswith(f"{info.file}:{info.line}: ")
     cmds = [json.loads(m["tool_calls"][0]["function"]["arguments"])["command"]
             for m in right if m["role"] == "assistant"]
-    assert cmds[0] == policy.list_command(info.test) and cmds[-1] == policy.SUBMIT
-    assert f" {policy.RIGHT[info.op]} /" in cmds[1]
+    assert cmds == [f"suspects {info.test}", policy.sed_command(
+        info.line, info.op, policy.RIGHT[info.op], info.file), policy.SUBMIT]
+    # the wrong fix, and a renamed variant from the cached listing: as running it gives
+    out = listing.split("<output>\n")[1].rsplit("</output>", 1)[0]
+    names = policy.rename_map(info, random.Random(1), ["alpha", "beta", "gamma"])
+    wrong = policy.dialogue(t, info, False, tmp_path, templates, names, out)
+    assert wrong == policy.dialogue(t, info, False, tmp_path, templates, names)
+    assert wrong is not None and names[info.test] in wrong[1]["content"]
     wcmd = json.loads(wrong[4]["tool_calls"][0]["function"]["arguments"])["command"]
-    assert f" {policy.WRONG[info.op]} /" in wcmd
+    assert wcmd == policy.sed_command(info.line, info.op, policy.WRONG[info.op], info.file)
+
+
+def test_rename_map_and_listing_pins() -> None:
+    import random
+
+    info = policy.SliceInfo("test_total_rounds_up", "pkg/m.py", 3, "<", "total")
+    rng = random.Random(0)
+    for _ in range(50):
+        names = policy.rename_map(info, rng, ["total", "if", "span", "x1"])
+        new_fn = names["total"]
+        assert new_fn not in ("total", "span", "x1") and "if" not in new_fn.split("_")
+        assert names[info.test].startswith(f"test_{new_fn}_")
+    assert policy.listing_pins(info, "pkg/m.py:3: a < b\npkg/m.py:9: c == d\n")
+    assert not policy.listing_pins(info, "pkg/m.py:9: c == d\npkg/m.py:3: a < b\n")
+    assert not policy.listing_pins(info, "")
 
 
 def test_swe_model_warms_up_on_dialogues(tmp_path: Path) -> None:

@@ -15,7 +15,9 @@ rollout's credential), `HARNESSRL_MODEL`, `HARNESSRL_TASK_JSON` (the task's roll
    `--config`), its flags (model `openai/$HARNESSRL_MODEL` through litellm's OpenAI provider,
    the problem statement as the task, the workspace as its commands' folder, `--mini-config
    KEY=VALUE` for more of mini's own `-c` specs) and its environment: the harness's own, less
-   every `HARNESSRL_TASK_*` variable, plus mini's and litellm's settings (`MINI_ENV`);
+   every `HARNESSRL_TASK_*` variable, plus mini's and litellm's settings (`MINI_ENV`) and the
+   example's tools (`examples/swe/tools/`, first on `PATH`: `suspects`, run by this Python,
+   reading the problem statement from `./issue.md`, `$SWE_ISSUE`);
 3. leaves mini's trajectory in `./mini.traj.json` (mini writes it after every step).
 
 Exit status: 0 when mini ran to its end, whatever the agent did (submitted, ran out of steps,
@@ -42,6 +44,7 @@ HERE = Path(__file__).resolve().parent
 CONFIG = HERE / "mini.yaml"
 WORKSPACE = "repo"
 TRAJECTORY = "mini.traj.json"
+TOOLS = HERE / "tools"  # shipped beside the harness, outside the workspace
 MINI_HOME = ".mini"  # mini's global config folder (its .env, input history): the attempt's own
 # mini's and litellm's own settings, by environment.
 MINI_ENV = {
@@ -78,10 +81,23 @@ def prepare(task: dict[str, Any], dest: Path, workspaces: Path | None,
     prepare_workspace(record, dest)
 
 
-def mini_env(environ: dict[str, str], home: Path) -> dict[str, str]:
-    """mini's environment: the harness's, less the task's variables, plus mini's settings."""
+def tools_env(environ: dict[str, str], issue: Path | None = None) -> dict[str, str]:
+    """The example's tools for the agent's commands: `TOOLS` first on `PATH`, run by this
+    Python (it has pytest); `issue`: a file with the problem statement (outside the
+    workspace), which `suspects` reads for the reproduction."""
+    env = {"PATH": f"{TOOLS}{os.pathsep}{environ.get('PATH', os.defpath)}",
+           "SWE_TOOLS_PYTHON": environ.get("SWE_TOOLS_PYTHON", sys.executable)}
+    if issue is not None:
+        env["SWE_ISSUE"] = str(issue)
+    return env
+
+
+def mini_env(environ: dict[str, str], home: Path, issue: Path | None = None) -> dict[str, str]:
+    """mini's environment: the harness's, less the task's variables, plus mini's settings
+    and the example's tools."""
     env = {k: v for k, v in environ.items() if not k.startswith("HARNESSRL_TASK_")}
     env.update(MINI_ENV)
+    env.update(tools_env(environ, issue))
     env["MSWEA_GLOBAL_CONFIG_DIR"] = str(home)
     return env
 
@@ -137,10 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     home = cwd / MINI_HOME
     home.mkdir(exist_ok=True)
     trajectory = cwd / TRAJECTORY
+    issue = cwd / "issue.md"  # beside the workspace, for the tools
+    issue.write_text(task["problem_statement"])
     argv_ = mini_argv(mini, a.config.resolve(), model, task["problem_statement"], repo,
                       trajectory, a.mini_config)
     sys.stdout.flush()
-    code = subprocess.run(argv_, cwd=repo, env=mini_env(dict(os.environ), home),
+    code = subprocess.run(argv_, cwd=repo, env=mini_env(dict(os.environ), home, issue),
                           stdin=subprocess.DEVNULL).returncode
     status = exit_status(trajectory)
     print(f"swe harness: mini exited with {code}, exit status {status or '(none)'}",

@@ -48,31 +48,27 @@ def load(path: Path) -> list[dict[str, Any]]:
     return [t.model_dump() for t in load_swe_tasks(path)]
 
 
-def corpus_texts(tasks: list[dict[str, Any]]) -> list[str]:
-    """Code-like text for the tokenizer: every source and test file of the libraries."""
-    roots = sorted({Path(t["repo_path"]) for t in tasks})
-    out = []
-    for root in roots:
-        for p in sorted(root.rglob("*.py")):
-            if "__pycache__" not in p.parts:
-                out.append(p.read_text())
-    return out
-
-
 def phase_warmup(a: argparse.Namespace) -> dict[str, Any]:
     from harnessrl.model.swe_model import SweRecipe, build_swe_model
 
     t0 = time.monotonic()
-    _, train = split_slice(a)
-    warm = train
+    _, warm = split_slice(a)
+    listings = json.loads((a.out / "slice-split.json").read_text())["listings"]
     dialogues, weights, counts = policy.make_dialogues(
-        warm, a.right_fraction, a.seed, policy.mini_templates(a.mini_config), a.renames)
+        warm, a.right_fraction, a.seed, policy.mini_templates(a.mini_config), a.renames,
+        listings)
     t_dialogues = time.monotonic() - t0
     recipe = SweRecipe(seed=a.seed, warmup_steps=a.warmup_steps,
                        warmup_batch_size=a.batch_size, warmup_lr=a.lr,
-                       hidden_size=a.hidden, intermediate_size=4 * a.hidden,
+                       vocab_size=a.vocab, hidden_size=a.hidden,
+                       intermediate_size=4 * a.hidden,
                        num_layers=a.layers, num_heads=max(1, a.hidden // 64))
-    out = build_swe_model(a.model_dir, dialogues, corpus_texts(warm), [policy.BASH_TOOL],
+    # tokenizer: the dialogues and the numbers 0..999 (each one token: line numbers are
+    # copied), not the libraries' sources (they hold the held-out functions' names, which
+    # would become tokens that the warm-up never trains)
+    from harnessrl.model.tokenizer import numbers_corpus
+
+    out = build_swe_model(a.model_dir, dialogues, numbers_corpus(16), [policy.BASH_TOOL],
                           recipe, weights)
     info = json.loads((out / "recipe.json").read_text())
     return {"phase": "warmup", "model_dir": str(out), "train_slice_tasks": counts,
@@ -96,25 +92,31 @@ def write_slice(tasks: list[dict[str, Any]], out: Path, name: str) -> int:
     return len(tasks)
 
 
-def slice_tasks(tasks: list[dict[str, Any]], mini_config: Path) -> list[dict[str, Any]]:
-    """The tasks in the policy's slice whose list move shows the broken line (checked by
-    running it in the task's broken workspace)."""
+def slice_tasks(tasks: list[dict[str, Any]], mini_config: Path,
+                ) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The tasks in the policy's slice whose list move shows the broken line alone (run in
+    each task's broken workspace, two at a time), and that output by instance_id."""
     import tempfile
+    from concurrent.futures import ThreadPoolExecutor
 
     from examples.swe.workspace import prepare_workspace
 
-    env = {k: str(v) for k, v in policy.mini_templates(mini_config)["env"].items()}
-    chosen = []
+    templates = policy.mini_templates(mini_config)
     with tempfile.TemporaryDirectory(prefix="swe-slice-") as tmp:
-        for t in tasks:
+        def check(t: dict[str, Any]) -> str | None:
             info = policy.in_slice(t)
             if info is None:
-                continue
+                return None
             ws = Path(tmp) / t["instance_id"]
             prepare_workspace(t, ws)
-            if policy.usable(t, info, ws, env):
-                chosen.append(t)
-    return chosen
+            env = policy.command_env(templates, t["problem_statement"],
+                                     Path(tmp) / f"{t['instance_id']}.attempt")
+            return policy.usable(t, info, ws, env)
+
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(check, tasks))
+    listings = {t["instance_id"]: o for t, o in zip(tasks, outs) if o is not None}
+    return [t for t in tasks if t["instance_id"] in listings], listings
 
 
 def split_slice(a: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -131,7 +133,7 @@ def split_slice(a: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
         return d["heldout"], d["train"]
     flips = [t for s in ("val", "train") for t in load(a.tasks_dir / f"{s}.jsonl")
              if t.get("kind") == "flip_comparison"]
-    usable = slice_tasks(flips, a.mini_config)
+    usable, listings = slice_tasks(flips, a.mini_config)
     by_fn: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for t in usable:
         by_fn.setdefault((t["library"], t["function"]), []).append(t)
@@ -146,7 +148,8 @@ def split_slice(a: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
         moved.append(f"{fn[0]}:{fn[1]}")
     held_ids = {t["instance_id"] for t in held}
     train = [t for t in usable if t["instance_id"] not in held_ids]
-    cache.write_text(json.dumps({"heldout": held, "train": train, "moved": moved}))
+    cache.write_text(json.dumps({"heldout": held, "train": train, "moved": moved,
+                                 "listings": listings}))
     return held, train
 
 
@@ -288,7 +291,7 @@ def phase_verify(a: argparse.Namespace) -> dict[str, Any]:
     from harnessrl import procs
 
     train = [t for t in load(a.tasks_dir / "train.jsonl") if t.get("kind") == "flip_comparison"]
-    chosen = [t for t in slice_tasks(train, a.mini_config)][: a.verify_tasks]
+    chosen = slice_tasks(train, a.mini_config)[0][: a.verify_tasks]
     templates = policy.mini_templates(a.mini_config)
     checked, mismatches = 0, []
     with tempfile.TemporaryDirectory(prefix="swe-verify-") as tmp_s:
@@ -424,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--vocab", type=int, default=4096, help="warmup: BPE vocabulary bound")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("-k", type=int, default=4)

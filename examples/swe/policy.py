@@ -3,27 +3,32 @@ and the mini-swe-agent dialogues they make.
 
 A tiny model cannot reason about code, but it can copy. The policy the warm-up teaches is
 
-1. `LIST NAME`: a fixed one-line Python command (`list_command`) with one slot, NAME, copied
-   from the problem statement (the word after `test_` in the failing test's name, which the
-   slice requires to be the mutated function's name). It prints every comparison of every
-   function so named, one a line: `FILE:LINE: EXPR`.
-2. `sed -i 'LINEs/ OP / NEW /' FILE`: LINE, OP and FILE copied from one line of that output;
-   NEW is the one decision left open. The right fix writes the inverse operator (the mutation
-   turned `>` into `<`; `<` back to `>` undoes it); the wrong fix writes the operator's
-   same-direction neighbour (`<` to `<=`, `==` to `is`, ...), which leaves the bug in place.
-   The warm-up dialogues take the right fix with probability `right_fraction`, so the warmed-up
-   policy is right about that often and RL has headroom (examples/calc's 35 / 65 trick).
+1. `suspects TEST`: TEST copied from the problem statement's first line (the failing test's
+   name, which the slice requires to be `test_<NAME>...` for the mutated function NAME). The
+   example's fault-localisation tool (`examples/swe/tools/suspects.py`, beside the harness,
+   outside the workspace) runs the workspace's tests (the failing ones are not there) and
+   prints each comparison of NAME on a line the issue's reproduction executes and no passing
+   test does: `FILE:LINE: EXPR`.
+2. `sed -i 'LINEs/ OP / NEW /' FILE`: LINE, OP and FILE copied from the output's first line
+   (the slice keeps the tasks where that is the broken line); NEW is the
+   one decision left open, learnable from the prompt (OP is in it). The right fix writes the
+   inverse operator (the mutation turned `>` into `<`; `<` back to `>` undoes it); the wrong
+   fix writes the operator's same-direction neighbour (`<` to `<=`, `==` to `is`, ...), which
+   leaves the bug in place. The warm-up dialogues take the right fix with probability
+   `right_fraction`, so the warmed-up policy is right about that often and RL has headroom
+   (examples/calc's 35 / 65 trick).
 3. `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`: submits.
 
 The slice (`in_slice`): flip_comparison tasks whose mutation is one operator on one line,
-whose failing test is named `test_<NAME>...` for the mutated function NAME, and whose broken
+whose failing test is named `test_<NAME>...` for the mutated function NAME, whose broken
 line the policy's `sed` (first occurrence of ` OP ` on that line) turns back into the working
+line, and (`usable`, run in the broken workspace) whose `suspects` output starts with that
 line.
 
 The dialogues are mini-swe-agent's own messages: the system and instance templates of
 `examples/swe/mini.yaml` rendered as mini renders them (jinja2, StrictUndefined), the commands
 run as mini's local environment runs them (`bash` via `subprocess` with stderr merged, in the
-task's real broken workspace, with mini's environment variables) and their outputs rendered
+task's real broken workspace, with mini's environment variables and the harness's tools) and their outputs rendered
 with mini.yaml's `observation_template`. `verify_against_mini` runs mini itself (its own venv)
 against the scripted engine with the same moves and checks that its trajectory's messages are
 these, message for message.
@@ -57,18 +62,6 @@ BASH_TOOL = {"type": "function", "function": {
         "type": "string", "description": "The bash command to execute"}},
         "required": ["command"]}}}
 
-LIST_TEMPLATE = (
-    "python3 -c \"import ast,glob;t='TEST_';fs=[(p,s,f) for p in sorted(glob.glob('*/*.py')) "
-    "for s in [open(p).read()] for f in ast.walk(ast.parse(s)) "
-    "if isinstance(f,ast.FunctionDef) and t.startswith('test_'+f.name+'_')];"
-    "n=max([len(f.name) for p,s,f in fs],default=0);"
-    "[print(f'{p}:{c.lineno}: {ast.get_source_segment(s,c)}') for p,s,f in fs "
-    "if len(f.name)==n for c in ast.walk(f) if isinstance(c,ast.Compare)]\"")
-"""The first move: TEST is the failing test's name (copied from the statement's first line);
-it prints the comparisons of the functions with the longest name NAME such that the test is
-named `test_NAME` or `test_NAME_...`."""
-
-
 # broken operator -> the fix (the inverse, as mutations._FLIP) and the plausible wrong one
 RIGHT = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "==": "!=", "!=": "==",
          "in": "not in", "not in": "in", "is": "is not", "is not": "is"}
@@ -78,7 +71,7 @@ _OPS = sorted(RIGHT, key=len, reverse=True)
 
 
 def list_command(test: str) -> str:
-    return LIST_TEMPLATE.replace("TEST", test)
+    return f"suspects {test}"
 
 
 def sed_command(line: int, op: str, new: str, file: str) -> str:
@@ -132,6 +125,18 @@ def mini_templates(config: Path = MINI_CONFIG) -> dict[str, str]:
             "env": data["environment"].get("env", {})}
 
 
+def command_env(templates: dict[str, Any], statement: str, workdir: Path) -> dict[str, str]:
+    """What the agent's commands see besides the process's environment: mini.yaml's
+    `environment.env` and the harness's tools (as `harness.mini_env` gives mini), with the
+    problem statement written to `workdir/issue.md` as the harness writes it."""
+    from examples.swe.harness import tools_env
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "issue.md").write_text(statement)
+    return {**tools_env(dict(os.environ), workdir / "issue.md"),
+            **{k: str(v) for k, v in templates["env"].items()}}
+
+
 def render(template: str, **kw: Any) -> str:
     return Template(template, undefined=StrictUndefined).render(**kw)
 
@@ -149,9 +154,10 @@ def moves(info: SliceInfo, right: bool) -> list[str]:
     return [list_command(info.test), sed_command(info.line, info.op, new, info.file), SUBMIT]
 
 
-def listing_shows(info: SliceInfo, output: str) -> bool:
-    """The list move's output names the broken line (so the sed move can copy it)."""
-    return any(ln.startswith(f"{info.file}:{info.line}: ") for ln in output.splitlines())
+def listing_pins(info: SliceInfo, output: str) -> bool:
+    """The list move's first line is the broken line (the sed move copies the first line)."""
+    lines = output.splitlines()
+    return bool(lines) and lines[0].startswith(f"{info.file}:{info.line}: ")
 
 
 def sed_fixes(task: Any, info: SliceInfo, workspace: Path) -> bool:
@@ -165,29 +171,52 @@ def sed_fixes(task: Any, info: SliceInfo, workspace: Path) -> bool:
     return broken.replace(f" {info.op} ", f" {RIGHT[info.op]} ", 1) == working
 
 
-def usable(task: Any, info: SliceInfo, workspace: Path, env: dict[str, str]) -> bool:
-    """In the slice for real: in the task's broken workspace the list move shows the broken
-    line and the right sed fixes it."""
+def usable(task: Any, info: SliceInfo, workspace: Path, env: dict[str, str]) -> str | None:
+    """In the slice for real: in the task's broken workspace the right sed fixes it and the
+    list move's output starts with the broken line; that output, else None."""
     if not sed_fixes(task, info, workspace):
-        return False
-    return listing_shows(info, run_like_mini(list_command(info.test), workspace, env)["output"])
+        return None
+    out = run_like_mini(list_command(info.test), workspace, env)["output"]
+    return out if listing_pins(info, out) else None
 
 
-def rename_map(info: SliceInfo, rng: random.Random) -> dict[str, str]:
+def rename_map(info: SliceInfo, rng: random.Random,
+               words: list[str] | None = None) -> dict[str, str]:
     """Fresh names for the mutated function and the failing test (same shape: the test stays
     `test_<function>_...`), so that a warm-up dialogue cannot be memorised by its names and
     the model must copy them (the first run of this proof memorised 43 tasks' names: 0 of 76
-    list moves on held-out tasks copied the test's name)."""
+    list moves on held-out tasks copied the test's name). Each part of a name is a word of
+    `words` (identifier parts, `identifier_words`) or, one time in four, random letters; a
+    new function name is never one of `words` itself (no clash with a name in the code)."""
+    import keyword
+
     letters = "abcdefghijklmnopqrstuvwxyz"
+    pool = set(words or [])
 
     def word() -> str:
-        return "".join(rng.choice(letters) for _ in range(rng.randint(3, 7)))
+        while True:
+            w = (rng.choice(words) if words and rng.random() < 0.75 else
+                 "".join(rng.choice(letters) for _ in range(rng.randint(3, 7))))
+            if not keyword.iskeyword(w):
+                return w
 
     fn_name = _function_of(info)
-    new_fn = "_".join(word() for _ in range(rng.randint(1, 2)))
+    new_fn = ""
+    while not new_fn or new_fn in pool or new_fn == fn_name:
+        new_fn = "_".join(word() for _ in range(rng.randint(1, 3)))
     suffix = info.test[len("test_") + len(fn_name):]  # "" or "_<case>"
-    new_suffix = "".join(f"_{word()}" for _ in range(rng.randint(1, 3))) if suffix else ""
+    new_suffix = "".join(f"_{word()}" for _ in range(rng.randint(1, 4))) if suffix else ""
     return {fn_name: new_fn, info.test: f"test_{new_fn}{new_suffix}"}
+
+
+def identifier_words(roots: list[Path]) -> list[str]:
+    """The parts (split at `_`) of every identifier in the Python files under `roots`."""
+    out: set[str] = set()
+    for root in roots:
+        for p in sorted(root.rglob("*.py")):
+            for ident in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", p.read_text()):
+                out.update(w.lower() for w in ident.split("_") if len(w) >= 2)
+    return sorted(out)
 
 
 def _function_of(info: SliceInfo) -> str:
@@ -201,14 +230,17 @@ def _rename_text(text: str, names: dict[str, str]) -> str:
 
 
 def dialogue(task: Any, info: SliceInfo, right: bool, workdir: Path,
-             templates: dict[str, Any] | None = None,
-             rename: dict[str, str] | None = None) -> list[dict[str, Any]] | None:
+             templates: dict[str, Any] | None = None, rename: dict[str, str] | None = None,
+             listing: str | None = None) -> list[dict[str, Any]] | None:
     """mini's messages for this task when the model plays `moves(info, right)`: system, user,
     then (assistant tool call, tool observation) per move, the submit's observation left out
     (mini ends the run there). Runs the moves in a fresh broken workspace under `workdir`.
-    None when the list move's output does not show the broken line (not in the slice).
+    None when the list move's output does not start with the broken line (not in the slice).
     `rename` (old -> new, whole words): applied to the workspace's files and to the problem
-    statement, a synthetic variant of the task for the warm-up (lines stay where they were)."""
+    statement, a synthetic variant of the task for the warm-up (lines stay where they were).
+    `listing`: the list move's output in the task's own workspace, known already (`usable`);
+    the move is then not run again (renamed, it is that output renamed: the tool's output
+    depends on names only through the names it prints)."""
     from examples.swe.workspace import prepare_workspace
 
     t = templates or mini_templates()
@@ -223,53 +255,61 @@ def dialogue(task: Any, info: SliceInfo, right: bool, workdir: Path,
         statement = _rename_text(statement, rename)
         info = SliceInfo(rename.get(info.test, info.test), info.file, info.line, info.op,
                          rename.get(info.function, info.function))
+        listing = _rename_text(listing, rename) if listing is not None else None
     msgs: list[dict[str, Any]] = [
         {"role": "system", "content": render(t["system"])},
         {"role": "user", "content": render(t["instance"], task=statement)}]
-    env = {k2: str(v) for k2, v in t["env"].items()}
-    if not sed_fixes(task, SliceInfo(info.test, info.file, info.line, info.op), ws):
-        shutil.rmtree(ws, ignore_errors=True)
-        return None
-    cmds = moves(info, right)
-    for k, cmd in enumerate(cmds):
-        msgs.append({"role": "assistant", "content": "", "tool_calls": [{
-            "id": f"call{k}", "type": "function",
-            "function": {"name": "bash",
-                         "arguments": json.dumps({"command": cmd}, ensure_ascii=False)}}]})
-        if cmd == SUBMIT:
-            break
-        out = run_like_mini(cmd, ws, env)
-        if k == 0 and not listing_shows(info, out["output"]):
-            shutil.rmtree(ws, ignore_errors=True)
+    env = command_env(t, statement, workdir / f"{rec['instance_id']}.attempt")
+    try:
+        if not sed_fixes(task, SliceInfo(info.test, info.file, info.line, info.op), ws):
             return None
-        msgs.append({"role": "tool", "tool_call_id": f"call{k}",
-                     "content": render(t["observation"], output=out)})
-    shutil.rmtree(ws, ignore_errors=True)
-    return msgs
+        for k, cmd in enumerate(moves(info, right)):
+            msgs.append({"role": "assistant", "content": "", "tool_calls": [{
+                "id": f"call{k}", "type": "function",
+                "function": {"name": "bash",
+                             "arguments": json.dumps({"command": cmd}, ensure_ascii=False)}}]})
+            if cmd == SUBMIT:
+                break
+            out: dict[str, Any] = (
+                {"output": listing, "returncode": 0, "exception_info": ""}
+                if k == 0 and listing is not None else run_like_mini(cmd, ws, env))
+            if k == 0 and not listing_pins(info, out["output"]):
+                return None
+            msgs.append({"role": "tool", "tool_call_id": f"call{k}",
+                         "content": render(t["observation"], output=out)})
+        return msgs
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
+        shutil.rmtree(workdir / f"{rec['instance_id']}.attempt", ignore_errors=True)
 
 
 def make_dialogues(tasks: list[Any], right_fraction: float, seed: int,
-                   templates: dict[str, Any] | None = None, renames: int = 0) -> tuple[list[list[dict[str, Any]]], list[float], dict[str, int]]:
-    """Both variants (right and wrong fix) of every slice task's dialogue, and the weight of
-    each in the warm-up mix (right: `right_fraction`, wrong: the rest, per task)."""
+                   templates: dict[str, Any] | None = None, renames: int = 0,
+                   listings: dict[str, str] | None = None,
+                   ) -> tuple[list[list[dict[str, Any]]], list[float], dict[str, int]]:
+    """Both variants (right and wrong fix) of every slice task's dialogue, as it is and
+    `renames` times renamed (`rename_map`), and the weight of each in the warm-up mix (right:
+    `right_fraction`, wrong: the rest). `listings`: the list move's output by instance_id."""
     templates = templates or mini_templates()
     dialogues, weights = [], []
     counts = {"tasks": 0, "renamed": 0, "dropped": 0}
     rng = random.Random(seed)
+    words = identifier_words(sorted({Path(t["repo_path"]) for t in tasks})) if renames else []
     with tempfile.TemporaryDirectory(prefix="swe-warmup-") as tmp:
         for rec in tasks:
             info = in_slice(rec)
             if info is None:
                 continue
+            listing = (listings or {}).get(rec["instance_id"])
             for v in range(1 + renames):  # the task as it is, then renamed variants
-                names = rename_map(info, rng) if v else None
-                pair = [dialogue(rec, info, right, Path(tmp), templates, names)
+                names = rename_map(info, rng, words) if v else None
+                pair = [dialogue(rec, info, right, Path(tmp), templates, names, listing)
                         for right in (True, False)]
                 if pair[0] is None or pair[1] is None:
                     counts["dropped"] += 1
                     continue
                 counts["tasks" if not v else "renamed"] += 1
-                dialogues += pair
+                dialogues += [pair[0], pair[1]]
                 weights += [right_fraction, 1 - right_fraction]
     return dialogues, weights, counts
 
