@@ -290,8 +290,7 @@ def phase_verify(a: argparse.Namespace) -> dict[str, Any]:
 
     from harnessrl import procs
 
-    train = [t for t in load(a.tasks_dir / "train.jsonl") if t.get("kind") == "flip_comparison"]
-    chosen = slice_tasks(train, a.mini_config)[0][: a.verify_tasks]
+    chosen = split_slice(a)[1][: a.verify_tasks]  # warm-up tasks
     templates = policy.mini_templates(a.mini_config)
     checked, mismatches = 0, []
     with tempfile.TemporaryDirectory(prefix="swe-verify-") as tmp_s:

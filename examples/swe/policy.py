@@ -10,13 +10,14 @@ A tiny model cannot reason about code, but it can copy. The policy the warm-up t
    prints each comparison of NAME on a line the issue's reproduction executes and no passing
    test does: `FILE:LINE: EXPR`.
 2. `sed -i 'LINEs/ OP / NEW /' FILE`: LINE, OP and FILE copied from the output's first line
-   (the slice keeps the tasks where that is the broken line); NEW is the
-   one decision left open, learnable from the prompt (OP is in it). The right fix writes the
+   (the slice keeps the tasks where that is the broken line); NEW is the one decision left
+   open, learnable from the prompt (OP is in it). The right fix writes the
    inverse operator (the mutation turned `>` into `<`; `<` back to `>` undoes it); the wrong
-   fix writes the operator's same-direction neighbour (`<` to `<=`, `==` to `is`, ...), which
-   leaves the bug in place. The warm-up dialogues take the right fix with probability
-   `right_fraction`, so the warmed-up policy is right about that often and RL has headroom
-   (examples/calc's 35 / 65 trick).
+   fix writes the operator it found again (`s/ < / < /`: an edit that changes nothing and
+   leaves the bug in place), the move's default of copying every part of the line. One choice
+   for every operator (invert or copy), so RL on a few operators can move it for all. The
+   warm-up dialogues take the right fix with probability `right_fraction`, so the warmed-up
+   policy is right about that often and RL has headroom (examples/calc's 35 / 65 trick).
 3. `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`: submits.
 
 The slice (`in_slice`): flip_comparison tasks whose mutation is one operator on one line,
@@ -62,11 +63,10 @@ BASH_TOOL = {"type": "function", "function": {
         "type": "string", "description": "The bash command to execute"}},
         "required": ["command"]}}}
 
-# broken operator -> the fix (the inverse, as mutations._FLIP) and the plausible wrong one
+# broken operator -> the fix (the inverse, as mutations._FLIP) and the wrong one
 RIGHT = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "==": "!=", "!=": "==",
          "in": "not in", "not in": "in", "is": "is not", "is not": "is"}
-WRONG = {"<": "<=", ">": ">=", "<=": "<", ">=": ">", "==": "is", "!=": "is not",
-         "in": "==", "not in": "!=", "is": "==", "is not": "!="}
+WRONG = {op: op for op in RIGHT}  # the operator copied: the edit changes nothing
 _OPS = sorted(RIGHT, key=len, reverse=True)
 
 
