@@ -53,16 +53,19 @@ def test_moves_fix_a_slice_task_in_its_workspace(tmp_path: Path) -> None:
     assert listing.split("<output>\n")[1].startswith(f"{info.file}:{info.line}: ")
     cmds = [json.loads(m["tool_calls"][0]["function"]["arguments"])["command"]
             for m in right if m["role"] == "assistant"]
-    assert cmds == [f"suspects {info.test}", policy.sed_command(
+    assert cmds == ["suspects", policy.sed_command(
         info.line, info.op, policy.RIGHT[info.op], info.file), policy.SUBMIT]
-    # the wrong fix, and a renamed variant from the cached listing: as running it gives
-    out = listing.split("<output>\n")[1].rsplit("</output>", 1)[0]
+    # the wrong fix on a warm-up variant (another operator, renamed, shifted), its listing
+    # run once and renamed/shifted as text: what running the tool in the variant gives
+    op = next(o for o in policy.family(info.op) if o != info.op)
+    out = policy.variant_listing(t, info, op, tmp_path, templates)
     names = policy.rename_map(info, random.Random(1), ["alpha", "beta", "gamma"])
-    wrong = policy.dialogue(t, info, False, tmp_path, templates, names, out)
-    assert wrong == policy.dialogue(t, info, False, tmp_path, templates, names)
+    wrong = policy.dialogue(t, info, False, tmp_path, templates, names, out, op, 7)
+    assert wrong == policy.dialogue(t, info, False, tmp_path, templates, names, None, op, 7)
     assert wrong is not None and names[info.test] in wrong[1]["content"]
     wcmd = json.loads(wrong[4]["tool_calls"][0]["function"]["arguments"])["command"]
-    assert wcmd == policy.sed_command(info.line, info.op, policy.WRONG[info.op], info.file)
+    new_file = info.file.replace(Path(info.file).stem, names[Path(info.file).stem])
+    assert wcmd == policy.sed_command(info.line + 7, op, op, new_file)
 
 
 def test_rename_map_and_listing_pins() -> None:

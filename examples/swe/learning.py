@@ -56,7 +56,7 @@ def phase_warmup(a: argparse.Namespace) -> dict[str, Any]:
     listings = json.loads((a.out / "slice-split.json").read_text())["listings"]
     dialogues, weights, counts = policy.make_dialogues(
         warm, a.right_fraction, a.seed, policy.mini_templates(a.mini_config), a.renames,
-        listings)
+        listings, a.op_variants, a.max_shift)
     t_dialogues = time.monotonic() - t0
     recipe = SweRecipe(seed=a.seed, warmup_steps=a.warmup_steps,
                        warmup_batch_size=a.batch_size, warmup_lr=a.lr,
@@ -423,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--renames", type=int, default=0,
                     help="warmup: renamed variants per task (fresh function and test names), "
                          "so that the model learns to copy names instead of memorising them")
+    ap.add_argument("--op-variants", action="store_true",
+                    help="warmup: each task also with every other operator of its family on "
+                         "the broken line (the listing run for each)")
+    ap.add_argument("--max-shift", type=int, default=0,
+                    help="warmup: renamed variants start the broken file with up to N empty "
+                         "lines (new line numbers to copy)")
     ap.add_argument("--warmup-steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)

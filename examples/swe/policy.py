@@ -3,17 +3,18 @@ and the mini-swe-agent dialogues they make.
 
 A tiny model cannot reason about code, but it can copy. The policy the warm-up teaches is
 
-1. `suspects TEST`: TEST copied from the problem statement's first line (the failing test's
-   name, which the slice requires to be `test_<NAME>...` for the mutated function NAME). The
-   example's fault-localisation tool (`examples/swe/tools/suspects.py`, beside the harness,
-   outside the workspace) runs the workspace's tests (the failing ones are not there) and
-   prints each comparison of NAME on a line the issue's reproduction executes and no passing
-   test does: `FILE:LINE: EXPR`.
+1. `suspects`: the example's fault-localisation tool, for the failing test that the problem
+   statement's first line names (which the slice requires to be `test_<NAME>...` for the
+   mutated function NAME; the tool reads the statement that the harness writes beside the
+   workspace, so the move has no slot). It (`examples/swe/tools/suspects.py`, beside the
+   harness, outside the workspace) runs the issue's reproduction and the workspace's tests
+   (the failing ones are not there) and prints each comparison of NAME on a line the
+   reproduction executes and no passing test does: `FILE:LINE: EXPR`.
 2. `sed -i 'LINEs/ OP / NEW /' FILE`: LINE, OP and FILE copied from the output's first line
    (the slice keeps the tasks where that is the broken line); NEW is the one decision left
-   open, learnable from the prompt (OP is in it). The right fix writes the
-   inverse operator (the mutation turned `>` into `<`; `<` back to `>` undoes it); the wrong
-   fix writes the operator it found again (`s/ < / < /`: an edit that changes nothing and
+   open, learnable from the prompt (OP is in it). The right fix writes the inverse operator
+   (the mutation turned `>` into `<`; `<` back to `>` undoes it); the wrong fix writes the
+   operator it found again (`s/ < / < /`: an edit that changes nothing and
    leaves the bug in place), the move's default of copying every part of the line. One choice
    for every operator (invert or copy), so RL on a few operators can move it for all. The
    warm-up dialogues take the right fix with probability `right_fraction`, so the warmed-up
@@ -70,8 +71,12 @@ WRONG = {op: op for op in RIGHT}  # the operator copied: the edit changes nothin
 _OPS = sorted(RIGHT, key=len, reverse=True)
 
 
+LIST = "suspects"  # the failing test: the one the issue names (the tool reads it)
+
+
 def list_command(test: str) -> str:
-    return f"suspects {test}"
+    """The list move; `test` is what the tool takes from the issue itself."""
+    return LIST
 
 
 def sed_command(line: int, op: str, new: str, file: str) -> str:
@@ -206,7 +211,10 @@ def rename_map(info: SliceInfo, rng: random.Random,
         new_fn = "_".join(word() for _ in range(rng.randint(1, 3)))
     suffix = info.test[len("test_") + len(fn_name):]  # "" or "_<case>"
     new_suffix = "".join(f"_{word()}" for _ in range(rng.randint(1, 4))) if suffix else ""
-    return {fn_name: new_fn, info.test: f"test_{new_fn}{new_suffix}"}
+    stem, new_stem = Path(info.file).stem, ""  # the module too (its file and its imports)
+    while not new_stem or new_stem in pool or new_stem in (stem, new_fn):
+        new_stem = "_".join(word() for _ in range(rng.randint(1, 2)))
+    return {fn_name: new_fn, info.test: f"test_{new_fn}{new_suffix}", stem: new_stem}
 
 
 def identifier_words(roots: list[Path]) -> list[str]:
@@ -229,39 +237,76 @@ def _rename_text(text: str, names: dict[str, str]) -> str:
     return text
 
 
+FAMILIES = (("<", ">", "<=", ">=", "==", "!="), ("in", "not in"), ("is", "is not"))
+
+
+def family(op: str) -> tuple[str, ...]:
+    """The operators that can stand where `op` stands (the flips stay inside a family)."""
+    return next(f for f in FAMILIES if op in f)
+
+
+def _workspace(task: Any, info: SliceInfo, ws: Path, op: str | None,
+               rename: dict[str, str] | None, shift: int) -> SliceInfo:
+    """The task's broken workspace in `ws`, made into a warm-up variant: the broken line's
+    operator `op` instead of the mutation's, names renamed, `shift` empty lines at the top of
+    the broken file. Returns the variant's SliceInfo."""
+    from examples.swe.workspace import prepare_workspace
+
+    shutil.rmtree(ws, ignore_errors=True)
+    prepare_workspace(task, ws)
+    if op and op != info.op:
+        path = ws / info.file
+        lines = path.read_text().splitlines(keepends=True)
+        lines[info.line - 1] = lines[info.line - 1].replace(f" {info.op} ", f" {op} ", 1)
+        path.write_text("".join(lines))
+        info = SliceInfo(info.test, info.file, info.line, op, info.function)
+    if rename:
+        for p in ws.rglob("*.py"):
+            p.write_text(_rename_text(p.read_text(), rename))
+            if p.stem in rename:
+                p.rename(p.with_name(rename[p.stem] + ".py"))
+        info = SliceInfo(rename.get(info.test, info.test), _rename_text(info.file, rename),
+                         info.line, info.op, rename.get(info.function, info.function))
+    if shift:
+        (ws / info.file).write_text("\n" * shift + (ws / info.file).read_text())
+        info = SliceInfo(info.test, info.file, info.line + shift, info.op, info.function)
+    return info
+
+
+def _shift_listing(listing: str, file: str, shift: int) -> str:
+    return re.sub(rf"^({re.escape(file)}):(\d+):",
+                  lambda m: f"{m.group(1)}:{int(m.group(2)) + shift}:", listing, flags=re.M)
+
+
 def dialogue(task: Any, info: SliceInfo, right: bool, workdir: Path,
              templates: dict[str, Any] | None = None, rename: dict[str, str] | None = None,
-             listing: str | None = None) -> list[dict[str, Any]] | None:
+             listing: str | None = None, op: str | None = None,
+             shift: int = 0) -> list[dict[str, Any]] | None:
     """mini's messages for this task when the model plays `moves(info, right)`: system, user,
     then (assistant tool call, tool observation) per move, the submit's observation left out
     (mini ends the run there). Runs the moves in a fresh broken workspace under `workdir`.
     None when the list move's output does not start with the broken line (not in the slice).
-    `rename` (old -> new, whole words): applied to the workspace's files and to the problem
-    statement, a synthetic variant of the task for the warm-up (lines stay where they were).
-    `listing`: the list move's output in the task's own workspace, known already (`usable`);
-    the move is then not run again (renamed, it is that output renamed: the tool's output
-    depends on names only through the names it prints)."""
-    from examples.swe.workspace import prepare_workspace
-
+    Warm-up variants (`_workspace`): `op` on the broken line instead of the mutation's (a
+    bug of the same kind; the statement is left as it is), `rename` (old -> new, whole words,
+    in the files and the statement), `shift` empty lines before the broken file's first.
+    `listing`: the list move's output in the workspace with `op` (not renamed, not shifted),
+    known already; the move is then not run again: its output renamed and shifted is what
+    the tool prints (it depends on names and line numbers only through what it prints)."""
     t = templates or mini_templates()
     rec = task if isinstance(task, dict) else task.model_dump()
     ws = workdir / rec["instance_id"]
-    shutil.rmtree(ws, ignore_errors=True)
-    prepare_workspace(task, ws)
-    statement = rec["problem_statement"]
-    if rename:
-        for p in ws.rglob("*.py"):
-            p.write_text(_rename_text(p.read_text(), rename))
-        statement = _rename_text(statement, rename)
-        info = SliceInfo(rename.get(info.test, info.test), info.file, info.line, info.op,
-                         rename.get(info.function, info.function))
-        listing = _rename_text(listing, rename) if listing is not None else None
+    orig = info
+    info = _workspace(task, info, ws, op, rename, shift)
+    statement = _rename_text(rec["problem_statement"], rename or {})
+    if listing is not None:
+        listing = _shift_listing(_rename_text(listing, rename or {}), info.file, shift)
     msgs: list[dict[str, Any]] = [
         {"role": "system", "content": render(t["system"])},
         {"role": "user", "content": render(t["instance"], task=statement)}]
     env = command_env(t, statement, workdir / f"{rec['instance_id']}.attempt")
     try:
-        if not sed_fixes(task, SliceInfo(info.test, info.file, info.line, info.op), ws):
+        if op in (None, orig.op) and not shift and not sed_fixes(
+                task, SliceInfo(info.test, info.file, info.line, info.op), ws):
             return None
         for k, cmd in enumerate(moves(info, right)):
             msgs.append({"role": "assistant", "content": "", "tool_calls": [{
@@ -283,32 +328,62 @@ def dialogue(task: Any, info: SliceInfo, right: bool, workdir: Path,
         shutil.rmtree(workdir / f"{rec['instance_id']}.attempt", ignore_errors=True)
 
 
+def variant_listing(task: Any, info: SliceInfo, op: str, workdir: Path,
+                    templates: dict[str, Any]) -> str:
+    """The list move's output in the task's workspace with `op` on the broken line (run)."""
+    rec = task if isinstance(task, dict) else task.model_dump()
+    ws = workdir / f"{rec['instance_id']}.{op.replace(' ', '_')}"
+    v = _workspace(task, info, ws, op, None, 0)
+    try:
+        env = command_env(templates, rec["problem_statement"], Path(f"{ws}.attempt"))
+        return str(run_like_mini(list_command(v.test), ws, env)["output"])
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
+        shutil.rmtree(f"{ws}.attempt", ignore_errors=True)
+
+
 def make_dialogues(tasks: list[Any], right_fraction: float, seed: int,
                    templates: dict[str, Any] | None = None, renames: int = 0,
-                   listings: dict[str, str] | None = None,
+                   listings: dict[str, str] | None = None, ops: bool = False,
+                   max_shift: int = 0,
                    ) -> tuple[list[list[dict[str, Any]]], list[float], dict[str, int]]:
     """Both variants (right and wrong fix) of every slice task's dialogue, as it is and
-    `renames` times renamed (`rename_map`), and the weight of each in the warm-up mix (right:
-    `right_fraction`, wrong: the rest). `listings`: the list move's output by instance_id."""
+    `renames` times renamed (`rename_map`, and shifted by up to `max_shift` lines), with
+    `ops`: the same for every operator of the broken one's family (`family`, listings run
+    for each), and the weight of each in the warm-up mix (right: `right_fraction`, wrong:
+    the rest). `listings`: the list move's output by instance_id, known already."""
+    from concurrent.futures import ThreadPoolExecutor
+
     templates = templates or mini_templates()
-    dialogues, weights = [], []
-    counts = {"tasks": 0, "renamed": 0, "dropped": 0}
+    dialogues: list[list[dict[str, Any]]] = []
+    weights: list[float] = []
+    counts = {"tasks": 0, "variants": 0, "renamed": 0, "dropped": 0}
     rng = random.Random(seed)
     words = identifier_words(sorted({Path(t["repo_path"]) for t in tasks})) if renames else []
+    chosen = [(rec, info) for rec in tasks if (info := in_slice(rec)) is not None]
+    jobs = [(rec, info, op) for rec, info in chosen
+            for op in (family(info.op) if ops else (info.op,))]
     with tempfile.TemporaryDirectory(prefix="swe-warmup-") as tmp:
-        for rec in tasks:
-            info = in_slice(rec)
-            if info is None:
-                continue
-            listing = (listings or {}).get(rec["instance_id"])
-            for v in range(1 + renames):  # the task as it is, then renamed variants
+        def listing_of(job: tuple[Any, SliceInfo, str]) -> str:
+            rec, info, op = job
+            known = (listings or {}).get(rec["instance_id"])
+            if op == info.op and known is not None:
+                return known
+            return variant_listing(rec, info, op, Path(tmp), templates)
+
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(listing_of, jobs))
+        for (rec, info, op), listing in zip(jobs, outs):
+            counts["tasks" if op == info.op else "variants"] += 1
+            for v in range(1 + renames):  # the variant as it is, then renamed
                 names = rename_map(info, rng, words) if v else None
-                pair = [dialogue(rec, info, right, Path(tmp), templates, names, listing)
-                        for right in (True, False)]
+                shift = rng.randint(0, max_shift) if v else 0
+                pair = [dialogue(rec, info, right, Path(tmp), templates, names, listing, op,
+                                 shift) for right in (True, False)]
                 if pair[0] is None or pair[1] is None:
                     counts["dropped"] += 1
                     continue
-                counts["tasks" if not v else "renamed"] += 1
+                counts["renamed"] += bool(v)
                 dialogues += [pair[0], pair[1]]
                 weights += [right_fraction, 1 - right_fraction]
     return dialogues, weights, counts

@@ -1,8 +1,8 @@
-"""`suspects TEST`: spectrum-based fault localisation for the swe example's learning proof, a
+"""`suspects [TEST]`: spectrum-based fault localisation for the swe example's learning proof, a
 tool shipped beside the harness (outside the workspace; the grader takes only source changes).
 
-With a line tracer on the functions with the longest name NAME such that TEST is `test_NAME`
-or `test_NAME_...`, it runs the issue's reproduction (the failing test's code, the first
+With a line tracer on the functions with the longest name NAME such that TEST (default: the
+failing test that the issue's first line names) is `test_NAME` or `test_NAME_...`, it runs the issue's reproduction (the failing test's code, the first
 ```python block of the problem statement in `$SWE_ISSUE`, which the harness writes beside the
 workspace, run in the namespace of the test module the statement names) and then the
 workspace's own test suite (pytest, in the current folder; the failing tests are not in it),
@@ -78,19 +78,23 @@ def reproduction(issue: str):  # type: ignore[no-untyped-def]
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: suspects TEST_NAME", file=sys.stderr)
+    issue = os.environ.get("SWE_ISSUE", "")
+    text = open(issue).read() if os.path.isfile(issue) else ""
+    named = re.search(r"the test `[^`:]+::(test_\w+)` fails", text)
+    if len(argv) > 1 or not (argv or named):
+        print("usage: suspects [TEST_NAME]  (default: the failing test of $SWE_ISSUE)",
+              file=sys.stderr)
         return 2
-    fs = targets(argv[0])
+    test = argv[0] if argv else named.group(1)  # type: ignore[union-attr]
+    fs = targets(test)
     if not fs:
-        print(f"no function named after {argv[0]}")
+        print(f"no function named after {test}")
         return 1
     import pytest
 
     files = {os.path.abspath(p) for p, _, _ in fs}
     sys.path.insert(0, os.getcwd())
-    issue = os.environ.get("SWE_ISSUE", "")
-    repro = reproduction(open(issue).read()) if os.path.isfile(issue) else None
+    repro = reproduction(text) if text else None
     hit = traced(files, repro) if repro else None
     seen = traced(files, lambda: pytest.main(["-q", "-p", "no:cacheprovider", "tests"]))
     for p, s, f in fs:
