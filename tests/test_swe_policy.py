@@ -53,8 +53,7 @@ def test_moves_fix_a_slice_task_in_its_workspace(tmp_path: Path) -> None:
     assert listing.split("<output>\n")[1].startswith(f"{info.file}:{info.line}: ")
     cmds = [json.loads(m["tool_calls"][0]["function"]["arguments"])["command"]
             for m in right if m["role"] == "assistant"]
-    assert cmds == ["suspects", policy.sed_command(
-        info.line, info.op, policy.RIGHT[info.op], info.file), policy.SUBMIT]
+    assert cmds == ["suspects", f"fix {policy.RIGHT[info.op]}", policy.SUBMIT]
     # the wrong fix on a warm-up variant (another operator, renamed, shifted), its listing
     # run once and renamed/shifted as text: what running the tool in the variant gives
     op = next(o for o in policy.family(info.op) if o != info.op)
@@ -64,8 +63,25 @@ def test_moves_fix_a_slice_task_in_its_workspace(tmp_path: Path) -> None:
     assert wrong == policy.dialogue(t, info, False, tmp_path, templates, names, None, op, 7)
     assert wrong is not None and names[info.test] in wrong[1]["content"]
     wcmd = json.loads(wrong[4]["tool_calls"][0]["function"]["arguments"])["command"]
+    assert wcmd == f"fix {op}"
     new_file = info.file.replace(Path(info.file).stem, names[Path(info.file).stem])
-    assert wcmd == policy.sed_command(info.line + 7, op, op, new_file)
+    assert f"{new_file}:{info.line + 7}: " in wrong[3]["content"]
+
+
+def test_suspects_and_fix_restore_the_working_line(tmp_path: Path) -> None:
+    from examples.swe.workspace import prepare_workspace
+
+    t = next(t for t in _tasks() if t["instance_id"] == PINNED)
+    info = policy.in_slice(t)
+    assert info is not None
+    ws = tmp_path / "repo"
+    prepare_workspace(t, ws)
+    env = policy.command_env(policy.mini_templates(MINI), t["problem_statement"], tmp_path)
+    shown = policy.run_like_mini("suspects", ws, env)["output"]
+    assert policy.listing_pins(info, shown)
+    assert policy.run_like_mini(f"fix {policy.RIGHT[info.op]}", ws, env)["returncode"] == 0
+    m = t["mutation"]
+    assert m["original"] in (ws / info.file).read_text().splitlines()[info.line - 1]
 
 
 def test_rename_map_and_listing_pins() -> None:

@@ -79,6 +79,11 @@ def list_command(test: str) -> str:
     return LIST
 
 
+def fix_command(new: str) -> str:
+    """The fix move: the tool `fix` gives the first suspect's comparison the operator NEW."""
+    return f"fix {new}"
+
+
 def sed_command(line: int, op: str, new: str, file: str) -> str:
     return f"sed -i '{line}s/ {op} / {new} /' {file}"
 
@@ -156,7 +161,7 @@ def run_like_mini(command: str, cwd: Path, env: dict[str, str], timeout: int = 6
 
 def moves(info: SliceInfo, right: bool) -> list[str]:
     new = RIGHT[info.op] if right else WRONG[info.op]
-    return [list_command(info.test), sed_command(info.line, info.op, new, info.file), SUBMIT]
+    return [list_command(info.test), fix_command(new), SUBMIT]
 
 
 def listing_pins(info: SliceInfo, output: str) -> bool:
@@ -315,9 +320,12 @@ def dialogue(task: Any, info: SliceInfo, right: bool, workdir: Path,
                              "arguments": json.dumps({"command": cmd}, ensure_ascii=False)}}]})
             if cmd == SUBMIT:
                 break
-            out: dict[str, Any] = (
-                {"output": listing, "returncode": 0, "exception_info": ""}
-                if k == 0 and listing is not None else run_like_mini(cmd, ws, env))
+            out: dict[str, Any]
+            if k == 0 and listing is not None:  # what the tool prints, and keeps for `fix`
+                out = {"output": listing, "returncode": 0, "exception_info": ""}
+                Path(env["SWE_ISSUE"] + ".suspects").write_text(listing)
+            else:
+                out = run_like_mini(cmd, ws, env)
             if k == 0 and not listing_pins(info, out["output"]):
                 return None
             msgs.append({"role": "tool", "tool_call_id": f"call{k}",

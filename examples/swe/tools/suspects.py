@@ -8,7 +8,8 @@ workspace, run in the namespace of the test module the statement names) and then
 workspace's own test suite (pytest, in the current folder; the failing tests are not in it),
 and prints each comparison of those functions on a line that the reproduction executed and
 no passing test did, one a line: `FILE:LINE: EXPR` (without an issue: every line no passing
-test executed).
+test executed), and keeps them in `$SWE_ISSUE.suspects` for `fix NEW` (`suspects.py --fix`),
+which gives the first suspect's comparison the operator NEW.
 """
 
 from __future__ import annotations
@@ -77,8 +78,39 @@ def reproduction(issue: str):  # type: ignore[no-untyped-def]
     return run
 
 
+def fix(new: str, issue: str) -> int:
+    """`fix NEW`: the first suspect's comparison gets the operator NEW (the first ` OP ` on
+    its line becomes ` NEW `); the suspects are the ones `suspects` printed last for this
+    issue (`$SWE_ISSUE.suspects`)."""
+    try:
+        first = open(f"{issue}.suspects").read().splitlines()[0]
+    except (OSError, IndexError):
+        print("fix: run suspects first")
+        return 1
+    path, line, expr = first.split(":", 2)
+    n = int(line)
+    src = open(path).read()
+    comp = next((c for c in ast.walk(ast.parse(src)) if isinstance(c, ast.Compare)
+                 and c.lineno == n and ast.get_source_segment(src, c) == expr.strip()), None)
+    if comp is None:
+        print(f"fix: {path}:{n} no longer holds {expr.strip()}")
+        return 1
+    old = OPS[type(comp.ops[0])]
+    lines = src.splitlines(keepends=True)
+    lines[n - 1] = lines[n - 1].replace(f" {old} ", f" {new} ", 1)
+    with open(path, "w") as f:
+        f.write("".join(lines))
+    return 0
+
+
+OPS = {ast.Lt: "<", ast.Gt: ">", ast.LtE: "<=", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=",
+       ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
+
+
 def main(argv: list[str]) -> int:
     issue = os.environ.get("SWE_ISSUE", "")
+    if argv[:1] == ["--fix"]:
+        return fix(" ".join(argv[1:]), issue) if len(argv) > 1 else 2
     text = open(issue).read() if os.path.isfile(issue) else ""
     named = re.search(r"the test `[^`:]+::(test_\w+)` fails", text)
     if len(argv) > 1 or not (argv or named):
@@ -97,13 +129,14 @@ def main(argv: list[str]) -> int:
     repro = reproduction(text) if text else None
     hit = traced(files, repro) if repro else None
     seen = traced(files, lambda: pytest.main(["-q", "-p", "no:cacheprovider", "tests"]))
-    for p, s, f in fs:
-        for c in ast.walk(f):
-            if not isinstance(c, ast.Compare):
-                continue
-            key = (os.path.abspath(p), c.lineno)
-            if key not in seen and (hit is None or key in hit):
-                print(f"{p}:{c.lineno}: {ast.get_source_segment(s, c)}")
+    out = [f"{p}:{c.lineno}: {ast.get_source_segment(s, c)}" for p, s, f in fs
+           for c in ast.walk(f) if isinstance(c, ast.Compare)
+           and (os.path.abspath(p), c.lineno) not in seen
+           and (hit is None or (os.path.abspath(p), c.lineno) in hit)]
+    print("".join(f"{ln}\n" for ln in out), end="")
+    if issue:
+        with open(f"{issue}.suspects", "w") as f:
+            f.write("".join(f"{ln}\n" for ln in out))
     return 0
 
 
