@@ -362,6 +362,8 @@ def phase_train(a: argparse.Namespace, seed: int) -> dict[str, Any]:
     env = os.environ | {"PYTHONPATH": str(cwd),  # the services it starts run that code too
                         "HARNESSRL_TRAINER_OPTIMIZER__LR": str(a.rl_lr),
                         "HARNESSRL_TRAINER_SEED": str(seed)}
+    if not a.eval_before:  # the before-eval of another seed's run stands for this one's
+        env["HARNESSRL_TRAINER_EVAL__BEFORE_TRAINING"] = "false"
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=cwd, text=True, capture_output=True, env=env)
     seconds = time.monotonic() - t0
@@ -447,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-during", action="store_true",
                     help="train: evaluate the held-out slice inside the training run")
     ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--no-eval-before", dest="eval_before", action="store_false",
+                    help="train --eval-during: no evaluation before the first step")
     a = ap.parse_args(argv)
     from harnessrl import log
 

@@ -1,0 +1,78 @@
+"""A cheap pre-check of a warmed-up swe model, before any `harnessrl eval`: the policy's moves
+sampled in-process (transformers, temperature 1) on the slice's prompts, each observation the
+one the real move gets (the list move's output cached by `learning.py slice`; no mini, no
+engine, no grader). Counts per sample: the list move right, then the fix move right (the
+inverse operator), wrong (the operator again) or other. `right / samples` estimates pass@1.
+
+    python -m examples.swe.probe MODEL_DIR --out OUT [--k 4] [--which heldout|train]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from examples.swe import policy
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--out", type=Path, required=True, help="learning.py's --out (the slice)")
+    ap.add_argument("-k", type=int, default=4)
+    ap.add_argument("--which", choices=("heldout", "train"), default="heldout")
+    a = ap.parse_args(argv)
+    tok = AutoTokenizer.from_pretrained(str(a.model.resolve()))
+    model = AutoModelForCausalLM.from_pretrained(str(a.model.resolve())).eval()
+    torch.manual_seed(0)
+    split = json.loads((a.out / "slice-split.json").read_text())
+    t = policy.mini_templates()
+
+    def command(msgs: list[dict[str, Any]]) -> str | None:
+        ids = tok.apply_chat_template(msgs, tools=[policy.BASH_TOOL], return_tensors="pt",
+                                      add_generation_prompt=True, return_dict=True)["input_ids"]
+        out = model.generate(ids, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                             max_new_tokens=80, pad_token_id=tok.pad_token_id)
+        m = re.search(r'"command": "(.*?)"\}', tok.decode(out[0, ids.shape[1]:]))
+        return m.group(1) if m else None
+
+    c: Counter[str] = Counter()
+    for task in split[a.which]:
+        info = policy.in_slice(task)
+        assert info is not None
+        listing = split["listings"][task["instance_id"]]
+        base = [{"role": "system", "content": policy.render(t["system"])},
+                {"role": "user", "content": policy.render(t["instance"],
+                                                          task=task["problem_statement"])}]
+        for _ in range(a.k):
+            c["samples"] += 1
+            first = command(base)
+            if first != policy.LIST:
+                c["list_other"] += 1
+                continue
+            obs = policy.render(t["observation"], output={"output": listing, "returncode": 0,
+                                                          "exception_info": ""})
+            second = command(base + [
+                {"role": "assistant", "content": "", "tool_calls": [{
+                    "id": "call0", "type": "function", "function": {
+                        "name": "bash", "arguments": json.dumps({"command": first})}}]},
+                {"role": "tool", "tool_call_id": "call0", "content": obs}])
+            c["right" if second == policy.fix_command(policy.RIGHT[info.op]) else
+              "wrong" if second == policy.fix_command(policy.WRONG[info.op]) else
+              "fix_other"] += 1
+    print(json.dumps({"which": a.which, **c, "pass@1_estimate": round(c["right"] / c["samples"],
+                                                                       3)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
