@@ -53,7 +53,7 @@ def test_moves_fix_a_slice_task_in_its_workspace(tmp_path: Path) -> None:
     assert listing.split("<output>\n")[1].startswith(f"{info.file}:{info.line}: ")
     cmds = [json.loads(m["tool_calls"][0]["function"]["arguments"])["command"]
             for m in right if m["role"] == "assistant"]
-    assert cmds == ["suspects", f"fix {policy.RIGHT[info.op]}", policy.SUBMIT]
+    assert cmds == ["suspects", policy.fix_command(policy.RIGHT[info.op]), policy.SUBMIT]
     # the wrong fix on a warm-up variant (another operator, renamed, shifted), its listing
     # run once and renamed/shifted as text: what running the tool in the variant gives
     op = next(o for o in policy.family(info.op) if o != info.op)
@@ -63,7 +63,7 @@ def test_moves_fix_a_slice_task_in_its_workspace(tmp_path: Path) -> None:
     assert wrong == policy.dialogue(t, info, False, tmp_path, templates, names, None, op, 7)
     assert wrong is not None and names[info.test] in wrong[1]["content"]
     wcmd = json.loads(wrong[4]["tool_calls"][0]["function"]["arguments"])["command"]
-    assert wcmd == f"fix {op}"
+    assert wcmd == policy.fix_command(op)
     new_file = info.file.replace(Path(info.file).stem, names[Path(info.file).stem])
     assert f"{new_file}:{info.line + 7}: " in wrong[3]["content"]
 
@@ -79,9 +79,25 @@ def test_suspects_and_fix_restore_the_working_line(tmp_path: Path) -> None:
     env = policy.command_env(policy.mini_templates(MINI), t["problem_statement"], tmp_path)
     shown = policy.run_like_mini("suspects", ws, env)["output"]
     assert policy.listing_pins(info, shown)
-    assert policy.run_like_mini(f"fix {policy.RIGHT[info.op]}", ws, env)["returncode"] == 0
+    fix = policy.fix_command(policy.RIGHT[info.op])
+    assert policy.run_like_mini(fix, ws, env)["returncode"] == 0
     m = t["mutation"]
     assert m["original"] in (ws / info.file).read_text().splitlines()[info.line - 1]
+
+
+def test_fix_move_writes_every_operator(tmp_path: Path) -> None:
+    """The fix move as the shell runs it, for each operator (`<` and `>` unquoted are
+    redirections): the first suspect's comparison gets the new operator."""
+    env = policy.command_env(policy.mini_templates(MINI), "", tmp_path)
+    (tmp_path / "pkg").mkdir()
+    for op, new in policy.RIGHT.items():
+        (tmp_path / "pkg" / "m.py").write_text(f"def f(a, b):\n    return a {op} b\n")
+        (tmp_path / "issue.md.suspects").write_text(f"pkg/m.py:2: a {op} b\n")
+        out = policy.run_like_mini(policy.fix_command(new), tmp_path, env)
+        assert out["returncode"] == 0, out
+        assert (tmp_path / "pkg" / "m.py").read_text().splitlines()[1] == f"    return a {new} b"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["issue.md", "issue.md.suspects",
+                                                              "pkg"]
 
 
 def test_rename_map_and_listing_pins() -> None:

@@ -80,8 +80,10 @@ def list_command(test: str) -> str:
 
 
 def fix_command(new: str) -> str:
-    """The fix move: the tool `fix` gives the first suspect's comparison the operator NEW."""
-    return f"fix {new}"
+    """The fix move: the tool `fix` gives the first suspect's comparison the operator NEW,
+    quoted (unquoted, `<` and `>` are the shell's redirections: the first learning run wrote
+    `fix <`, a syntax error, on 17 of its 30 held-out tasks' right fixes)."""
+    return f"fix '{new}'"
 
 
 def sed_command(line: int, op: str, new: str, file: str) -> str:
