@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 
-from examples.swe import policy
+from examples.swe import dialogues, policy
 
 REPO = Path(__file__).resolve().parent.parent
 TASKS = REPO / "examples" / "swe" / "tasks"
@@ -30,7 +30,7 @@ def test_right_fix_inverts_and_wrong_fix_keeps_the_bug() -> None:
     for op in policy.RIGHT:
         assert policy.RIGHT[policy.RIGHT[op]] == op  # the inverse undoes the mutation
         assert policy.WRONG[op] == op  # the wrong fix changes nothing
-    assert policy.sed_command(12, "<", ">", "pkg/m.py") == "sed -i '12s/ < / > /' pkg/m.py"
+    assert policy.fix_command("<") == "fix '<'"
 
 
 PINNED = "harnessrl__recq__fields_used__flip_comparison-1"  # suspects prints its broken line
@@ -45,7 +45,7 @@ def test_moves_fix_a_slice_task_in_its_workspace(tmp_path: Path) -> None:
     info = policy.in_slice(t)
     assert info is not None
     templates = policy.mini_templates(MINI)
-    right = policy.dialogue(t, info, True, tmp_path, templates)
+    right = dialogues.dialogue(t, info, True, tmp_path, templates)
     assert right is not None, "suspects no longer pins the broken line of " + t["instance_id"]
     assert [m["role"] for m in right] == ["system", "user", "assistant", "tool", "assistant",
                                           "tool", "assistant"]
@@ -56,11 +56,11 @@ def test_moves_fix_a_slice_task_in_its_workspace(tmp_path: Path) -> None:
     assert cmds == ["suspects", policy.fix_command(policy.RIGHT[info.op]), policy.SUBMIT]
     # the wrong fix on a warm-up variant (another operator, renamed, shifted), its listing
     # run once and renamed/shifted as text: what running the tool in the variant gives
-    op = next(o for o in policy.family(info.op) if o != info.op)
-    out = policy.variant_listing(t, info, op, tmp_path, templates)
-    names = policy.rename_map(info, random.Random(1), ["alpha", "beta", "gamma"])
-    wrong = policy.dialogue(t, info, False, tmp_path, templates, names, out, op, 7)
-    assert wrong == policy.dialogue(t, info, False, tmp_path, templates, names, None, op, 7)
+    op = next(o for o in dialogues.family(info.op) if o != info.op)
+    out = dialogues.variant_listing(t, info, op, tmp_path, templates)
+    names = dialogues.rename_map(info, random.Random(1), ["alpha", "beta", "gamma"])
+    wrong = dialogues.dialogue(t, info, False, tmp_path, templates, names, out, op, 7)
+    assert wrong == dialogues.dialogue(t, info, False, tmp_path, templates, names, None, op, 7)
     assert wrong is not None and names[info.test] in wrong[1]["content"]
     wcmd = json.loads(wrong[4]["tool_calls"][0]["function"]["arguments"])["command"]
     assert wcmd == policy.fix_command(op)
@@ -106,7 +106,7 @@ def test_rename_map_and_listing_pins() -> None:
     info = policy.SliceInfo("test_total_rounds_up", "pkg/m.py", 3, "<", "total")
     rng = random.Random(0)
     for _ in range(50):
-        names = policy.rename_map(info, rng, ["total", "if", "span", "x1"])
+        names = dialogues.rename_map(info, rng, ["total", "if", "span", "x1"])
         new_fn = names["total"]
         assert new_fn not in ("total", "span", "x1") and "if" not in new_fn.split("_")
         assert names[info.test].startswith(f"test_{new_fn}_")

@@ -3,13 +3,15 @@
     python -m examples.swe.learning all --out .harnessrl/swe-learning [--seeds 0 1]
     python -m examples.swe.learning warmup|slice|eval|train ...   (one phase; see --help)
 
-1. `warmup`: the warm-up dialogues (`examples/swe/policy.py`: mini-swe-agent's own messages
-   for the policy's three copy moves, on the train split's flip_comparison slice, each task's
-   right and wrong fix, mixed `--right-fraction` : rest) and the swe model built on them
-   (`harnessrl/model/swe_model.py`).
-2. `slice`: the held-out tasks: the validation split's flip_comparison tasks in the policy's
-   slice (their functions never appear in the warm-up or in RL training), as a full task file
-   (for the harness and the grader) and its rollout view (for the controller).
+0. `tasks`: the slice's own flip-only task set (make_tasks, no cap per function).
+1. `slice`: the tasks in the policy's slice (`examples/swe/policy.py`; checked by running the
+   list move in each broken workspace), split by function: held out (the validation split's
+   functions, then train-split functions until `--heldout-min`) and warm-up/RL (the rest),
+   as full task files (harness, grader) and rollout views (controller).
+2. `warmup`: the warm-up dialogues (`examples/swe/dialogues.py`: mini-swe-agent's own messages
+   for the policy's moves on the warm-up tasks and their variants, each with the right and the
+   wrong fix, mixed `--right-fraction` : rest) and the swe model built on them
+   (`harnessrl/model/swe_model.py`). `verify`: mini itself against the scripted engine.
 3. `eval`: `harnessrl eval` of a model on the held-out slice, k samples a task, through
    mini-swe-agent (unchanged), the grader and the controller; also the share of mini's calls
    that continue a token segment (from the store's recorded calls).
@@ -36,6 +38,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from examples.swe import dialogues as dialogues_mod  # noqa: E402
 from examples.swe import policy  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -54,7 +57,7 @@ def phase_warmup(a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     _, warm = split_slice(a)
     listings = json.loads((a.out / "slice-split.json").read_text())["listings"]
-    dialogues, weights, counts = policy.make_dialogues(
+    dialogues, weights, counts = dialogues_mod.make_dialogues(
         warm, a.right_fraction, a.seed, policy.mini_templates(a.mini_config), a.renames,
         listings, a.op_variants, a.max_shift)
     t_dialogues = time.monotonic() - t0
@@ -285,7 +288,7 @@ def phase_tasks(a: argparse.Namespace) -> dict[str, Any]:
 def phase_verify(a: argparse.Namespace) -> dict[str, Any]:
     """Runs the swe harness (mini-swe-agent, unchanged) against the scripted engine playing the
     policy's moves on a few warm-up tasks, and checks that mini's trajectory holds exactly the
-    messages `policy.dialogue` synthesises (both variants)."""
+    messages `dialogues.dialogue` synthesises (both variants)."""
     import tempfile
 
     from harnessrl import procs
@@ -329,7 +332,7 @@ def phase_verify(a: argparse.Namespace) -> dict[str, Any]:
                     traj = json.loads((wd / "mini.traj.json").read_text())
                     got = policy.strip_for_api(traj["messages"])
                     want = policy.strip_for_api(
-                        policy.dialogue(task, info, right, tmp / "ws", templates) or [])
+                        dialogues_mod.dialogue(task, info, right, tmp / "ws", templates) or [])
                     checked += 1
                     if got != want:
                         mismatches.append({"task": t["instance_id"], "right": right,
