@@ -167,6 +167,9 @@ class GatewayHooks:
 
     def __init__(self, admin: Any) -> None:  # harnessrl.clients.GatewayAdminClient
         self.admin = admin
+        # collocated steps with sleep: the engine is not awake yet after its push; the
+        # trainer marks it READY and resumes it itself once it is (services/trainer/collocation)
+        self.defer_ready = False
 
     def before_push(self, engine: str) -> None:
         self.admin.pause([engine], drain=False)
@@ -174,6 +177,9 @@ class GatewayHooks:
     def after_push(self, engine: str, version: int) -> None:
         from harnessrl.v1 import gateway_pb2 as gpb
 
+        if self.defer_ready:
+            self.admin.update_engine(engine, policy_version=version)
+            return
         self.admin.update_engine(engine, policy_version=version, state=gpb.ENGINE_STATE_READY)
         self.admin.resume([engine])
 

