@@ -765,6 +765,7 @@ def build_trainer(cfg: TrainerConfig, control: TrainerControl | None = None,
     launcher = ControllerRuns(ControllerClient.connect(cfg.controller_address),
                               cfg.run_timeout_s)
     admin = GatewayAdminClient.connect(cfg.gateway_admin_address)
+    log.info("weight transport: %s (%s)", cfg.push.backend, cfg.push_backend_reason)
     weights = EngineWeights(admin, cfg.push, cfg.push.attempts, cfg.push.retry_delay_s)
     controller = ControllerClient.connect(cfg.controller_address)
     gauges = Gauges(GatewayAdminClient.connect(cfg.gateway_admin_address), controller,
