@@ -282,3 +282,40 @@ def test_sleep_settings_are_validated() -> None:
     with pytest.raises(ValueError):
         ModeConfig(kind="collocated", sleep_level=3)
     assert ModeConfig(kind="collocated").sleep_level == 0  # off by default
+
+
+@pytest.mark.parametrize("device,mode,want", [
+    ("cpu", "collocated", "gloo"), ("cpu", "sync", "gloo"), ("cuda", "collocated", "ipc"),
+    ("cuda", "async", "nccl"), ("cuda:1", "sync", "nccl")])
+def test_the_weight_transport_follows_from_the_deployment(device: str, mode: str,
+                                                          want: str) -> None:
+    from services.trainer.config import TrainerConfig
+
+    cfg = TrainerConfig(harness_command=["h"], grader_command=["g"], device=device,
+                        mode={"kind": mode})
+    assert cfg.push.backend == want
+    assert cfg.push_backend_reason.startswith("auto")
+
+
+def test_explicit_transports_are_checked_against_the_device() -> None:
+    from services.trainer.config import TrainerConfig
+
+    with pytest.raises(ValueError, match="push.backend=ipc needs the trainer on CUDA"):
+        TrainerConfig(harness_command=["h"], grader_command=["g"], push={"backend": "ipc"})
+    with pytest.raises(ValueError, match="use auto, gloo, nccl or ipc"):
+        TrainerConfig(harness_command=["h"], grader_command=["g"], push={"backend": "tcp"})
+
+
+def test_the_ipc_transport_refuses_host_tensors_and_the_engine_is_started_to_match() -> None:
+    import torch
+
+    from harnessrl.local.engine import engine_argv
+    from harnessrl.weight_transfer import make_transport
+
+    transport = make_transport("ipc")
+    assert transport.prepare(2) == {"packed": False}
+    with pytest.raises(ValueError, match="ipc weight transfer needs CUDA tensors"):
+        transport.update_info([("w", torch.zeros(2))])
+    argv = engine_argv(Path("/m"), 8000, "tiny", 4096, "ipc", ())
+    assert '{"backend": "ipc"}' in argv and "--enable-sleep-mode" in argv
+    assert "--enable-sleep-mode" not in engine_argv(Path("/m"), 8000, "tiny", 4096, "gloo", ())

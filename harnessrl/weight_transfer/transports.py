@@ -284,12 +284,13 @@ class IpcTransport(WeightTransport):
         from torch.multiprocessing.reductions import reduce_tensor
 
         info = update_info(params)
+        refs = [t.detach().contiguous() for _, t in params]
+        on_host = sorted({str(t.device) for t in refs if t.device.type != "cuda"})
+        if on_host:
+            raise ValueError(f"ipc weight transfer needs CUDA tensors, got {on_host}")
         torch.cuda.synchronize()  # the engine reads what the trainer last wrote
-        self._refs = [t.detach().contiguous() for _, t in params]
-        handles = []
-        for t in self._refs:
-            if t.device.type != "cuda":
-                raise ValueError(f"ipc weight transfer needs CUDA tensors, got {t.device}")
+        self._refs, handles = refs, []
+        for t in refs:
             uuid = str(torch.cuda.get_device_properties(t.device).uuid)
             handles.append({uuid: reduce_tensor(t)[1]})
         info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode()
