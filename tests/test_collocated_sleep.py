@@ -319,3 +319,19 @@ def test_the_ipc_transport_refuses_host_tensors_and_the_engine_is_started_to_mat
     argv = engine_argv(Path("/m"), 8000, "tiny", 4096, "ipc", ())
     assert '{"backend": "ipc"}' in argv and "--enable-sleep-mode" in argv
     assert "--enable-sleep-mode" not in engine_argv(Path("/m"), 8000, "tiny", 4096, "gloo", ())
+
+
+def test_the_gpu_collocated_bench_says_it_did_not_run_without_a_gpu() -> None:
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: bench/gpu_collocated.py measures for real (see the note)")
+    bench = Path(__file__).resolve().parents[1] / "bench" / "gpu_collocated.py"
+    out = subprocess.run([sys.executable, str(bench)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["ran"] is False
