@@ -467,7 +467,7 @@ class Trainer:
 
     def release_calls(self, s: StepRecord) -> None:
         if self.colo is not None:
-            if self.colo.needs_push:  # level 2 without a step: the weights again
+            if self.dist.agree(self.colo.needs_push):  # level 2, no step: weights again
                 self.push(self.state.policy_version, s)
             self.colo.leave(self.model, self.optimizer, self.state.policy_version, s,
                             self.pushed)
