@@ -60,7 +60,6 @@ from harnessrl.weight_transfer.transports import (
     WeightTransport,
     make_transport,
     tensor_bytes,
-    update_info,
 )
 from harnessrl.weight_versions import complete, incomplete
 
@@ -70,9 +69,10 @@ log = logging.getLogger(__name__)
 class PushConfig(BaseModel):
     """How the trainer pushes weights into engines."""
 
-    backend: str = Field("gloo", description="Weight transport: 'gloo' (CPU, our vLLM plugin) "
-                         "or 'nccl' (GPU, vLLM's built-in backend); must match the engines' "
-                         "--weight-transfer-config backend.")
+    backend: str = Field("gloo", description="Weight transport: 'gloo' (CPU, our vLLM plugin), "
+                         "'nccl' (GPU, separate devices) or 'ipc' (GPU, trainer and engine on "
+                         "the same devices: CUDA IPC), both vLLM's built-in backends; must "
+                         "match the engines' --weight-transfer-config backend.")
     master_address: str = Field("127.0.0.1", description="Address of the trainer that the "
                                 "engines' workers connect to for the weight process group.")
     bucket_mb: float = Field(32.0, description="Bucket size in MiB: tensors are packed into "
@@ -167,6 +167,9 @@ class GatewayHooks:
 
     def __init__(self, admin: Any) -> None:  # harnessrl.clients.GatewayAdminClient
         self.admin = admin
+        # collocated steps with sleep: the engine is not awake yet after its push; the
+        # trainer marks it READY and resumes it itself once it is (services/trainer/collocation)
+        self.defer_ready = False
 
     def before_push(self, engine: str) -> None:
         self.admin.pause([engine], drain=False)
@@ -174,6 +177,9 @@ class GatewayHooks:
     def after_push(self, engine: str, version: int) -> None:
         from harnessrl.v1 import gateway_pb2 as gpb
 
+        if self.defer_ready:
+            self.admin.update_engine(engine, policy_version=version)
+            return
         self.admin.update_engine(engine, policy_version=version, state=gpb.ENGINE_STATE_READY)
         self.admin.resume([engine])
 
@@ -330,7 +336,8 @@ class WeightPusher:
             stage = "update_weights"
             transport = link.transport
             assert transport is not None
-            update = side.submit(http.post, "/update_weights", {"update_info": update_info(params)},
+            update = side.submit(http.post, "/update_weights",
+                                 {"update_info": transport.update_info(params)},
                                  cfg.transfer_timeout_s)
             send = side.submit(transport.send, params)
             _sent(send, update, timeout=cfg.transfer_timeout_s)
