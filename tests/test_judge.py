@@ -161,3 +161,19 @@ def test_the_cli_writes_rewards_or_fails_with_the_reason(stub: StubJudge, tmp_pa
     stub.answers = ["garbage"]
     bad = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "no valid answer in 1 tries" in bad.stderr
+
+
+@pytest.mark.parametrize("combine,want", [("add", [0.5 * 0.2 + 0.5 * 1.0, 0.5 * 1.0 + 0.0]),
+                                          ("multiply", [0.2 * 1.0, 1.0 * 0.0])])
+def test_the_judge_combines_with_a_verifiable_reward_and_keeps_both_parts(
+        stub: StubJudge, combine: str, want: list[float]) -> None:
+    g = group(2)
+    for ro, r in zip(g["rollouts"], [1.0, 0.0]):  # tests passed, tests failed
+        ro["grader"] = {"reward": r}
+    stub.answers = [valid(2, [0.2, 1.0])]
+    out = Judge(config(stub, combine=combine)).score(g)
+    assert [round(r["reward"], 6) for r in out["rewards"]] == [round(x, 6) for x in want]
+    assert out["rewards"][0]["parts"] == {"judge": 0.2, "verifiable": 1.0}
+    g["rollouts"][1]["grader"] = None
+    with pytest.raises(JudgeError, match="needs each attempt's verifiable reward"):
+        Judge(config(stub, combine=combine)).score(g)

@@ -37,7 +37,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import httpx
 from pydantic import BaseModel, Field
@@ -72,6 +72,12 @@ class JudgeConfig(BaseModel):
     max_transcript_chars: int = Field(
         6000, ge=200, description="each transcript is cut to this many characters (its head "
                                   "and tail kept) to keep the prompt within the judge's context")
+    combine: Literal["judge", "add", "multiply"] = Field(
+        "judge", description="the reward: the judge's alone; `add`: judge_weight x judge + "
+                             "(1 - judge_weight) x the attempt's verifiable reward (its "
+                             "grader's `reward`); `multiply`: judge x verifiable (e.g. tests "
+                             "pass AND the judge's style score). Both parts are kept")
+    judge_weight: float = Field(0.5, ge=0, le=1, description="`add`: the judge's share")
 
 
 class JudgeError(RuntimeError):
@@ -169,7 +175,8 @@ def parse_scores(text: str, n: int, lo: float, hi: float) -> list[tuple[float, s
 
 
 def cache_key(cfg: JudgeConfig, group: dict[str, Any]) -> str:
-    decided_by = {"model": cfg.model, "rubric": cfg.rubric, "range": [cfg.score_min,
+    decided_by = {"model": cfg.model, "rubric": cfg.rubric, "combine": [cfg.combine,
+                  cfg.judge_weight], "range": [cfg.score_min,
                   cfg.score_max], "sampling": [cfg.temperature, cfg.top_p, cfg.seed,
                   cfg.max_tokens, cfg.max_transcript_chars], "task": group.get("task"),
                   "rollouts": [[r.get("transcript"), r.get("grader")] for r in group["rollouts"]]}
@@ -211,10 +218,28 @@ class Judge:
             raise JudgeError(f"judge {cfg.model} at {url}: not a chat completion: "
                              f"{r.text[:300]}") from None
 
+    def _reward(self, ro: dict[str, Any], score: float, why: str) -> dict[str, Any]:
+        cfg = self.cfg
+        judged = (score - cfg.score_min) / ((cfg.score_max - cfg.score_min) or 1.0)
+        parts: dict[str, float] = {"judge": score}
+        reward = judged
+        if cfg.combine != "judge":
+            verifiable = float(ro["grader"]["reward"])
+            parts["verifiable"] = verifiable
+            reward = (judged * verifiable if cfg.combine == "multiply" else
+                      cfg.judge_weight * judged + (1 - cfg.judge_weight) * verifiable)
+        return {"rollout_id": ro["rollout_id"], "reward": reward, "reason": why, "parts": parts}
+
     def score(self, group: dict[str, Any]) -> dict[str, Any]:
         cfg, rollouts = self.cfg, group["rollouts"]
         if not rollouts:
             raise JudgeError("the group has no rollouts to judge")
+        if cfg.combine != "judge":
+            missing = [ro["rollout_id"] for ro in rollouts
+                       if not isinstance((ro.get("grader") or {}).get("reward"), (int, float))]
+            if missing:
+                raise JudgeError(f"combine={cfg.combine} needs each attempt's verifiable "
+                                 f"reward (its grader's output); none for {missing}")
         key = cache_key(cfg, group)
         if self.cache is not None:
             hit = self.cache.get(key)
@@ -236,11 +261,7 @@ class Judge:
         else:
             raise JudgeError(f"judge {cfg.model}: no valid answer in {cfg.retries + 1} tries: "
                              + "; ".join(problems))
-        span = cfg.score_max - cfg.score_min or 1.0
-        out = {"rewards": [{"rollout_id": ro["rollout_id"],
-                            "reward": (s - cfg.score_min) / span, "reason": why,
-                            "parts": {"judge": s}}
-                           for ro, (s, why) in zip(rollouts, scores)],
+        out = {"rewards": [self._reward(ro, s, why) for ro, (s, why) in zip(rollouts, scores)],
                "judge": {"model": cfg.model, "cached": False, "calls": attempt,
                          "malformed": problems}}
         if self.cache is not None:
