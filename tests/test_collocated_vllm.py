@@ -43,6 +43,8 @@ from services.trainer.offload import TrainerOffload
 from services.trainer.rollouts import ControllerRuns
 from services.trainer.weights import EngineWeights
 
+pytestmark = pytest.mark.vllm
+
 PARITY = 1e-3
 CALC = Path(__file__).resolve().parents[1] / "examples" / "calc"
 
@@ -172,6 +174,7 @@ def test_collocated_loop_with_sleep_trains_pushes_and_serves_held_calls_on_the_n
     calls = [call for ro in rollouts for call in ro.calls]
     held = [call for call in calls if t.hold.held(call.started_at)]  # type: ignore[union-attr]
     assert held, "no call arrived during a hold: the check below would prove nothing"
+    assert sum(r["held_calls"] for r in rows) > 0
     assert held_calls_off_version(calls, windows) == []
     # held_calls by value: the held calls of the groups each step took, counted from the store
     by_group: dict[str, list[c.Call]] = {}

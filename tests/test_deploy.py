@@ -358,6 +358,9 @@ def test_compose_one_gpu_override_collocates_engine_and_trainer_on_one_device(
         assert dev["device_ids"] == ["3"]
         assert svc["ipc"] == "host"
     check_env_names(set(env), "compose one-gpu trainer")
+    gateway_env = services["gateway"]["environment"]
+    assert float(gateway_env["HARNESSRL_GATEWAY_HOLD_TIMEOUT_S"]) >= 600
+    check_env_names(set(gateway_env), "compose one-gpu gateway")
     cfg = TrainerConfig(harness_command=["h"], grader_command=["g"], device="cuda",
                         mode={"kind": "collocated", "sleep_level": 1}, push={"backend": "ipc"})
     assert cfg.push.backend == "ipc"

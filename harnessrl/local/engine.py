@@ -108,7 +108,7 @@ def engine_argv(model_dir: Path, port: int, served_model_name: str, max_model_le
     if weight_transfer_backend:
         argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
     if weight_transfer_backend == "ipc":  # one GPU with the trainer: it sleeps while it steps
-        argv += ["--enable-sleep-mode"]
+        argv += ["--enable-sleep-mode", "--gpu-memory-utilization", "0.85"]
     return argv + list(extra_args)
 
 

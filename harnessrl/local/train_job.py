@@ -136,6 +136,8 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
     if getattr(args, "eval_tasks", None):  # evaluation during training (evaluation.py)
         argv += ["--eval.tasks-file", str(Path(args.eval_tasks).resolve()),
                  "--eval.every", str(args.eval_every), "--eval.k", str(args.eval_k)]
+    if stack.cfg.weight_transfer_backend == "ipc":  # one GPU: the engine sleeps while it steps
+        argv += ["--mode.sleep-level", "1"]
     argv += list(getattr(args, "trainer_flags", None) or ())
     if getattr(args, "mode", "sync") != "sync":
         argv += ["--mode.kind", args.mode]

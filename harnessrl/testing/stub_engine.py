@@ -251,7 +251,7 @@ class StubEngine:
             return orjson.dumps({"status": "sleeping", "level": int(query.get("level", ["1"])[0])})
         if path == "/wake_up":
             tags = query.get("tags") or list(SLEEP_TAGS)
-            self.asleep -= set(tags)
+            self.asleep -= set(tags) | ({"scheduling"} if "kv_cache" in tags else set())
             if not self.asleep:
                 self.awake.set()
             return orjson.dumps({"status": "sleeping" if self.asleep else "awake",

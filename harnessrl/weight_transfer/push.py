@@ -235,6 +235,9 @@ class WeightPusher:
                  hooks: PushHooks | None = None) -> None:
         self.config = config or PushConfig()
         self.hooks = hooks
+        # collocated steps with sleep: the engine's scheduler is paused by its sleep and stays
+        # so until its KV cache is awake; the push neither pauses nor resumes it
+        self.keep_paused = False
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
         for e in engines:
@@ -321,7 +324,8 @@ class WeightPusher:
                 self._connect(link, side)
             stage = "pause"
             t_pause = time.perf_counter()
-            http.post("/pause", params={"mode": "keep"})
+            if not self.keep_paused:
+                http.post("/pause", params={"mode": "keep"})
             # The engine's weight version says "incomplete" before any weight changes: the
             # marker travels beside /start_weight_update (which changes none), and the update
             # is sent once both are answered.
@@ -349,10 +353,12 @@ class WeightPusher:
             _first_error(update, timeout=cfg.transfer_timeout_s)
             stage = "finish_weight_update"  # also sets the engine's weight version
             finish.result(timeout=cfg.transfer_timeout_s)
+            transport.finished()  # the engine holds its copy now (ipc: the handles go)
             started = False
             t_finish = time.perf_counter()
             stage = "resume"
-            http.post("/resume")
+            if not self.keep_paused:
+                http.post("/resume")
             t_resume = time.perf_counter()
             stage = "after_push hook"
             if self.hooks is not None:

@@ -101,6 +101,9 @@ class WeightTransport(ABC):
     def send(self, params: NamedTensors) -> None:
         """Broadcasts `params` in order, in buckets; returns when all of it is sent."""
 
+    def finished(self) -> None:
+        """The push's `/finish_weight_update` was answered: the engine holds its own copy."""
+
     @abstractmethod
     def close(self) -> None:
         """Tears the group down (a receive blocked on the other side then fails)."""
@@ -263,7 +266,8 @@ class IpcTransport(WeightTransport):
     and base64-encoded as vLLM's own HTTP client sends them (the engine needs
     `VLLM_ALLOW_INSECURE_SERIALIZATION=1`; only the trainer reaches its dev-mode routes). The
     engine copies from the trainer's tensors inside `/update_weights`, so `send` has nothing
-    left to do; the tensors are kept referenced until the next push or `close`."""
+    left to do; the tensors are kept referenced until `/finish_weight_update` is answered
+    (`finished`), then let go so that the trainer's offload can free them."""
 
     backend = "ipc"
 
@@ -288,7 +292,8 @@ class IpcTransport(WeightTransport):
         on_host = sorted({str(t.device) for t in refs if t.device.type != "cuda"})
         if on_host:
             raise ValueError(f"ipc weight transfer needs CUDA tensors, got {on_host}")
-        torch.cuda.synchronize()  # the engine reads what the trainer last wrote
+        for dev in {t.device for t in refs}:
+            torch.cuda.synchronize(dev)  # the engine reads what the trainer last wrote
         self._refs, handles = refs, []
         for t in refs:
             uuid = str(torch.cuda.get_device_properties(t.device).uuid)
@@ -298,6 +303,12 @@ class IpcTransport(WeightTransport):
 
     def send(self, params: NamedTensors) -> None:
         pass  # the engine copied the tensors inside /update_weights
+
+    def finished(self) -> None:
+        # vLLM's layerwise reload may read the shared tensors until finish: only now may the
+        # trainer's offload free their memory (the refs would keep it on the device)
+        self._refs = []
+        torch.cuda.ipc_collect()
 
     def close(self) -> None:
         self._refs = []

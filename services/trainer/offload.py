@@ -27,6 +27,7 @@ class TrainerOffload:
         self.device = torch.device(device)
         self.enabled = enabled and self.device.type == "cuda"
         self.seconds: dict[str, float] = {}  # the last move of each kind, for metrics
+        self.params_on_device = self.optimizer_on_device = True  # as the trainer builds them
         if enabled and not self.enabled:
             log.info("trainer offload: a no-op on %s (nothing to free)", self.device)
 
@@ -35,35 +36,46 @@ class TrainerOffload:
             torch.cuda.synchronize(self.device)
         self.seconds[what] = time.perf_counter() - t0
 
+    def hold_on_host(self) -> bool:
+        """The trainer builds its state in host memory (True when offload is on)."""
+        if self.enabled:
+            self.params_on_device = self.optimizer_on_device = False
+        return self.enabled
+
     @torch.no_grad()
     def onload(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """The parameters onto the device, and the optimizer state when given."""
         if not self.enabled:
             return
         t0 = time.perf_counter()
         model.to(self.device, non_blocking=True)
+        self.params_on_device = True
         if optimizer is not None:
             _move_optimizer(optimizer, self.device)
+            self.optimizer_on_device = True
         self._timed("onload_s", t0)
 
     @torch.no_grad()
     def offload_optimizer(self, model: torch.nn.Module,
                           optimizer: torch.optim.Optimizer | None) -> None:
-        if not self.enabled:
+        if not self.enabled or not self.optimizer_on_device:
             return
         t0 = time.perf_counter()
         for p in model.parameters():
             p.grad = None
         if optimizer is not None:
             _move_optimizer(optimizer, torch.device("cpu"))
+        self.optimizer_on_device = False
         torch.cuda.empty_cache()
         self._timed("offload_optimizer_s", t0)
 
     @torch.no_grad()
     def offload_params(self, model: torch.nn.Module) -> None:
-        if not self.enabled:
+        if not self.enabled or not self.params_on_device:
             return
         t0 = time.perf_counter()
         model.to("cpu")
+        self.params_on_device = False
         torch.cuda.empty_cache()
         self._timed("offload_params_s", t0)
 

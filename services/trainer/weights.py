@@ -69,7 +69,7 @@ class EngineWeights:
     def defer_ready(self, on: bool, exclude: set[str] | None = None) -> None:
         """Collocated steps with sleep: a pushed engine keeps its state (it is still partly
         asleep) until the trainer marks it READY; `exclude`d engines are not pushed to."""
-        self.hooks.defer_ready = on
+        self.hooks.defer_ready = self.pusher.keep_paused = on  # the sleep paused the engine
         self.exclude = set(exclude or ()) if on else set()
 
     def _sync_engines(self) -> None:
