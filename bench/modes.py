@@ -1,20 +1,28 @@
-"""sync vs async vs collocated, side by side on this machine (docs/modes.md).
+"""sync vs async vs collocated, side by side on this machine, measured as peers measure (AReaL,
+verl, ROLL: equal resources, equal steps, several runs; docs/modes.md).
 
-One stack (Redis, store, one vLLM engine on the project's tiny model, gateway, controller); for
-each tool latency (the --latency median, then 0) and each mode, a fresh trainer on a fresh
-output dir trains K steps of the bundled calc example whose harness has a slow tool step
-(bench/_slow_tool_harness.py: lognormal, median --latency s, sigma --sigma). Same model, same
-K x tasks_per_step x group_size trained rollouts, same harness concurrency in every mode.
+One stack (Redis, store, one vLLM engine on the project's tiny model, gateway, controller). Every
+mode gets the same resources: the engine and the trainer on --cpus-engine / --cpus-trainer, the
+services on --cpus-services, the rollout jobs on --cpus-jobs (the controller's
+`local_job_cpus`: on a deployment harnesses run in pods off the engine's and trainer's
+devices), and the same K steps of the calc example whose harness has a slow tool step
+(bench/_slow_tool_harness.py: lognormal, median L s, sigma --sigma). Runs are interleaved (seed
+by seed, latency by latency, the order of the modes rotated), not grouped by mode: --seeds
+seeds per mode at each of --latencies, --zero-latency-seeds at 0 s.
 
-Reported per run: wall time to K steps (from the start of step 1 to the end of step K),
-speed-up over sync at the same latency, engine busy fraction (gateway: an engine had a call in
-flight, sampled every 0.5 s), trainer busy fraction (train + push time over wall time), reward
-of the last steps, staleness histogram over trained samples, groups dropped, and where the CPU
-went (CPU seconds of each process tree: engine, rollout jobs, trainer, services). Then sync again
-with --sync-seeds - 1 more seeds, for the spread its final reward has. Ends with one JSON line
-and writes a PNG of reward against wall time (the --latency runs). Figures: docs/modes.md.
+Reported per run: wall time to K steps, the phase means (generate, train, push, hold; with
+sleep, sleep and wake), engine and trainer busy fractions, final reward, staleness, groups
+dropped, held calls, and where the CPU went (CPU seconds of each process tree: engine, rollout
+jobs, trainer, services). Per latency: each mode's speed-up over sync of the same seed as a
+median with its min and max, the phase means per mode, whether the final reward lies within
+the spread of the sync seeds, and a modelled bound: the most any mode could save here given
+the measured CPU, sync's wall time over max(sync's CPU seconds / the cores it may use,
+sync's train + push time) — no schedule can beat the work the CPU has to do, nor the trainer's
+own serial part. Ends with one JSON line and a PNG of reward against wall time.
 
-    python bench/modes.py --out /tmp/modes-bench     # 8 steps a run: ~50 min on 2 cores
+    python bench/modes.py --out /tmp/modes-bench      # 3 modes x (3 seeds x 2 latencies + 1)
+    python bench/modes.py --steps 2 --latencies 1 --seeds 1 --zero-latency-seeds 0 \
+        --tasks-per-step 2 --group-size 4 --concurrency 8      # a smoke run, a few minutes
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import argparse
 import json
 import os
 import resource
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +44,7 @@ sys.path.insert(0, str(REPO))
 from bench._procstat import children, proc_table  # noqa: E402
 from harnessrl import procs  # noqa: E402
 from harnessrl.local.stack import Stack, StackConfig  # noqa: E402
+from services.controller.backends.local import parse_cpu_list  # noqa: E402
 
 MODES = ("sync", "async", "collocated")
 
@@ -73,11 +84,14 @@ class CpuMeter:
         return {k: round(after[k] - before.get(k, 0.0), 1) for k in after}
 
 
+PHASES = ("generate_s", "train_s", "push_s", "hold_s", "sleep_s", "wake_s")
+
+
 def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.Namespace,
                 model_dir: Path, seed: int) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     name = f"{mode}-{str(latency).replace('.', 'p')}-s{seed}"
-    argv = procs.python_module(
+    argv = ["taskset", "-c", a.cpus_trainer] + procs.python_module(
         "services.trainer", "--bind", "127.0.0.1:0", "--store-address", stack.store_address,
         "--controller-address", stack.controller_address,
         "--gateway-admin-address", stack.gateway_admin_address, "--model-path", str(model_dir),
@@ -116,6 +130,9 @@ def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.
     return {
         "mode": mode, "latency_median_s": latency, "seed": seed, "steps": len(rows),
         "wall_s": wall,
+        "phase_mean_s": {k: round(sum(r.get(k) or 0.0 for r in rows) / len(rows), 3)
+                         for k in PHASES},
+        "train_push_s": sum(r["train_s"] + r["push_s"] for r in rows),
         "process_s": wall_process,
         "engine_busy_fraction": sum(b * t for b, t in busy) / sum(t for _, t in busy)
         if busy else None,
@@ -138,7 +155,7 @@ def plot(results: list[dict[str, Any]], latency: float, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
-        if r["latency_median_s"] == latency and r["seed"] == results[0]["seed"]:
+        if r["latency_median_s"] == latency and r["seed"] == 0:
             xs = [x for x, y in r["curve"] if y is not None]
             ys = [y for _, y in r["curve"] if y is not None]
             ax.plot(xs, ys, marker="o", label=f"{r['mode']} ({r['wall_s']:.0f} s)")
@@ -150,21 +167,79 @@ def plot(results: list[dict[str, Any]], latency: float, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def pin(pid: int, cpus: str) -> None:
+    """Every thread of `pid` and of its descendants onto `cpus` (they keep it for new ones)."""
+    table = proc_table()
+    kids = children(table)
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        subprocess.run(["taskset", "-a", "-c", "-p", cpus, str(p)], check=True,
+                       capture_output=True)
+        todo += kids.get(p, [])
+
+
+def interleaved(a: argparse.Namespace, modes: list[str]) -> list[tuple[float, str, int]]:
+    """(latency, mode, seed): seed by seed, latency by latency, the modes' order rotated."""
+    runs, k = [], 0
+    for seed in range(max(a.seeds, a.zero_latency_seeds)):
+        for latency in [x for x in a.latencies if x > 0 and seed < a.seeds] + (
+                [0.0] if seed < a.zero_latency_seeds else []):
+            order = modes[k % len(modes):] + modes[:k % len(modes)]
+            runs += [(latency, mode, seed) for mode in order]
+            k += 1
+    return runs
+
+
+def summary(results: list[dict[str, Any]], latency: float, cores: int) -> dict[str, Any]:
+    at = [r for r in results if r["latency_median_s"] == latency]
+    sync = {r["seed"]: r for r in at if r["mode"] == "sync"}
+    out: dict[str, Any] = {"runs": len(at)}
+    for mode in sorted({r["mode"] for r in at}):
+        mine = [r for r in at if r["mode"] == mode]
+        ups = [sync[r["seed"]]["wall_s"] / r["wall_s"] for r in mine if r["seed"] in sync]
+        out[mode] = {
+            "speedup_vs_sync": {"median": statistics.median(ups), "min": min(ups),
+                                "max": max(ups), "n": len(ups)} if ups else None,
+            "wall_s": [round(r["wall_s"], 1) for r in mine],
+            "phase_mean_s": {k: round(statistics.fmean(r["phase_mean_s"][k] for r in mine), 3)
+                             for k in PHASES},
+            "final_reward": [r["final_reward"] for r in mine],
+            "cpu_busy_fraction": round(statistics.fmean(r["cpu_busy_fraction"] for r in mine),
+                                       3)}
+    bounds = [r["wall_s"] / max(sum(r["cpu_s"].values()) / cores, r["train_push_s"])
+              for r in sync.values()]
+    out["modelled_bound_speedup"] = round(statistics.median(bounds), 3) if bounds else None
+    rewards = [r["final_reward"] for r in sync.values() if r["final_reward"] is not None]
+    if rewards:
+        lo, hi = min(rewards), max(rewards)
+        out["sync_final_reward_spread"] = [lo, hi]
+        out["final_reward_within_sync_spread"] = {
+            m: all(lo <= x <= hi for x in out[m]["final_reward"] if x is not None)
+            for m in out if isinstance(out.get(m), dict) and m != "sync"}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=8, help="K: trainer steps per run")
     ap.add_argument("--tasks-per-step", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=16, help="harness runs at once")
-    ap.add_argument("--latency", type=float, default=2.0, help="tool step median (s)")
+    ap.add_argument("--latencies", type=lambda v: [float(x) for x in v.split(",")],
+                    default=[2.0, 8.0], help="tool step medians (s), comma-separated")
     ap.add_argument("--sigma", type=float, default=1.2, help="tool step lognormal sigma")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per mode at each latency")
+    ap.add_argument("--zero-latency-seeds", type=int, default=1, help="seeds per mode at 0 s")
     ap.add_argument("--max-staleness", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sync-seeds", type=int, default=3,
-                    help="sync runs at --latency with seeds seed, seed+1, ...: the spread of the "
-                         "reward that the other modes' final reward is compared with")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--skip-zero-latency", action="store_true")
+    cores = sorted(os.sched_getaffinity(0))
+    last = str(cores[-1])
+    ap.add_argument("--cpus-engine", default=str(cores[0]), help="CPU list of the engine")
+    ap.add_argument("--cpus-trainer", default=str(cores[0]), help="CPU list of the trainer")
+    ap.add_argument("--cpus-jobs", default=last, help="CPU list of the rollout jobs")
+    ap.add_argument("--cpus-services", default=last,
+                    help="CPU list of Redis, store, gateway and controller")
     ap.add_argument("--timeout-s", type=float, default=3600)
     ap.add_argument("--out", type=Path, default=Path(".harnessrl/bench-modes"))
     a = ap.parse_args()
@@ -177,69 +252,40 @@ def main() -> None:
     cfg = StackConfig(state_dir=a.out / "stack", redis_url=f"redis://127.0.0.1:"
                       f"{procs.free_port()}/0", key_prefix="bench-modes:", model_dir=model_dir,
                       served_model_name="tiny", weight_transfer_backend="gloo",
-                      gateway_flags=("--hold-timeout-s", "600"))
-    latencies = [a.latency] + ([] if a.skip_zero_latency or a.latency == 0 else [0.0])
+                      gateway_flags=("--hold-timeout-s", "600"),
+                      controller_flags=("--local-job-cpus", a.cpus_jobs))
     results: list[dict[str, Any]] = []
-    runs = [(latency, mode, a.seed) for latency in latencies for mode in a.modes.split(",")]
-    runs += [(a.latency, "sync", a.seed + k) for k in range(1, a.sync_seeds)]
+    runs = interleaved(a, a.modes.split(","))
+    used = {int(c) for cpus in (a.cpus_engine, a.cpus_trainer, a.cpus_jobs, a.cpus_services)
+            for c in parse_cpu_list(cpus)}
     with Stack(cfg) as stack:
-        for latency, mode, seed in runs:
+        for name, p in stack.procs.items():
+            if p.proc is not None:
+                pin(p.proc.pid, a.cpus_engine if name.startswith("engine") else a.cpus_services)
+        for i, (latency, mode, seed) in enumerate(runs, 1):
             r = run_trainer(stack, a.out / f"{mode}-lat{latency}-seed{seed}", mode, latency,
                             a, model_dir, seed)
             results.append(r)
             (a.out / "results.json").write_text(json.dumps(results, indent=1))  # so far
-            print(f"latency {latency:>4} s  {mode:<10} seed {seed}  {r['steps']} steps in "
-                  f"{r['wall_s']:7.1f} s  engine busy {r['engine_busy_fraction'] or 0:.2f}  "
-                  f"trainer busy {r['trainer_busy_fraction']:.2f}  reward "
-                  f"{r['final_reward']}  staleness {r['staleness_hist']}  dropped "
-                  f"{r['groups_dropped']}  held calls {r['held_calls']}\n"
-                  f"    CPU s over {r['process_s']:.0f} s x {os.cpu_count()} cores "
+            print(f"[{i}/{len(runs)}] latency {latency:>4} s  {mode:<10} seed {seed}  "
+                  f"{r['steps']} steps in {r['wall_s']:7.1f} s  phases {r['phase_mean_s']}  "
+                  f"reward {r['final_reward']}  dropped {r['groups_dropped']}  held "
+                  f"{r['held_calls']}\n    CPU s over {r['process_s']:.0f} s "
                   f"(busy {r['cpu_busy_fraction']:.2f}): {r['cpu_s']}", flush=True)
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[:3]
-
-    def wall(mode: str, latency: float) -> float | None:
-        m = [r["wall_s"] for r in results if r["mode"] == mode and r["latency_median_s"] == latency
-             and r["seed"] == a.seed]
-        return m[0] if m else None
-
-    def speedup(mode: str, latency: float) -> float | None:
-        s, m = wall("sync", latency), wall(mode, latency)
-        return s / m if s and m else None
-
-    for latency in latencies:
-        print(f"latency {latency} s: speed-up vs sync: async {speedup('async', latency)}, "
-              f"collocated {speedup('collocated', latency)}")
+    latencies = sorted({r["latency_median_s"] for r in results})
+    per_latency = {str(lat): summary(results, lat, len(used)) for lat in latencies}
     png = a.out / "reward_vs_wall.png"
-    plot(results, a.latency, png)
+    plot(results, max(latencies), png)
     (a.out / "results.json").write_text(json.dumps(results, indent=1))
     print(f"load average before {load_before}, after {load_after}; figure {png}")
-    sync_rewards = [r["final_reward"] for r in results if r["mode"] == "sync"
-                    and r["latency_median_s"] == a.latency and r["final_reward"] is not None]
-    spread = [min(sync_rewards), max(sync_rewards)] if sync_rewards else None
-
-    def within(mode: str) -> bool | None:
-        got = [r["final_reward"] for r in results if r["mode"] == mode and r["seed"] == a.seed
-               and r["latency_median_s"] == a.latency]
-        if not got or got[0] is None or spread is None:
-            return None
-        return spread[0] <= got[0] <= spread[1]
-
-    print(f"sync final reward over {len(sync_rewards)} seeds: {spread}; within it: async "
-          f"{within('async')}, collocated {within('collocated')}")
     print(json.dumps({
-        "speedup_collocated_vs_sync": speedup("collocated", a.latency),
-        "speedup_async_vs_sync": speedup("async", a.latency),
-        "speedup_collocated_vs_sync_zero_latency": speedup("collocated", 0.0),
-        "speedup_async_vs_sync_zero_latency": speedup("async", 0.0),
-        "final_reward": {f"{r['mode']}@{r['latency_median_s']}"
-                         + (f"/seed{r['seed']}" if r["seed"] != a.seed else ""): r["final_reward"]
-                         for r in results},
-        "sync_final_reward_spread": spread,
-        "final_reward_within_sync_spread": {"async": within("async"),
-                                            "collocated": within("collocated")},
-        "steps": a.steps, "tasks_per_step": a.tasks_per_step, "group_size": a.group_size,
-        "concurrency": a.concurrency, "load_before": load_before, "load_after": load_after}))
+        "per_latency": per_latency, "steps": a.steps, "tasks_per_step": a.tasks_per_step,
+        "group_size": a.group_size, "concurrency": a.concurrency, "sigma": a.sigma,
+        "cpus": {"engine": a.cpus_engine, "trainer": a.cpus_trainer, "jobs": a.cpus_jobs,
+                 "services": a.cpus_services},
+        "load_before": load_before, "load_after": load_after}))
 
 
 if __name__ == "__main__":

@@ -152,6 +152,11 @@ class StoreClient(_Client[store_pb2_grpc.StoreStub]):
         return self.stub.DeleteState(spb.DeleteStateRequest(namespace=namespace, key=key),
                                      timeout=self.timeout)
 
+    def get_state(self, namespace: str, key: str) -> bytes | None:
+        r = self.stub.GetState(spb.GetStateRequest(namespace=namespace, key=key),
+                               timeout=self.timeout)
+        return r.value if r.found else None
+
     def list_state(self, namespace: str) -> spb.ListStateResponse:
         return self.stub.ListState(spb.ListStateRequest(namespace=namespace),
                                    timeout=self.timeout)

@@ -275,18 +275,20 @@ def test_manifest_env_names_are_config_fields(manifests) -> None:  # type: ignor
 
 # -- docker-compose.yml ----------------------------------------------------------------------
 
-def compose_config(tmp_path: Path, env: dict[str, str] | None = None) -> dict[str, Any]:
+def compose_config(tmp_path: Path, env: dict[str, str] | None = None,
+                   overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """`docker-compose config` (Debian's docker-compose, a Compose implementation that
-    validates the file against the Compose schema) of docker-compose.yml, parsed."""
+    validates the file against the Compose schema) of docker-compose.yml (and `overrides`
+    layered on it), parsed."""
     exe = shutil.which("docker-compose")
     assert exe, "docker-compose is needed (apt-get install docker-compose; scripts/setup.sh)"
     secret = tmp_path / "secret"
     secret.write_text("x" * 32)
     full_env = {k: v for k, v in os.environ.items() if k != "COMPOSE_PROFILES"}
     full_env.update({"HARNESSRL_SECRET_FILE": str(secret), **(env or {})})
-    out = subprocess.run([exe, "--project-directory", str(REPO), "-f",
-                          str(REPO / "docker-compose.yml"), "config"], capture_output=True,
-                         text=True, env=full_env, timeout=60)
+    files = [x for f in ("docker-compose.yml", *overrides) for x in ("-f", str(REPO / f))]
+    out = subprocess.run([exe, "--project-directory", str(REPO), *files, "config"],
+                         capture_output=True, text=True, env=full_env, timeout=60)
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)
 
@@ -331,6 +333,37 @@ def test_compose_trainer_takes_every_gpu_it_is_given(tmp_path: Path) -> None:
     from services.trainer.config import TrainerConfig
 
     assert "nproc" in TrainerConfig.model_fields
+
+
+def test_compose_one_gpu_override_collocates_engine_and_trainer_on_one_device(
+        tmp_path: Path) -> None:
+    """docker-compose.one-gpu.yml: both on ENGINE_GPU, the engine with sleep mode and the ipc
+    weight-transfer backend, the trainer collocated with sleep over ipc."""
+    import json as _json
+
+    from services.trainer.config import TrainerConfig
+
+    services = compose_config(tmp_path, {"ENGINE_GPU": "3", "TRAINER_GPUS": "3"},
+                              ("docker-compose.one-gpu.yml",))["services"]
+    engine, trainer = services["engine"], services["trainer"]
+    cmd = engine["command"]
+    assert "--enable-sleep-mode" in cmd
+    assert _json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "ipc"}
+    assert engine["environment"]["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    env = trainer["environment"]
+    assert env["HARNESSRL_TRAINER_PUSH__BACKEND"] == "ipc"
+    assert env["HARNESSRL_TRAINER_MODE__KIND"] == "collocated"
+    for svc in (engine, trainer):
+        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["device_ids"] == ["3"]
+        assert svc["ipc"] == "host"
+    check_env_names(set(env), "compose one-gpu trainer")
+    gateway_env = services["gateway"]["environment"]
+    assert float(gateway_env["HARNESSRL_GATEWAY_HOLD_TIMEOUT_S"]) >= 600
+    check_env_names(set(gateway_env), "compose one-gpu gateway")
+    cfg = TrainerConfig(harness_command=["h"], grader_command=["g"], device="cuda",
+                        mode={"kind": "collocated", "sleep_level": 1}, push={"backend": "ipc"})
+    assert cfg.push.backend == "ipc"
 
 
 def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:

@@ -153,6 +153,7 @@ STORE_SEEDS: dict[str, object] = {
     "PutState": spb.PutStateRequest(namespace="fz", key="k", value=b"v"),
     "DeleteState": spb.DeleteStateRequest(namespace="fz", key="k"),
     "ListState": spb.ListStateRequest(namespace="fz"),
+    "GetState": spb.GetStateRequest(namespace="fz", key="k"),
 }
 
 

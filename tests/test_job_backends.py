@@ -400,3 +400,34 @@ async def test_job_creation_is_rate_limited(k8s, fake_kube, tmp_path: Path) -> N
     assert len(times) == 8
     # a leaky bucket of 4 per second: the first 4 at once, the next 4 over about a second
     assert times[-1] - times[0] >= 0.7, times
+
+
+async def test_local_jobs_run_at_the_configured_priority_and_cpus(tmp_path: Path) -> None:
+    """`local_job_nice` / `local_job_cpus`: the harness and what it starts run lower in CPU
+    priority and on those CPUs only (the engine's and trainer's cores left to them)."""
+    import os
+
+    from services.controller.backends.local import parse_cpu_list
+
+    cpu = max(os.sched_getaffinity(0))
+    base_nice = os.nice(0)
+    b = LocalBackend(kill_grace_s=0.5, nice=7, cpus=str(cpu))
+    probe = ("import os, subprocess, sys; print(os.nice(0), sorted(os.sched_getaffinity(0))); "
+             "subprocess.run([sys.executable, '-c', 'import os; print(os.nice(0), "
+             "sorted(os.sched_getaffinity(0)))'])")
+    await b.launch(spec(tmp_path, "placed", [PY, "-c", probe]))
+    r = await b.wait("placed")
+    assert r.succeeded, r.stderr_path.read_text()
+    want = f"{min(base_nice + 7, 19)} [{cpu}]"
+    assert r.stdout_path.read_text().splitlines() == [want, want]  # the job and its child
+    await b.close()
+    plain = LocalBackend(kill_grace_s=0.5)
+    await plain.launch(spec(tmp_path, "plain", [PY, "-c", probe]))
+    r = await plain.wait("plain")
+    assert r.stdout_path.read_text().splitlines()[0].split()[0] == str(base_nice)
+    await plain.close()
+    assert parse_cpu_list("0") == {0}
+    with pytest.raises(ValueError, match="use numbers and ranges"):
+        parse_cpu_list("a-b")
+    with pytest.raises(ValueError, match="not available here"):
+        parse_cpu_list("4096")

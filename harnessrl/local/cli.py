@@ -226,7 +226,7 @@ def _detach(args: argparse.Namespace, state: Path) -> int:
 
 def _up(args: argparse.Namespace, state: Path) -> int:
     from harnessrl.model.build import build_tiny_model, default_model_dir
-    from harnessrl.local.stack import Stack, StackConfig
+    from harnessrl.local.stack import Stack, StackConfig, default_weight_backend
 
     daemon = args.daemon
     if daemon:  # `harnessrl down` sends SIGTERM: stop everything on the way out
@@ -247,7 +247,8 @@ def _up(args: argparse.Namespace, state: Path) -> int:
     cfg = StackConfig(state_dir=state, redis_url=args.redis_url,
                       model_dir=None if engines else model_dir,
                       served_model_name=args.model_name, external_engines=engines,
-                      key_prefix=args.key_prefix)
+                      key_prefix=args.key_prefix,
+                      weight_transfer_backend=default_weight_backend(getattr(args, "mode", "sync")))
     what = "starting Redis, store, gateway, controller" + (
         "" if engines else " and vLLM (about a minute)")
     stack = Stack(cfg)

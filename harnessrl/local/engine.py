@@ -107,6 +107,8 @@ def engine_argv(model_dir: Path, port: int, served_model_name: str, max_model_le
     )
     if weight_transfer_backend:
         argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
+    if weight_transfer_backend == "ipc":  # one GPU with the trainer: it sleeps while it steps
+        argv += ["--enable-sleep-mode", "--gpu-memory-utilization", "0.85"]
     return argv + list(extra_args)
 
 
@@ -122,7 +124,8 @@ def start_engine(model_dir: str | Path, port: int | None = None,
     positions (a 40,000-character prompt fits); on CPU the KV cache is sized in bytes
     (`kv_cache_gib`), not tokens, so the context length costs neither memory nor start time
     (docs/gateway-apis.md). `weight_transfer_backend` (e.g. "gloo" on CPU,
-    "nccl" on GPU) enables vLLM's weight-transfer protocol with that backend. `env` is added to
+    "nccl" on GPU, "ipc" on the trainer's GPU: with sleep mode on) enables vLLM's
+    weight-transfer protocol with that backend. `env` is added to
     this process's environment; `VLLM_CPU_KVCACHE_SPACE` (GiB), `HF_HUB_OFFLINE=1` and
     `VLLM_SERVER_DEV_MODE=1` (the pause/weight-update endpoints) are set unless given there."""
     model_dir = Path(model_dir).resolve()
@@ -148,6 +151,9 @@ def start_engine(model_dir: str | Path, port: int | None = None,
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        # ipc: the trainer's CUDA IPC handles arrive pickled (vLLM refuses them otherwise)
+        **({"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if weight_transfer_backend == "ipc"
+           else {}),
         **(env or {}),
     }
     argv = engine_argv(model_dir, port, name, max_model_len, weight_transfer_backend,

@@ -27,11 +27,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("harnessrl.local.stack")
 
 
-def default_weight_backend() -> str:
-    """nccl where CUDA is available (vLLM's own backend), else gloo (our vLLM plugin)."""
+def default_weight_backend(mode: str = "sync") -> str:
+    """gloo without CUDA (our vLLM plugin); with CUDA vLLM's own backends: ipc for collocated
+    mode (this machine's engine and trainer share its GPU; NCCL refuses two ranks on one
+    device), else nccl."""
     import torch
 
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    if not torch.cuda.is_available():
+        return "gloo"
+    return "ipc" if mode == "collocated" else "nccl"
 
 
 @dataclass
@@ -51,7 +55,7 @@ class StackConfig:
     external_engines: tuple[str, ...] = ()
     """Base URLs of engines already running (registered with the gateway as well)."""
     weight_transfer_backend: str | None = field(default_factory=default_weight_backend)
-    """Enables vLLM's weight-transfer protocol with this backend (gloo on CPU, nccl on GPU)."""
+    """Enables vLLM's weight-transfer protocol with this backend (`default_weight_backend`)."""
     max_model_len: int = 32768
     """Engine context length (the tiny model's positions: room for a 40,000-character prompt)."""
     engine_extra_args: tuple[str, ...] = ()

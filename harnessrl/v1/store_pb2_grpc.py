@@ -125,6 +125,11 @@ class StoreStub:
                 request_serializer=harnessrl_dot_v1_dot_store__pb2.DeleteStateRequest.SerializeToString,
                 response_deserializer=harnessrl_dot_v1_dot_store__pb2.DeleteStateResponse.FromString,
                 _registered_method=True)
+        self.GetState = channel.unary_unary(
+                '/harnessrl.v1.Store/GetState',
+                request_serializer=harnessrl_dot_v1_dot_store__pb2.GetStateRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_store__pb2.GetStateResponse.FromString,
+                _registered_method=True)
         self.ListState = channel.unary_unary(
                 '/harnessrl.v1.Store/ListState',
                 request_serializer=harnessrl_dot_v1_dot_store__pb2.ListStateRequest.SerializeToString,
@@ -268,6 +273,13 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetState(self, request, context):
+        """One key's value (found false when the key is not there).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListState(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -366,6 +378,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.DeleteState,
                     request_deserializer=harnessrl_dot_v1_dot_store__pb2.DeleteStateRequest.FromString,
                     response_serializer=harnessrl_dot_v1_dot_store__pb2.DeleteStateResponse.SerializeToString,
+            ),
+            'GetState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetState,
+                    request_deserializer=harnessrl_dot_v1_dot_store__pb2.GetStateRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_store__pb2.GetStateResponse.SerializeToString,
             ),
             'ListState': grpc.unary_unary_rpc_method_handler(
                     servicer.ListState,
@@ -859,6 +876,33 @@ class Store:
             '/harnessrl.v1.Store/DeleteState',
             harnessrl_dot_v1_dot_store__pb2.DeleteStateRequest.SerializeToString,
             harnessrl_dot_v1_dot_store__pb2.DeleteStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Store/GetState',
+            harnessrl_dot_v1_dot_store__pb2.GetStateRequest.SerializeToString,
+            harnessrl_dot_v1_dot_store__pb2.GetStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

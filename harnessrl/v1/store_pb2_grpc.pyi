@@ -81,6 +81,8 @@ class StoreStub:
     registry here). Values up to 1 MiB, 10,000 keys per namespace.
     """
     DeleteState: _grpc.UnaryUnaryMultiCallable[_store_pb2.DeleteStateRequest, _store_pb2.DeleteStateResponse]
+    GetState: _grpc.UnaryUnaryMultiCallable[_store_pb2.GetStateRequest, _store_pb2.GetStateResponse]
+    """One key's value (found false when the key is not there)."""
     ListState: _grpc.UnaryUnaryMultiCallable[_store_pb2.ListStateRequest, _store_pb2.ListStateResponse]
 
 @_typing.type_check_only
@@ -135,6 +137,8 @@ class StoreAsyncStub(StoreStub):
     registry here). Values up to 1 MiB, 10,000 keys per namespace.
     """
     DeleteState: _aio.UnaryUnaryMultiCallable[_store_pb2.DeleteStateRequest, _store_pb2.DeleteStateResponse]  # type: ignore[assignment]
+    GetState: _aio.UnaryUnaryMultiCallable[_store_pb2.GetStateRequest, _store_pb2.GetStateResponse]  # type: ignore[assignment]
+    """One key's value (found false when the key is not there)."""
     ListState: _aio.UnaryUnaryMultiCallable[_store_pb2.ListStateRequest, _store_pb2.ListStateResponse]  # type: ignore[assignment]
 
 class StoreServicer(metaclass=_abc_1.ABCMeta):
@@ -294,6 +298,14 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         request: _store_pb2.DeleteStateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_store_pb2.DeleteStateResponse, _abc.Awaitable[_store_pb2.DeleteStateResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def GetState(
+        self,
+        request: _store_pb2.GetStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.GetStateResponse, _abc.Awaitable[_store_pb2.GetStateResponse]]:
+        """One key's value (found false when the key is not there)."""
 
     @_abc_1.abstractmethod
     def ListState(

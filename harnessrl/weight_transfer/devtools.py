@@ -102,18 +102,7 @@ class VllmServer:
         self.stop()
 
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
-        """The engine's log-probability of each token of `token_ids` given the ones before it
-        (positions 1..n-1), from `/v1/completions` with `prompt_logprobs`."""
-        r = httpx.post(f"{self.base_url}/v1/completions", timeout=120, json={
-            "model": "m", "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
-            "prompt_logprobs": 0})
-        r.raise_for_status()
-        entries = r.json()["choices"][0]["prompt_logprobs"]
-        out = []
-        for pos in range(1, len(token_ids)):
-            entry: dict[str, Any] = entries[pos]
-            out.append(entry[str(token_ids[pos])]["logprob"])
-        return torch.tensor(out, dtype=torch.float64)
+        return engine_prompt_logprobs(self.base_url, token_ids, "m")
 
     def transfer_engine(self, op: str, timeout: float = 300.0, **kwargs: str) -> Any:
         """Calls our gloo engine inside the worker (`gloo_engine.GlooWeightTransferEngine.
@@ -154,6 +143,18 @@ class TrippedWeights:
             self.tripped = True
             self.trip()
         return self.params[i]
+
+
+def engine_prompt_logprobs(base_url: str, token_ids: list[int], model: str) -> torch.Tensor:
+    """The engine's log-probability of each token of `token_ids` given the ones before it
+    (positions 1..n-1), from `/v1/completions` with `prompt_logprobs`."""
+    r = httpx.post(f"{base_url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
+        "prompt_logprobs": 0})
+    r.raise_for_status()
+    entries = r.json()["choices"][0]["prompt_logprobs"]
+    out = [entries[pos][str(token_ids[pos])]["logprob"] for pos in range(1, len(token_ids))]
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def hf_prompt_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:

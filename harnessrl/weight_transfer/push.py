@@ -60,7 +60,6 @@ from harnessrl.weight_transfer.transports import (
     WeightTransport,
     make_transport,
     tensor_bytes,
-    update_info,
 )
 from harnessrl.weight_versions import complete, incomplete
 
@@ -70,9 +69,10 @@ log = logging.getLogger(__name__)
 class PushConfig(BaseModel):
     """How the trainer pushes weights into engines."""
 
-    backend: str = Field("gloo", description="Weight transport: 'gloo' (CPU, our vLLM plugin) "
-                         "or 'nccl' (GPU, vLLM's built-in backend); must match the engines' "
-                         "--weight-transfer-config backend.")
+    backend: str = Field("gloo", description="Weight transport: 'gloo' (CPU, our vLLM plugin), "
+                         "'nccl' (GPU, separate devices) or 'ipc' (GPU, trainer and engine on "
+                         "the same devices: CUDA IPC), both vLLM's built-in backends; must "
+                         "match the engines' --weight-transfer-config backend.")
     master_address: str = Field("127.0.0.1", description="Address of the trainer that the "
                                 "engines' workers connect to for the weight process group.")
     bucket_mb: float = Field(32.0, description="Bucket size in MiB: tensors are packed into "
@@ -167,6 +167,9 @@ class GatewayHooks:
 
     def __init__(self, admin: Any) -> None:  # harnessrl.clients.GatewayAdminClient
         self.admin = admin
+        # collocated steps with sleep: the engine is not awake yet after its push; the
+        # trainer marks it READY and resumes it itself once it is (services/trainer/collocation)
+        self.defer_ready = False
 
     def before_push(self, engine: str) -> None:
         self.admin.pause([engine], drain=False)
@@ -174,6 +177,9 @@ class GatewayHooks:
     def after_push(self, engine: str, version: int) -> None:
         from harnessrl.v1 import gateway_pb2 as gpb
 
+        if self.defer_ready:
+            self.admin.update_engine(engine, policy_version=version)
+            return
         self.admin.update_engine(engine, policy_version=version, state=gpb.ENGINE_STATE_READY)
         self.admin.resume([engine])
 
@@ -229,6 +235,9 @@ class WeightPusher:
                  hooks: PushHooks | None = None) -> None:
         self.config = config or PushConfig()
         self.hooks = hooks
+        # collocated steps with sleep: the engine's scheduler is paused by its sleep and stays
+        # so until its KV cache is awake; the push neither pauses nor resumes it
+        self.keep_paused = False
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
         for e in engines:
@@ -315,7 +324,8 @@ class WeightPusher:
                 self._connect(link, side)
             stage = "pause"
             t_pause = time.perf_counter()
-            http.post("/pause", params={"mode": "keep"})
+            if not self.keep_paused:
+                http.post("/pause", params={"mode": "keep"})
             # The engine's weight version says "incomplete" before any weight changes: the
             # marker travels beside /start_weight_update (which changes none), and the update
             # is sent once both are answered.
@@ -330,7 +340,8 @@ class WeightPusher:
             stage = "update_weights"
             transport = link.transport
             assert transport is not None
-            update = side.submit(http.post, "/update_weights", {"update_info": update_info(params)},
+            update = side.submit(http.post, "/update_weights",
+                                 {"update_info": transport.update_info(params)},
                                  cfg.transfer_timeout_s)
             send = side.submit(transport.send, params)
             _sent(send, update, timeout=cfg.transfer_timeout_s)
@@ -342,10 +353,12 @@ class WeightPusher:
             _first_error(update, timeout=cfg.transfer_timeout_s)
             stage = "finish_weight_update"  # also sets the engine's weight version
             finish.result(timeout=cfg.transfer_timeout_s)
+            transport.finished()  # the engine holds its copy now (ipc: the handles go)
             started = False
             t_finish = time.perf_counter()
             stage = "resume"
-            http.post("/resume")
+            if not self.keep_paused:
+                http.post("/resume")
             t_resume = time.perf_counter()
             stage = "after_push hook"
             if self.hooks is not None:

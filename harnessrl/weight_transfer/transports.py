@@ -1,12 +1,18 @@
 """Trainer side of the weight data plane: one `WeightTransport` per engine, the trainer as
 rank 0 of a process group with that engine's workers.
 
-Two implementations with one protocol (the pusher cannot tell them apart):
+Three implementations with one protocol (the pusher cannot tell them apart):
 
 - `GlooTransport` (CPU): talks to our `gloo` vLLM backend (`gloo_engine.py`, registered by
   the `harnessrl_gloo` vLLM plugin).
-- `NcclTransport` (GPU): vLLM's own trainer-side NCCL helpers (`nccl_common.trainer_init`,
-  `packed_nccl_broadcast_producer`) against vLLM's built-in `nccl` backend.
+- `NcclTransport` (GPU, separate devices): vLLM's own trainer-side NCCL helpers
+  (`nccl_common.trainer_init`, `packed_nccl_broadcast_producer`) against vLLM's built-in `nccl`
+  backend.
+- `IpcTransport` (GPU, trainer and engine on the same devices, where NCCL refuses two ranks on
+  one device): CUDA IPC handles against vLLM's built-in `ipc` backend
+  (`vllm/distributed/weight_transfer/ipc_engine.py`). No process group and no broadcast: the
+  `/update_weights` request carries a handle per tensor and the engine maps the trainer's own
+  memory.
 
 Protocol, as vLLM's dense NCCL engine defines it: `prepare(world_size)` reserves the rendezvous
 endpoint and returns the worker init info (POSTed to `/init_weight_transfer_engine`); `join()`
@@ -86,9 +92,17 @@ class WeightTransport(ABC):
     def join(self) -> None:
         """Rendezvous as rank 0; returns once every worker has joined."""
 
+    def update_info(self, params: NamedTensors) -> dict[str, Any]:
+        """The `/update_weights` payload of one push (module `update_info`, plus what the
+        backend adds)."""
+        return update_info(params)
+
     @abstractmethod
     def send(self, params: NamedTensors) -> None:
         """Broadcasts `params` in order, in buckets; returns when all of it is sent."""
+
+    def finished(self) -> None:
+        """The push's `/finish_weight_update` was answered: the engine holds its own copy."""
 
     @abstractmethod
     def close(self) -> None:
@@ -247,9 +261,65 @@ class NcclTransport(WeightTransport):
             group.destroy()
 
 
+class IpcTransport(WeightTransport):
+    """vLLM's `ipc` backend: one CUDA IPC handle per tensor, keyed by the GPU's UUID, pickled
+    and base64-encoded as vLLM's own HTTP client sends them (the engine needs
+    `VLLM_ALLOW_INSECURE_SERIALIZATION=1`; only the trainer reaches its dev-mode routes). The
+    engine copies from the trainer's tensors inside `/update_weights`, so `send` has nothing
+    left to do; the tensors are kept referenced until `/finish_weight_update` is answered
+    (`finished`), then let go so that the trainer's offload can free them."""
+
+    backend = "ipc"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._refs: list[torch.Tensor] = []
+
+    def prepare(self, world_size: int) -> dict[str, Any]:
+        return {"packed": False}
+
+    def join(self) -> None:
+        pass  # no rendezvous: the handles travel with each update
+
+    def update_info(self, params: NamedTensors) -> dict[str, Any]:
+        import base64
+        import pickle
+
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        info = update_info(params)
+        refs = [t.detach().contiguous() for _, t in params]
+        on_host = sorted({str(t.device) for t in refs if t.device.type != "cuda"})
+        if on_host:
+            raise ValueError(f"ipc weight transfer needs CUDA tensors, got {on_host}")
+        for dev in {t.device for t in refs}:
+            torch.cuda.synchronize(dev)  # the engine reads what the trainer last wrote
+        self._refs, handles = refs, []
+        for t in refs:
+            uuid = str(torch.cuda.get_device_properties(t.device).uuid)
+            handles.append({uuid: reduce_tensor(t)[1]})
+        info["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(handles)).decode()
+        return info
+
+    def send(self, params: NamedTensors) -> None:
+        pass  # the engine copied the tensors inside /update_weights
+
+    def finished(self) -> None:
+        # vLLM's layerwise reload may read the shared tensors until finish: only now may the
+        # trainer's offload free their memory (the refs would keep it on the device)
+        self._refs = []
+        torch.cuda.ipc_collect()
+
+    def close(self) -> None:
+        self._refs = []
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+
+
 TRANSPORTS: dict[str, type[WeightTransport]] = {
     GlooTransport.backend: GlooTransport,
     NcclTransport.backend: NcclTransport,
+    IpcTransport.backend: IpcTransport,
 }
 
 

@@ -50,6 +50,13 @@ class ControllerConfig(ServiceConfig):
     kill_grace_s: float = Field(
         2.0, description="a job past its timeout (or cancelled) gets SIGTERM, then SIGKILL "
                          "after this many seconds")
+    local_job_nice: int = Field(
+        0, ge=0, le=19, description="local backend: each rollout job (and what it starts) "
+                                    "runs this much lower in CPU priority (nice), so that it "
+                                    "cannot starve an engine or trainer on the same machine")
+    local_job_cpus: str = Field(
+        "", description="local backend: run rollout jobs on these CPUs only (a list such as "
+                        "'4-15'), the engine's and trainer's cores left to them; empty: any")
     max_jobs: int = Field(
         64, description="harness runs at once over all runs of this controller (each run "
                         "also has its own `concurrency`)", ge=1)

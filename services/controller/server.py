@@ -21,7 +21,8 @@ log = logging.getLogger("harnessrl.controller")
 
 def make_backends(cfg: ControllerConfig) -> dict[str, JobBackend]:
     """The local backend always; the kubernetes one when a Job template is configured."""
-    backends: dict[str, JobBackend] = {"local": LocalBackend(kill_grace_s=cfg.kill_grace_s)}
+    backends: dict[str, JobBackend] = {"local": LocalBackend(
+        kill_grace_s=cfg.kill_grace_s, nice=cfg.local_job_nice, cpus=cfg.local_job_cpus)}
     if cfg.k8s_job_template:
         from services.controller.backends.k8s_manifests import load_template
         from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings

@@ -350,10 +350,8 @@ class RolloutStore:
 
     async def list_rollouts(self, run_id: str, group_id: str, include_calls: bool
                             ) -> list[c.Rollout]:
-        if group_id:
-            key = self._k("grp", group_id)
-        else:
-            key = self._k("runro", _require(run_id, "run_id or group_id"))
+        key = self._k("grp", group_id) if group_id else self._k(
+            "runro", _require(run_id, "run_id or group_id"))
         ids = [i.decode() for i in await self.r.lrange(key, 0, -1)]
         if not ids:
             return []
@@ -578,12 +576,16 @@ class RolloutStore:
     async def put_state(self, namespace: str, key: str, value: bytes, max_keys: int) -> None:
         if await self._put_state(keys=[self._k("state", _require(namespace, "namespace"))],
                                  args=[_require(key, "key"), value, max_keys]) == -1:
-            raise ResourceExhausted(f"state namespace {namespace!r} holds {max_keys} keys "
-                                    "already")
+            raise ResourceExhausted(f"state namespace {namespace!r} holds {max_keys} keys")
 
     async def delete_state(self, namespace: str, key: str) -> bool:
         return bool(await self.r.hdel(self._k("state", _require(namespace, "namespace")),
                                       _require(key, "key")))
+
+    async def get_state(self, namespace: str, key: str) -> bytes | None:
+        value = await self.r.hget(self._k("state", _require(namespace, "namespace")),
+                                  _require(key, "key"))
+        return None if value is None else bytes(value)
 
     async def list_state(self, namespace: str) -> list[tuple[str, bytes]]:
         items = await self.r.hgetall(self._k("state", _require(namespace, "namespace")))
@@ -591,9 +593,7 @@ class RolloutStore:
 
     async def ack_groups(self, stream: str, group: str, entry_ids: Iterable[str]) -> int:
         ids = _check_entry_ids(entry_ids)
-        if not ids:
-            return 0
-        return int(await self.r.xack(self._stream_key(stream), group, *ids))
+        return int(await self.r.xack(self._stream_key(stream), group, *ids)) if ids else 0
 
 
 def _entries(resp: list) -> list[tuple[str, dict[str, str]]]:  # type: ignore[type-arg]

@@ -204,6 +204,14 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             deleted=await self.store.delete_state(request.namespace, request.key))
 
     @_redis_unavailable
+    async def GetState(self, request: spb.GetStateRequest,
+                       context: grpc.aio.ServicerContext) -> spb.GetStateResponse:
+        _check_name(request.namespace, "namespace")
+        _check_name(request.key, "key")
+        value = await self.store.get_state(request.namespace, request.key)
+        return spb.GetStateResponse(found=value is not None, value=value or b"")
+
+    @_redis_unavailable
     async def ListState(self, request: spb.ListStateRequest,
                         context: grpc.aio.ServicerContext) -> spb.ListStateResponse:
         _check_name(request.namespace, "namespace")

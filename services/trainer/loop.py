@@ -4,9 +4,9 @@ and collocated modes (docs/modes.md); `Trainer` holds the state and does each pa
 One async step s (trainer at version v): the first `tasks_per_step` completed groups of the one
 admission-controlled controller run whose calls are at most `mode.max_staleness` versions old
 (older ones before them dropped, counted, with a reason) -> (collocated: the gateway holds new
-calls) -> samples -> one optimizer step -> push as v+1 -> (collocated: held calls go on) ->
-the controller is told how many groups the trainer consumed -> checkpoint -> metrics. Rollouts
-keep running throughout.
+calls; with `mode.sleep_level` the engines sleep, collocation.py) -> samples -> one optimizer
+step -> push as v+1 -> (collocated: held calls go on) -> the controller is told how many groups
+the trainer consumed -> checkpoint -> metrics. Rollouts keep running throughout.
 
 One sync step s (the weights at policy version v = the version pushed after step s-1):
 
@@ -68,7 +68,7 @@ resume, lines of steps after the checkpoint are dropped, so each step appears on
                               zero_variance", "group too_few_rollouts", "no tokens")
     staleness_max      int    policy versions between the trainer's weights at the step's start
                               and the oldest call of the step (0 in sync mode)
-    generate_s, train_s, push_s, step_time_s
+    generate_s, train_s, push_s, step_time_s (collocated: hold_s; with sleep: sleep_s, wake_s)
                        float  wall time of each phase and of the step (without its checkpoint)
     tokens_per_s       float  input_tokens / train_s (null when not trained)
     checkpoint         str    checkpoint written after this step, or null
@@ -110,6 +110,7 @@ from . import evaluation
 from . import metrics as prom
 from .config import TrainerConfig
 from .control import TrainerControl
+from .collocation import Collocation, EngineSleep
 from .gauges import GatewayHold, Gauges, GaugeWindow
 from .outputs import append_jsonl, trim_metrics
 from .rollouts import (
@@ -128,7 +129,7 @@ from .samples import group_samples
 from .sharding import Dist, ShardingConfig, device_for, shard_model, split_by_tokens
 from .step import StepMetrics, make_optimizer, train_step
 from .tracking import Trackers, render_rollouts
-from .weights import WeightSink
+from .weights import WeightSink, push_model
 
 log = logging.getLogger("harnessrl.trainer")
 
@@ -169,11 +170,11 @@ def train_async(t: "Trainer") -> None:
         step, version = t.state.step + 1, t.state.policy_version
         s = StepRecord(step=step, behaviour_version=version)
         groups = t.take_groups(s)  # first complete groups fresh enough; older ones dropped
-        t.hold_calls(s)  # collocated: the gateway holds new calls, the engines go idle
+        t.hold_calls(s)  # collocated: the gateway holds new calls (sleep: engines sleep)
         metrics = t.train(groups, s)  # samples -> one optimizer step (None: no sample)
         if metrics is not None:
             t.push(version + 1, s)  # every engine serves version v+1, or we stop
-        t.release_calls(s)  # collocated: held calls go on, on the new weights
+        t.release_calls(s)  # collocated: (engines awake, READY) held calls go on, new weights
         t.finish_step(step, groups + s.dropped, s)  # its entries (dropped too) await a checkpoint
         due = t.checkpoint_due()
         t.record(s, metrics, due)  # metrics.jsonl (a line the checkpoint misses is redone)
@@ -230,14 +231,18 @@ class Trainer:
                  store: StoreClient | None, weights: WeightSink | None,
                  control: TrainerControl | None = None, dist: Dist | None = None,
                  gauges: Gauges | None = None, hold: GatewayHold | None = None,
-                 admission: AdmissionReporter | None = None) -> None:
+                 admission: AdmissionReporter | None = None,
+                 sleep: EngineSleep | None = None) -> None:
         self.cfg = cfg
         self.gauges = gauges  # engine busy, groups in flight over time (None: not measured)
         self.hold = hold  # collocated: the gateway's call hold (None: nothing to hold)
+        self.dist = dist or Dist.single()
+        self.colo = Collocation.build(  # collocated: the hold, the engines' sleep, the offload
+            cfg, device_for(cfg.device, self.dist), hold, sleep, weights)
+        self.pushed: set[str] | None = None  # engines the last push reached (None: all)
         self.admission = admission  # tells the controller what the trainer consumed
         self.pool_run_id = ""
         self.pool: dict[str, c.Group] = {}  # completed groups read, not taken yet (entry order)
-        self.dist = dist or Dist.single()
         self.launcher = launcher
         self.store = store
         self.weights = weights
@@ -268,8 +273,9 @@ class Trainer:
                         if self.cfg.resume and d.is_main else None)
         source = found if found is not None else Path(d.agree(
             self._initial_model() if d.is_main else ""))
-        self.model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=getattr(torch, self.cfg.dtype)).to(device_for(self.cfg.device, d))
+        on_host = self.colo is not None and self.colo.offload.hold_on_host()  # until a step
+        self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(
+            torch, self.cfg.dtype)).to("cpu" if on_host else device_for(self.cfg.device, d))
         self.model = shard_model(self.model, d, ShardingConfig(
             mixed_precision=self.cfg.mixed_precision,
             activation_checkpointing=self.cfg.activation_checkpointing))
@@ -299,7 +305,12 @@ class Trainer:
             self._attach_stream(run_prefix)
             self.trackers = Trackers(self.cfg, self.output, run_prefix, self.state.step)
         self.control.set_state("pushing")
-        self._push_weights(self.state.policy_version)
+        v = self.state.policy_version
+        if self.colo is None:
+            self._push_weights(v)
+        else:  # collocation.py: the push in a step's order (engines found asleep wake first)
+            self.colo.start(self.model, self.optimizer, lambda: self._push_weights(v), v,
+                            StepRecord(step=0, behaviour_version=v))
 
     def _attach_stream(self, run_prefix: str) -> None:
         """Rank 0: the stream reader; acknowledges what the resumed checkpoint consumed."""
@@ -319,25 +330,13 @@ class Trainer:
     def rollouts_file(self) -> Path:
         return self.output / "rollouts.jsonl"
 
-    def _push_weights(self, version: int) -> None:
-        """Every engine gets the weights as `version` (sharded: rank 0 pushes, bucket by bucket
-        gathered with the other ranks' help)."""
-        d = self.dist
-        if not d.sharded:
-            assert self.weights is not None
-            self.weights.push(self.model, version)
-            return
-        from harnessrl.weight_transfer.sharded import GatheredWeights, follow_gathers
-
-        from .sharding import object_group
-
-        bucket = self.cfg.push.bucket_bytes
-        if d.is_main:
-            assert self.weights is not None
-            with GatheredWeights(self.model, bucket, object_group()) as gathered:
-                self.weights.push(gathered, version)  # type: ignore[arg-type]
-        else:
-            follow_gathers(self.model, bucket, object_group())
+    def _push_weights(self, version: int) -> set[str] | None:
+        """Every engine gets the weights as `version`; the engines reached (None: all)."""
+        if self.colo is not None:
+            self.colo.before_push(self.model, self.optimizer)  # sleep: engines' weights awake
+        r = push_model(self.model, self.weights, version, self.dist, self.cfg.push.bucket_bytes)
+        self.pushed = set(r.engines) if r is not None else None
+        return self.pushed
 
     # -- rank 0's decisions, shared ------------------------------------------------------------
     def more_steps(self) -> bool:
@@ -463,15 +462,16 @@ class Trainer:
                                   self.state.policy_version)
 
     def hold_calls(self, s: StepRecord) -> None:
-        if self.cfg.mode.kind == "collocated" and self.hold is not None and self.dist.is_main:
+        if self.colo is not None:  # collocation.py has the sequence
             self.control.set_state("holding")
-            t0 = time.perf_counter()
-            self.hold.hold()
-            s.timed("hold_s", t0)
+            self.colo.enter(self.model, self.optimizer, s)  # rank 0 holds, engines sleep
 
     def release_calls(self, s: StepRecord) -> None:
-        if self.cfg.mode.kind == "collocated" and self.hold is not None and self.dist.is_main:
-            self.hold.release()
+        if self.colo is not None:
+            if self.dist.agree(self.colo.needs_push):  # level 2, no step: weights again
+                self.push(self.state.policy_version, s)
+            pushed, self.pushed = self.pushed, None
+            self.colo.leave(self.model, self.optimizer, self.state.policy_version, s, pushed)
 
     def close_pool(self) -> None:
         """Rank 0: the async run's groups never admitted are not needed any more."""
@@ -695,8 +695,7 @@ class Trainer:
             "tokens_per_s": m.input_tokens / s.phases["train_s"]
             if m and s.phases.get("train_s") else None,
             "mode": self.cfg.mode.kind, "groups_dropped": len(s.dropped),
-            "group_ids": s.group_ids,
-            "drop_reasons": s.drop_reasons,
+            "group_ids": s.group_ids, "drop_reasons": s.drop_reasons,
             "staleness_hist": {str(k): s.staleness.count(k) for k in sorted(set(s.staleness))},
             "staleness_max": max(s.staleness, default=None),
             "held_calls": s.held_calls if self.hold is not None else None,
@@ -740,10 +739,9 @@ class Trainer:
     def close(self) -> None:
         if self.gauges is not None:
             self.gauges.close()
-        if self.weights is not None:
-            self.weights.close()
-        if self.trackers is not None:
-            self.trackers.close()
+        for part in (self.weights, self.trackers, self.colo):
+            if part is not None:
+                part.close()
 
 
 def _num(x: float | None) -> float:
@@ -767,11 +765,13 @@ def build_trainer(cfg: TrainerConfig, control: TrainerControl | None = None,
     launcher = ControllerRuns(ControllerClient.connect(cfg.controller_address),
                               cfg.run_timeout_s)
     admin = GatewayAdminClient.connect(cfg.gateway_admin_address)
+    log.info("weight transport: %s (%s)", cfg.push.backend, cfg.push_backend_reason)
     weights = EngineWeights(admin, cfg.push, cfg.push.attempts, cfg.push.retry_delay_s)
     controller = ControllerClient.connect(cfg.controller_address)
     gauges = Gauges(GatewayAdminClient.connect(cfg.gateway_admin_address), controller,
                     cfg.mode.gauge_interval_s)
-    hold = GatewayHold(admin, cfg.mode.hold_drain_timeout_s) \
-        if cfg.mode.kind == "collocated" else None
+    collocated, m = cfg.mode.kind == "collocated", cfg.mode
+    hold = GatewayHold(admin, m.hold_drain_timeout_s) if collocated else None
+    sleep = EngineSleep(admin, m.sleep_level, m.sleep_timeout_s) if m.sleep_level else None
     return Trainer(cfg, launcher, store, weights, control, dist, gauges=gauges, hold=hold,
-                   admission=gauges)
+                   admission=gauges, sleep=sleep)

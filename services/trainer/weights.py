@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -62,7 +62,15 @@ class EngineWeights:
         self.admin = admin
         self.attempts = attempts
         self.retry_delay_s = retry_delay_s
-        self.pusher = WeightPusher([], config, GatewayHooks(admin))
+        self.hooks = GatewayHooks(admin)
+        self.pusher = WeightPusher([], config, self.hooks)
+        self.exclude: set[str] = set()  # engines left out of pushes (a failed wake)
+
+    def defer_ready(self, on: bool, exclude: set[str] | None = None) -> None:
+        """Collocated steps with sleep: a pushed engine keeps its state (it is still partly
+        asleep) until the trainer marks it READY; `exclude`d engines are not pushed to."""
+        self.hooks.defer_ready = self.pusher.keep_paused = on  # the sleep paused the engine
+        self.exclude = set(exclude or ()) if on else set()
 
     def _sync_engines(self) -> None:
         registered = {e.name: e.base_url for e in self.admin.list_engines().engines}
@@ -82,6 +90,8 @@ class EngineWeights:
         todo: list[str] | None = None  # None: every registered engine
         for attempt in range(1, self.attempts + 1):
             self._sync_engines()
+            if todo is None and self.exclude:
+                todo = [n for n in self.pusher.engines if n not in self.exclude]
             if todo is not None:  # the failed engines that are still registered
                 todo = [n for n in todo if n in self.pusher.engines]
                 if not todo:
@@ -114,3 +124,23 @@ class EngineWeights:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def push_model(model: torch.nn.Module, weights: WeightSink | None, version: int, dist: Any,
+               bucket_bytes: int) -> PushReport | None:
+    """The trainer's push of `model` as `version`: straight from the model, or (sharded) rank 0
+    pushes the full tensors gathered bucket by bucket with the other ranks' help (they follow
+    the gathers and get None)."""
+    if not dist.sharded:
+        assert weights is not None
+        return weights.push(model, version)
+    from harnessrl.weight_transfer.sharded import GatheredWeights, follow_gathers
+
+    from .sharding import object_group
+
+    if dist.is_main:
+        assert weights is not None
+        with GatheredWeights(model, bucket_bytes, object_group()) as gathered:
+            return weights.push(gathered, version)  # type: ignore[arg-type]
+    follow_gathers(model, bucket_bytes, object_group())
+    return None

