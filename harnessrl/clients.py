@@ -95,6 +95,10 @@ class StoreClient(_Client[store_pb2_grpc.StoreStub]):
     def finish_attempt(self, request: spb.FinishAttemptRequest) -> c.Rollout:
         return self.stub.FinishAttempt(request, timeout=self.timeout)
 
+    def set_group_rewards(self, request: spb.SetGroupRewardsRequest
+                          ) -> spb.SetGroupRewardsResponse:
+        return self.stub.SetGroupRewards(request, timeout=self.timeout)
+
     def get_rollout(self, rollout_id: str, include_calls: bool = False) -> c.Rollout:
         return self.stub.GetRollout(
             spb.GetRolloutRequest(rollout_id=rollout_id, include_calls=include_calls),

@@ -142,6 +142,9 @@ STORE_SEEDS: dict[str, object] = {
     "ReportReward": spb.ReportRewardRequest(rollout_id="fz/r1", attempt=1, reward=0.5),
     "FinishAttempt": spb.FinishAttemptRequest(rollout_id="fz/r1", attempt=1,
                                               status=c.ROLLOUT_STATUS_SUCCEEDED, reward=1.0),
+    "SetGroupRewards": spb.SetGroupRewardsRequest(group_id="fz/g", rewards=[
+        spb.GroupReward(rollout_id="fz/r1", reward=0.5, reason="r",
+                        parts=[c.RewardPart(name="judge", value=0.5)])]),
     "GetRollout": spb.GetRolloutRequest(rollout_id="fz/r1", include_calls=True),
     "ListRollouts": spb.ListRolloutsRequest(run_id="fz-run", include_calls=True),
     "ReadGroups": spb.ReadGroupsRequest(stream="fz", max_groups=2, include_calls=True),

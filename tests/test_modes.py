@@ -39,7 +39,7 @@ from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 from services.controller.admission import Admission
-from services.controller.run_execution import _started_and_done_groups
+from services.controller.admission import started_and_done_groups
 from services.trainer import checkpoint as ckpt
 from services.trainer.loop import Trainer, train_async
 from services.trainer.staleness import group_staleness, select_groups
@@ -159,7 +159,7 @@ class PoolRuns:
     def _execute(self, run_id: str, spec: c.RunSpec) -> None:
         assert self.admission is not None
         rng = random.Random(self.seed)
-        started, done = _started_and_done_groups(self.store.list_rollouts(run_id).rollouts)
+        started, done = started_and_done_groups(self.store.list_rollouts(run_id).rollouts)
         self.admission.restore(started, done)
         live: list[threading.Thread] = []
         for task in spec.tasks:
@@ -256,7 +256,7 @@ def test_async_trainer_killed_and_restarted_trains_each_group_once_within_the_bo
     def in_flight() -> tuple[set[str], set[str]]:  # groups started, not ended; those stalled
         prefix = json.loads((Path(cfg.output_dir) / "run.json").read_text())["run_prefix"]
         rollouts = store.list_rollouts(f"{prefix}-async", include_calls=True).rollouts
-        started, done = _started_and_done_groups(rollouts)
+        started, done = started_and_done_groups(rollouts)
         stalled = {ro.group_id for ro in rollouts if ro.index_in_group == 0 and
                    PoolRuns.stalled(ro.calls, stall_from)}
         return started - done, stalled

@@ -155,7 +155,9 @@ async def test_record_calls_stream_answers_batches_in_order(client: StoreClient,
 
 
 async def test_record_calls_stream_ends_unavailable_when_redis_is_down(tmp_path: Path) -> None:
-    url, redis_proc = procs.start_redis(tmp_path / "r")
+    # appendfsync always: with everysec, Redis may hold back an AOF write for up to 2 s while
+    # a background fsync runs (a loaded disk), and the kill -9 below would lose the rollout.
+    url, redis_proc = procs.start_redis(tmp_path / "r", appendfsync="always")
     port = redis.Redis.from_url(url).connection_pool.connection_kwargs["port"]
     svc = StoreService(tmp_path / "store", url, "hrl-down:").start()
     try:
@@ -175,7 +177,7 @@ async def test_record_calls_stream_ends_unavailable_when_redis_is_down(tmp_path:
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "redis unavailable" in (err.value.details() or "")
         # Redis back (AOF): a new stream delivers the call the broken one could not.
-        _, redis_proc = procs.start_redis(tmp_path / "r", port=port)
+        _, redis_proc = procs.start_redis(tmp_path / "r", port=port, appendfsync="always")
         stream = aio.record_calls()
         await stream.write(spb.AppendCallsRequest(calls=[call(rid, 1, 1)]))
         assert list((await stream.read()).results) == [spb.APPEND_RESULT_STORED]

@@ -14,7 +14,9 @@ scored). Results are cached by a hash of everything that decides them (model, ru
 range, task, transcripts) — in the store (`GetState`/`PutState`, namespace `judge:<run_id>`)
 when given its address — so a re-run after a crash sends no call.
 
-Input, a JSON file (the group grader's input; services/controller writes it):
+As the run's group grader (`RunSpec.group_grader_command`, services/controller/group_grading.py)
+it reads $HARNESSRL_GROUP_INPUT, writes $HARNESSRL_GROUP_OUTPUT and caches in the store at
+$HARNESSRL_STORE_ADDRESS, all set by the controller. Input, a JSON file:
 
     {"run_id": "...", "group_id": "...", "task": {...},
      "rollouts": [{"rollout_id": "...", "transcript": [{"role": ..., "content": ...}, ...],
@@ -272,14 +274,21 @@ class Judge:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", type=Path, required=True)
-    ap.add_argument("--output", type=Path, required=True)
+    env = os.environ.get
+    ap.add_argument("--input", type=Path, default=env("HARNESSRL_GROUP_INPUT"),
+                    help="the group's file (default $HARNESSRL_GROUP_INPUT: as a group grader)")
+    ap.add_argument("--output", type=Path, default=env("HARNESSRL_GROUP_OUTPUT"),
+                    help="the rewards' file (default $HARNESSRL_GROUP_OUTPUT)")
     ap.add_argument("--config", type=Path, help="a JSON file of JudgeConfig fields")
-    ap.add_argument("--store-address", default="", help="cache in this store (host:port)")
+    ap.add_argument("--store-address", default=env("HARNESSRL_STORE_ADDRESS", ""),
+                    help="cache in this store (host:port; default $HARNESSRL_STORE_ADDRESS, "
+                         "which the controller sets for its group graders)")
     for name, field in JudgeConfig.model_fields.items():
         ap.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
                         help=field.description)
     a = ap.parse_args(argv)
+    if a.input is None or a.output is None:
+        ap.error("--input and --output are needed (or run it as a group grader)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     fields = json.loads(a.config.read_text()) if a.config else {}
     fields.update({k: getattr(a, k) for k in JudgeConfig.model_fields

@@ -95,6 +95,10 @@ class _RewardSourceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RewardSo
     """grader exit 0 -> 1.0, exit 1 -> 0.0, other -> failure"""
     REWARD_SOURCE_HARNESS: _RewardSource.ValueType  # 3
     """harness POSTs /v1/harnessrl/reward through the gateway"""
+    REWARD_SOURCE_GROUP_GRADER: _RewardSource.ValueType  # 4
+    """No per-attempt grader: a harness that exits 0 succeeds without a reward, and the run's
+    group grader (RunSpec.group_grader_command, required) gives every reward.
+    """
 
 class RewardSource(_RewardSource, metaclass=_RewardSourceEnumTypeWrapper):
     """Where a rollout's reward comes from."""
@@ -107,7 +111,47 @@ REWARD_SOURCE_GRADER_EXIT_CODE: RewardSource.ValueType  # 2
 """grader exit 0 -> 1.0, exit 1 -> 0.0, other -> failure"""
 REWARD_SOURCE_HARNESS: RewardSource.ValueType  # 3
 """harness POSTs /v1/harnessrl/reward through the gateway"""
+REWARD_SOURCE_GROUP_GRADER: RewardSource.ValueType  # 4
+"""No per-attempt grader: a harness that exits 0 succeeds without a reward, and the run's
+group grader (RunSpec.group_grader_command, required) gives every reward.
+"""
 Global___RewardSource: _TypeAlias = RewardSource  # noqa: Y015
+
+class _GroupGrading:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GroupGradingEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GroupGrading.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GROUP_GRADING_NONE: _GroupGrading.ValueType  # 0
+    """the run has no group grader: the group is published when it ends"""
+    GROUP_GRADING_WAITING: _GroupGrading.ValueType  # 1
+    """Held back: its rollouts have not all ended, or its group grader has not answered
+    (Store.SetGroupRewards). The group is not on the stream.
+    """
+    GROUP_GRADING_DONE: _GroupGrading.ValueType  # 2
+    """the group grader's rewards are on the rollouts; group published"""
+    GROUP_GRADING_FAILED: _GroupGrading.ValueType  # 3
+    """The group grader failed (or the run was cancelled first): its rollouts that had succeeded
+    are FAILED with the reason; the group is never published.
+    """
+
+class GroupGrading(_GroupGrading, metaclass=_GroupGradingEnumTypeWrapper):
+    """Where a rollout's group stands with the run's group grader (RunSpec.group_grader_command)."""
+
+GROUP_GRADING_NONE: GroupGrading.ValueType  # 0
+"""the run has no group grader: the group is published when it ends"""
+GROUP_GRADING_WAITING: GroupGrading.ValueType  # 1
+"""Held back: its rollouts have not all ended, or its group grader has not answered
+(Store.SetGroupRewards). The group is not on the stream.
+"""
+GROUP_GRADING_DONE: GroupGrading.ValueType  # 2
+"""the group grader's rewards are on the rollouts; group published"""
+GROUP_GRADING_FAILED: GroupGrading.ValueType  # 3
+"""The group grader failed (or the run was cancelled first): its rollouts that had succeeded
+are FAILED with the reason; the group is never published.
+"""
+Global___GroupGrading: _TypeAlias = GroupGrading  # noqa: Y015
 
 class _SegmentStart:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -160,6 +204,30 @@ SEGMENT_START_NO_STATE: SegmentStart.ValueType  # 7
 the gateway holds no tokens of the attempt's earlier calls
 """
 Global___SegmentStart: _TypeAlias = SegmentStart  # noqa: Y015
+
+@_typing.final
+class RewardPart(_message.Message):
+    """One named part of a reward (a grader's `"parts": {"tests": 1.0, "judge": 0.4}`)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    value: _builtins.float
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        value: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RewardPart: _TypeAlias = RewardPart  # noqa: Y015
 
 @_typing.final
 class Task(_message.Message):
@@ -388,6 +456,10 @@ class Rollout(_message.Message):
     STREAM_FIELD_NUMBER: _builtins.int
     ATTEMPTS_FIELD_NUMBER: _builtins.int
     CALLS_FIELD_NUMBER: _builtins.int
+    GROUP_GRADING_FIELD_NUMBER: _builtins.int
+    REWARD_PARTS_FIELD_NUMBER: _builtins.int
+    REWARD_REASON_FIELD_NUMBER: _builtins.int
+    ATTEMPT_REWARD_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     run_id: _builtins.str
     task_id: _builtins.str
@@ -407,11 +479,20 @@ class Rollout(_message.Message):
     task_json: _builtins.str
     stream: _builtins.str
     """stream its completed group is published to ("" = none)"""
+    group_grading: Global___GroupGrading.ValueType
+    reward_reason: _builtins.str
+    """its grader's reason for `reward`, if it gave one"""
+    attempt_reward: _builtins.float
+    """The per-attempt grader's reward, kept when the group grader's replaced `reward`."""
     @_builtins.property
     def attempts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attempt]: ...
     @_builtins.property
     def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___Call]:
         """calls of the current attempt, when asked for"""
+
+    @_builtins.property
+    def reward_parts(self) -> _containers.RepeatedCompositeFieldContainer[Global___RewardPart]:
+        """the parts of `reward`, as its grader named them"""
 
     def __init__(
         self,
@@ -434,12 +515,18 @@ class Rollout(_message.Message):
         stream: _builtins.str = ...,
         attempts: _abc.Iterable[Global___Attempt] | None = ...,
         calls: _abc.Iterable[Global___Call] | None = ...,
+        group_grading: Global___GroupGrading.ValueType = ...,
+        reward_parts: _abc.Iterable[Global___RewardPart] | None = ...,
+        reward_reason: _builtins.str = ...,
+        attempt_reward: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_attempt_reward", b"_attempt_reward", "attempt_reward", b"attempt_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "attempts", b"attempts", "calls", b"calls", "created_at", b"created_at", "error", b"error", "finished_at", b"finished_at", "group_id", b"group_id", "group_size", b"group_size", "has_reward", b"has_reward", "index_in_group", b"index_in_group", "max_attempts", b"max_attempts", "reward", b"reward", "rollout_id", b"rollout_id", "run_id", b"run_id", "status", b"status", "stream", b"stream", "task_id", b"task_id", "task_json", b"task_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attempt_reward", b"_attempt_reward", "attempt", b"attempt", "attempt_reward", b"attempt_reward", "attempts", b"attempts", "calls", b"calls", "created_at", b"created_at", "error", b"error", "finished_at", b"finished_at", "group_grading", b"group_grading", "group_id", b"group_id", "group_size", b"group_size", "has_reward", b"has_reward", "index_in_group", b"index_in_group", "max_attempts", b"max_attempts", "reward", b"reward", "reward_parts", b"reward_parts", "reward_reason", b"reward_reason", "rollout_id", b"rollout_id", "run_id", b"run_id", "status", b"status", "stream", b"stream", "task_id", b"task_id", "task_json", b"task_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__attempt_reward: _TypeAlias = _typing.Literal["attempt_reward"]  # noqa: Y015
+    _WhichOneofArgType__attempt_reward: _TypeAlias = _typing.Literal["_attempt_reward", b"_attempt_reward"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__attempt_reward) -> _WhichOneofReturnType__attempt_reward | None: ...
 
 Global___Rollout: _TypeAlias = Rollout  # noqa: Y015
 
@@ -485,6 +572,8 @@ class RunSpec(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     ADMISSION_MAX_STALENESS_FIELD_NUMBER: _builtins.int
     ADMISSION_BATCH_GROUPS_FIELD_NUMBER: _builtins.int
+    GROUP_GRADER_COMMAND_FIELD_NUMBER: _builtins.int
+    GROUP_GRADER_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tasks_file: _builtins.str
     """a JSONL file, one JSON object per line ("id" or "task_id" names it)"""
@@ -512,6 +601,8 @@ class RunSpec(_message.Message):
     it consumed with Controller.AdmissionUpdate. 0: no admission control (every group may start).
     """
     admission_batch_groups: _builtins.int
+    group_grader_timeout_s: _builtins.float
+    """default 300"""
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
         """inline tasks; or"""
@@ -535,6 +626,16 @@ class RunSpec(_message.Message):
         any model name other than a served one gets `model`.
         """
 
+    @_builtins.property
+    def group_grader_command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Group grader (docs/judge.md): argv run by the controller itself (its own environment, for
+        every job backend) once per group, after every rollout of the group has ended. Input:
+        the file $HARNESSRL_GROUP_INPUT (the task, each succeeded rollout's transcript from the
+        store and its per-attempt grader's reward); output: the file $HARNESSRL_GROUP_OUTPUT,
+        {"rewards": [{"rollout_id", "reward", "reason"?, "parts"?}]}, one per rollout given. The
+        store holds the group back until it answered. Empty: no group grader.
+        """
+
     def __init__(
         self,
         *,
@@ -556,10 +657,12 @@ class RunSpec(_message.Message):
         sampling: Global___SamplingPolicy | None = ...,
         admission_max_staleness: _builtins.int = ...,
         admission_batch_groups: _builtins.int = ...,
+        group_grader_command: _abc.Iterable[_builtins.str] | None = ...,
+        group_grader_timeout_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_batch_groups", b"admission_batch_groups", "admission_max_staleness", b"admission_max_staleness", "backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_batch_groups", b"admission_batch_groups", "admission_max_staleness", b"admission_max_staleness", "backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_grader_command", b"group_grader_command", "group_grader_timeout_s", b"group_grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -263,6 +263,9 @@ class FinishAttemptRequest(_message.Message):
     EXIT_CODE_FIELD_NUMBER: _builtins.int
     TIMED_OUT_FIELD_NUMBER: _builtins.int
     WILL_RETRY_FIELD_NUMBER: _builtins.int
+    REWARD_PARTS_FIELD_NUMBER: _builtins.int
+    REWARD_REASON_FIELD_NUMBER: _builtins.int
+    REWARD_PENDING_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     attempt: _builtins.int
     status: _common_pb2.RolloutStatus.ValueType
@@ -273,6 +276,13 @@ class FinishAttemptRequest(_message.Message):
     timed_out: _builtins.bool
     will_retry: _builtins.bool
     """For FAILED: true when another attempt will follow (the rollout stays RUNNING)."""
+    reward_reason: _builtins.str
+    reward_pending: _builtins.bool
+    """SUCCEEDED without a reward (REWARD_SOURCE_GROUP_GRADER): the group grader gives it."""
+    @_builtins.property
+    def reward_parts(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RewardPart]:
+        """SUCCEEDED: the grader's named parts of `reward` and its reason, stored beside it."""
+
     def __init__(
         self,
         *,
@@ -284,14 +294,101 @@ class FinishAttemptRequest(_message.Message):
         exit_code: _builtins.int = ...,
         timed_out: _builtins.bool = ...,
         will_retry: _builtins.bool = ...,
+        reward_parts: _abc.Iterable[_common_pb2.RewardPart] | None = ...,
+        reward_reason: _builtins.str = ...,
+        reward_pending: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "error", b"error", "exit_code", b"exit_code", "reward", b"reward", "rollout_id", b"rollout_id", "status", b"status", "timed_out", b"timed_out", "will_retry", b"will_retry"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "error", b"error", "exit_code", b"exit_code", "reward", b"reward", "reward_parts", b"reward_parts", "reward_pending", b"reward_pending", "reward_reason", b"reward_reason", "rollout_id", b"rollout_id", "status", b"status", "timed_out", b"timed_out", "will_retry", b"will_retry"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FinishAttemptRequest: _TypeAlias = FinishAttemptRequest  # noqa: Y015
+
+@_typing.final
+class GroupReward(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLLOUT_ID_FIELD_NUMBER: _builtins.int
+    REWARD_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    PARTS_FIELD_NUMBER: _builtins.int
+    rollout_id: _builtins.str
+    reward: _builtins.float
+    reason: _builtins.str
+    @_builtins.property
+    def parts(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RewardPart]: ...
+    def __init__(
+        self,
+        *,
+        rollout_id: _builtins.str = ...,
+        reward: _builtins.float = ...,
+        reason: _builtins.str = ...,
+        parts: _abc.Iterable[_common_pb2.RewardPart] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["parts", b"parts", "reason", b"reason", "reward", b"reward", "rollout_id", b"rollout_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GroupReward: _TypeAlias = GroupReward  # noqa: Y015
+
+@_typing.final
+class SetGroupRewardsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    REWARDS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    error: _builtins.str
+    """set: the group grader failed; the group fails with this reason"""
+    @_builtins.property
+    def rewards(self) -> _containers.RepeatedCompositeFieldContainer[Global___GroupReward]:
+        """One per rollout of the group that SUCCEEDED (the others have no reward to give)."""
+
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        rewards: _abc.Iterable[Global___GroupReward] | None = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "group_id", b"group_id", "rewards", b"rewards"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetGroupRewardsRequest: _TypeAlias = SetGroupRewardsRequest  # noqa: Y015
+
+@_typing.final
+class SetGroupRewardsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLLOUTS_FIELD_NUMBER: _builtins.int
+    PUBLISHED_FIELD_NUMBER: _builtins.int
+    published: _builtins.bool
+    """published by this call (false for a repeat or a failed group)"""
+    @_builtins.property
+    def rollouts(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Rollout]:
+        """the group's rollouts as stored now"""
+
+    def __init__(
+        self,
+        *,
+        rollouts: _abc.Iterable[_common_pb2.Rollout] | None = ...,
+        published: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["published", b"published", "rollouts", b"rollouts"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetGroupRewardsResponse: _TypeAlias = SetGroupRewardsResponse  # noqa: Y015
 
 @_typing.final
 class GetRolloutRequest(_message.Message):

@@ -80,6 +80,11 @@ class StoreStub:
                 request_serializer=harnessrl_dot_v1_dot_store__pb2.FinishAttemptRequest.SerializeToString,
                 response_deserializer=harnessrl_dot_v1_dot_common__pb2.Rollout.FromString,
                 _registered_method=True)
+        self.SetGroupRewards = channel.unary_unary(
+                '/harnessrl.v1.Store/SetGroupRewards',
+                request_serializer=harnessrl_dot_v1_dot_store__pb2.SetGroupRewardsRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_store__pb2.SetGroupRewardsResponse.FromString,
+                _registered_method=True)
         self.GetRollout = channel.unary_unary(
                 '/harnessrl.v1.Store/GetRollout',
                 request_serializer=harnessrl_dot_v1_dot_store__pb2.GetRolloutRequest.SerializeToString,
@@ -203,6 +208,16 @@ class StoreServicer:
     def FinishAttempt(self, request, context):
         """Ends an attempt. Idempotent. When every rollout of a group is terminal the group is
         published to the rollout's stream exactly once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetGroupRewards(self, request, context):
+        """The group grader's answer for a group held back (GROUP_GRADING_WAITING) whose rollouts
+        have all ended: the rewards land on the rollouts and the group is published, in one
+        transaction; with `error`, the group fails and is never published. Idempotent: a group
+        answered already is left as it is.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -333,6 +348,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.FinishAttempt,
                     request_deserializer=harnessrl_dot_v1_dot_store__pb2.FinishAttemptRequest.FromString,
                     response_serializer=harnessrl_dot_v1_dot_common__pb2.Rollout.SerializeToString,
+            ),
+            'SetGroupRewards': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetGroupRewards,
+                    request_deserializer=harnessrl_dot_v1_dot_store__pb2.SetGroupRewardsRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_store__pb2.SetGroupRewardsResponse.SerializeToString,
             ),
             'GetRollout': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRollout,
@@ -633,6 +653,33 @@ class Store:
             '/harnessrl.v1.Store/FinishAttempt',
             harnessrl_dot_v1_dot_store__pb2.FinishAttemptRequest.SerializeToString,
             harnessrl_dot_v1_dot_common__pb2.Rollout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetGroupRewards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Store/SetGroupRewards',
+            harnessrl_dot_v1_dot_store__pb2.SetGroupRewardsRequest.SerializeToString,
+            harnessrl_dot_v1_dot_store__pb2.SetGroupRewardsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -57,6 +57,12 @@ class StoreStub:
     """Ends an attempt. Idempotent. When every rollout of a group is terminal the group is
     published to the rollout's stream exactly once.
     """
+    SetGroupRewards: _grpc.UnaryUnaryMultiCallable[_store_pb2.SetGroupRewardsRequest, _store_pb2.SetGroupRewardsResponse]
+    """The group grader's answer for a group held back (GROUP_GRADING_WAITING) whose rollouts
+    have all ended: the rewards land on the rollouts and the group is published, in one
+    transaction; with `error`, the group fails and is never published. Idempotent: a group
+    answered already is left as it is.
+    """
     GetRollout: _grpc.UnaryUnaryMultiCallable[_store_pb2.GetRolloutRequest, _common_pb2.Rollout]
     ListRollouts: _grpc.UnaryUnaryMultiCallable[_store_pb2.ListRolloutsRequest, _store_pb2.ListRolloutsResponse]
     ReadGroups: _grpc.UnaryUnaryMultiCallable[_store_pb2.ReadGroupsRequest, _store_pb2.ReadGroupsResponse]
@@ -112,6 +118,12 @@ class StoreAsyncStub(StoreStub):
     FinishAttempt: _aio.UnaryUnaryMultiCallable[_store_pb2.FinishAttemptRequest, _common_pb2.Rollout]  # type: ignore[assignment]
     """Ends an attempt. Idempotent. When every rollout of a group is terminal the group is
     published to the rollout's stream exactly once.
+    """
+    SetGroupRewards: _aio.UnaryUnaryMultiCallable[_store_pb2.SetGroupRewardsRequest, _store_pb2.SetGroupRewardsResponse]  # type: ignore[assignment]
+    """The group grader's answer for a group held back (GROUP_GRADING_WAITING) whose rollouts
+    have all ended: the rewards land on the rollouts and the group is published, in one
+    transaction; with `error`, the group fails and is never published. Idempotent: a group
+    answered already is left as it is.
     """
     GetRollout: _aio.UnaryUnaryMultiCallable[_store_pb2.GetRolloutRequest, _common_pb2.Rollout]  # type: ignore[assignment]
     ListRollouts: _aio.UnaryUnaryMultiCallable[_store_pb2.ListRolloutsRequest, _store_pb2.ListRolloutsResponse]  # type: ignore[assignment]
@@ -219,6 +231,18 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_common_pb2.Rollout, _abc.Awaitable[_common_pb2.Rollout]]:
         """Ends an attempt. Idempotent. When every rollout of a group is terminal the group is
         published to the rollout's stream exactly once.
+        """
+
+    @_abc_1.abstractmethod
+    def SetGroupRewards(
+        self,
+        request: _store_pb2.SetGroupRewardsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.SetGroupRewardsResponse, _abc.Awaitable[_store_pb2.SetGroupRewardsResponse]]:
+        """The group grader's answer for a group held back (GROUP_GRADING_WAITING) whose rollouts
+        have all ended: the rewards land on the rollouts and the group is published, in one
+        transaction; with `error`, the group fails and is never published. Idempotent: a group
+        answered already is left as it is.
         """
 
     @_abc_1.abstractmethod

@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from harnessrl.v1 import controller_pb2 as cpb
+from harnessrl.statuses import TERMINAL
+from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb
 
 
 class Admission:
@@ -83,3 +84,17 @@ class Admission:
             groups_done=len(self.done & self.admitted), groups_consumed=self.consumed,
             limit=self.limit, groups_waiting=len(self.waiting),
             policy_version=self.policy_version)
+
+
+def started_and_done_groups(rollouts: "Iterable[c.Rollout]") -> tuple[set[str], set[str]]:
+    """Groups with a rollout past PENDING, and groups whose every rollout ended."""
+    started: set[str] = set()
+    open_groups: set[str] = set()
+    seen: set[str] = set()
+    for ro in rollouts:
+        seen.add(ro.group_id)
+        if ro.status != c.ROLLOUT_STATUS_PENDING:
+            started.add(ro.group_id)
+        if ro.status not in TERMINAL:
+            open_groups.add(ro.group_id)
+    return started, (seen - open_groups) & started

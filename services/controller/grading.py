@@ -20,13 +20,15 @@ because a broken grader is a bug of the task set, not bad luck of the harness.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import common_pb2 as c, store_pb2 as spb
 from services.controller.backends import JobResult, JobSpec
 
 GRADER_STDOUT = "grader.stdout.log"
@@ -37,14 +39,38 @@ _TAIL_BYTES = 64 * 1024
 CREDENTIAL_ENV = ("OPENAI_API_KEY", "OPENAI_BASE_URL")
 
 
+# Reward sources whose attempts run no grader of their own.
+NO_GRADER = (c.REWARD_SOURCE_HARNESS, c.REWARD_SOURCE_GROUP_GRADER)
+
+
 @dataclass(frozen=True)
 class Grade:
     reward: float | None  # None: grading failed, `error` says why
     error: str = ""
+    parts: tuple[tuple[str, float], ...] = ()  # the grader's named parts of the reward
+    reason: str = ""  # the grader's reason, if it gave one
+    pending: bool = False  # no reward yet: the group grader gives it
 
     @property
     def ok(self) -> bool:
         return self.reward is not None
+
+    def into(self, req: spb.FinishAttemptRequest) -> spb.FinishAttemptRequest:
+        """`req` with this (successful) grade's reward, parts and reason."""
+        req.reward, req.reward_reason = self.reward or 0.0, self.reason[:2000]
+        req.reward_pending = self.pending
+        req.reward_parts.extend(c.RewardPart(name=n, value=v) for n, v in self.parts)
+        return req
+
+
+def short_hash(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def safe_name(text: str) -> str:
+    """A file/job-name-safe form of `text`, unique per text."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", text)[:80]
+    return safe if safe == text and safe not in (".", "..") else f"{safe}-{short_hash(text)}"
 
 
 def quote(text: str, limit: int = QUOTE_LIMIT) -> str:
@@ -82,11 +108,20 @@ def parse_reward_line(stdout: str) -> Grade:
         return Grade(None, f"grader's last stdout line is not a JSON object: {quote(last)}")
     if "reward" not in obj:
         return Grade(None, f'grader\'s JSON has no "reward": {quote(last)}')
-    reward = obj["reward"]
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or \
-            not math.isfinite(reward):
+    reward, parts, reason = obj["reward"], obj.get("parts") or {}, obj.get("reason") or ""
+    if not _finite(reward):
         return Grade(None, f'grader\'s "reward" is not a finite number: {quote(last)}')
-    return Grade(float(reward))
+    if not isinstance(parts, dict) or not all(k and _finite(v) for k, v in parts.items()):
+        return Grade(None, f'grader\'s "parts" is not an object of finite numbers: {quote(last)}')
+    if not isinstance(reason, str):
+        return Grade(None, f'grader\'s "reason" is not a string: {quote(last)}')
+    return Grade(float(reward), parts=tuple((k, float(v)) for k, v in parts.items()),
+                 reason=reason)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        math.isfinite(value)
 
 
 def reward_from_exit_code(exit_code: int) -> Grade:

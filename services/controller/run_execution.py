@@ -26,11 +26,9 @@ error as its reason; other rollouts go on.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import re
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +37,8 @@ from harnessrl.errors import HarnessRLError
 from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as spb
 from services.controller import grading, metrics
-from services.controller.admission import Admission
+from services.controller.group_grading import GroupGrader
+from services.controller.admission import Admission, started_and_done_groups
 from services.controller.backends import GraderStep, JobBackend, JobResult, JobSpec
 from services.controller.config import ControllerConfig
 from services.controller.run_spec import task_env
@@ -68,30 +67,6 @@ def rollout_id_of(run_id: str, task_id: str, index: int) -> str:
     return f"{run_id}/{task_id}/{index}"
 
 
-def _short_hash(text: str) -> str:
-    return hashlib.sha1(text.encode()).hexdigest()[:12]
-
-
-def _started_and_done_groups(rollouts: "Iterable[c.Rollout]") -> tuple[set[str], set[str]]:
-    """Groups with a rollout past PENDING, and groups whose every rollout ended."""
-    started: set[str] = set()
-    open_groups: set[str] = set()
-    seen: set[str] = set()
-    for ro in rollouts:
-        seen.add(ro.group_id)
-        if ro.status != c.ROLLOUT_STATUS_PENDING:
-            started.add(ro.group_id)
-        if ro.status not in TERMINAL:
-            open_groups.add(ro.group_id)
-    return started, (seen - open_groups) & started
-
-
-def _safe_name(text: str) -> str:
-    """A file/job-name-safe form of `text`, unique per text."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", text)[:80]
-    return safe if safe == text and safe not in (".", "..") else f"{safe}-{_short_hash(text)}"
-
-
 class RunExecution:
     def __init__(self, run: c.Run, tasks: list[c.Task], ctx: RunContext) -> None:
         self.run = run
@@ -114,6 +89,11 @@ class RunExecution:
         self.admission = Admission(run.run_id, self.spec.admission_max_staleness,
                                    self.spec.admission_batch_groups) \
             if self.spec.admission_batch_groups > 0 else None
+        self.group_grader = GroupGrader(self.spec, ctx.store, Path(ctx.cfg.workdir_root)
+                                        .resolve() / run.run_id) \
+            if self.spec.group_grader_command else None
+        self._group_ended = {ro.group_id: asyncio.Event() for ro in self.rollouts.values()} \
+            if self.group_grader is not None else {}
 
     # -- the run's rollouts and its record ---------------------------------------------------
     def _planned(self) -> list[c.Rollout]:
@@ -124,7 +104,8 @@ class RunExecution:
                       group_id=group_id_of(self.run.run_id, t.task_id), index_in_group=i,
                       group_size=s.group_size, max_attempts=s.max_attempts,
                       task_json=t.data_json, stream=s.stream,
-                      status=c.ROLLOUT_STATUS_PENDING)
+                      status=c.ROLLOUT_STATUS_PENDING, group_grading=c.GROUP_GRADING_WAITING
+                      if s.group_grader_command else c.GROUP_GRADING_NONE)
             for t in self.tasks.values() for i in range(s.group_size)
         ]
 
@@ -143,7 +124,7 @@ class RunExecution:
         run.num_cancelled = by_status.count(c.ROLLOUT_STATUS_CANCELLED)
         run.num_running = by_status.count(c.ROLLOUT_STATUS_RUNNING)
         rewards = [ro.reward for ro in self.rollouts.values()
-                   if ro.status == c.ROLLOUT_STATUS_SUCCEEDED]
+                   if ro.status == c.ROLLOUT_STATUS_SUCCEEDED and ro.has_reward]
         run.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
         return run
 
@@ -177,9 +158,12 @@ class RunExecution:
         metrics.rollout_state_changed(old.status if old is not None else None, ro.status)
         self.rollouts[ro.rollout_id] = ro
         self._publish(cpb.RunEvent(kind=cpb.RunEvent.KIND_ROLLOUT, rollout=ro))
-        if ro.status in TERMINAL and self.admission is not None and all(
+        if ro.status in TERMINAL and (self.admission or self._group_ended) and all(
                 r.status in TERMINAL for r in self.rollouts.values() if r.group_id == ro.group_id):
-            self.admission.group_done(ro.group_id)
+            if self.admission is not None:
+                self.admission.group_done(ro.group_id)
+            if ro.group_id in self._group_ended:
+                self._group_ended[ro.group_id].set()
         if ro.status in TERMINAL:
             run = self.snapshot()
             done = run.num_succeeded + run.num_failed + run.num_cancelled
@@ -205,8 +189,11 @@ class RunExecution:
                 if ro.rollout_id in self.rollouts:
                     metrics.rollout_state_changed(self.rollouts[ro.rollout_id].status, ro.status)
                     self.rollouts[ro.rollout_id] = ro
+            started, done = started_and_done_groups(self.rollouts.values())
             if self.admission is not None:
-                self.admission.restore(*_started_and_done_groups(self.rollouts.values()))
+                self.admission.restore(started, done)
+            for gid in done & self._group_ended.keys():  # ended before a restart: grade now
+                self._group_ended[gid].set()
             await self._save_run()
             # Attempts a dead controller left running go first: their jobs may be running.
             todo = sorted((rid for rid, ro in self.rollouts.items() if ro.status not in TERMINAL),
@@ -215,6 +202,8 @@ class RunExecution:
                 async with asyncio.TaskGroup() as rollouts:  # one error stops them all
                     for rid in todo:
                         rollouts.create_task(self._rollout(rid))
+                    for gid in self._group_ended:  # (a group grader) each group's, once it ends
+                        rollouts.create_task(self._grade_group(gid))
             except BaseExceptionGroup as group:
                 raise group.exceptions[0] from None
             self.run.status = c.RUN_STATUS_CANCELLED if self.cancelled \
@@ -256,38 +245,32 @@ class RunExecution:
         await asyncio.gather(*(self.backend.cancel(j, "run cancelled")
                                for j in list(self._jobs.values())))
 
-    async def _acquire(self, sem: asyncio.Semaphore) -> bool:
-        """Takes a slot of `sem`, or returns False when the run is cancelled first."""
-        if self.cancelled:
-            return False
-        acquire = asyncio.ensure_future(sem.acquire())
+    async def _unless_cancelled(self, aw: Awaitable[object]) -> bool:
+        """Awaits `aw` unless the run is cancelled first (then `aw` is cancelled): whether
+        `aw` completed."""
+        task = asyncio.ensure_future(aw)
         cancel = asyncio.ensure_future(self._cancel_ev.wait())
         try:
-            await asyncio.wait({acquire, cancel}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, cancel}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             cancel.cancel()
-            if not acquire.done():
-                acquire.cancel()
-        if acquire.done() and not acquire.cancelled():
-            if not self.cancelled:
-                return True
+            if not task.done():
+                task.cancel()
+        return task.done() and not task.cancelled()
+
+    async def _acquire(self, sem: asyncio.Semaphore) -> bool:
+        """Takes a slot of `sem`, or returns False when the run is cancelled first."""
+        if self.cancelled or not await self._unless_cancelled(sem.acquire()):
+            return False
+        if self.cancelled:
             sem.release()
-        return False
+        return not self.cancelled
 
     async def _admitted(self, rid: str) -> bool:
         """Waits until the rollout's group is admitted (`admission`); False when the run is
         cancelled first."""
-        if self.admission is None:
-            return True
-        admit = asyncio.ensure_future(self.admission.admit(self.rollouts[rid].group_id))
-        cancel = asyncio.ensure_future(self._cancel_ev.wait())
-        try:
-            await asyncio.wait({admit, cancel}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            cancel.cancel()
-            if not admit.done():
-                admit.cancel()
-        return admit.done() and not admit.cancelled() and not self.cancelled
+        return self.admission is None or (await self._unless_cancelled(
+            self.admission.admit(self.rollouts[rid].group_id)) and not self.cancelled)
 
     async def _rollout(self, rid: str) -> None:
         try:
@@ -327,15 +310,23 @@ class RunExecution:
                     log.error("rollout %s: could not record its failure: %s", rid, exc2,
                               extra={**self._extra, "rollout": rid})
 
-    async def _finish(self, rid: str, attempt: int, status: int, *, reward: float = 0.0,
-                      error: str = "", exit_code: int = 0, timed_out: bool = False,
-                      may_retry: bool = True) -> None:
+    async def _grade_group(self, gid: str) -> None:
+        """Runs the group grader once every rollout of the group has ended (group_grading)."""
+        assert self.group_grader is not None
+        await self._group_ended[gid].wait()
+        ro = next(r for r in self.rollouts.values() if r.group_id == gid)
+        for ro in await self.group_grader.settle(gid, self.tasks[ro.task_id], self.cancelled):
+            await self._changed(ro)
+
+    async def _finish(self, rid: str, attempt: int, status: int, *,
+                      grade: grading.Grade | None = None, error: str = "", exit_code: int = 0,
+                      timed_out: bool = False, may_retry: bool = True) -> None:
         will_retry = (status == c.ROLLOUT_STATUS_FAILED and may_retry and not self.cancelled
                       and attempt < self.spec.max_attempts)
-        ro = await self.ctx.store.finish_attempt(spb.FinishAttemptRequest(
+        req = spb.FinishAttemptRequest(
             rollout_id=rid, attempt=attempt, status=status,  # type: ignore[arg-type]
-            reward=reward, error=error,
-            exit_code=exit_code, timed_out=timed_out, will_retry=will_retry))
+            error=error, exit_code=exit_code, timed_out=timed_out, will_retry=will_retry)
+        ro = await self.ctx.store.finish_attempt(grade.into(req) if grade else req)
         if status == c.ROLLOUT_STATUS_FAILED:
             log.warning("attempt %d failed%s: %s", attempt,
                         " (will retry)" if will_retry else "", error,
@@ -356,11 +347,11 @@ class RunExecution:
 
     def _workdir(self, ro: c.Rollout, attempt: int) -> Path:
         root = Path(self.ctx.cfg.workdir_root).resolve()
-        return (root / self.run.run_id / f"{_safe_name(ro.task_id)}-{ro.index_in_group}"
+        return (root / self.run.run_id / f"{grading.safe_name(ro.task_id)}-{ro.index_in_group}"
                 / f"attempt-{attempt}")
 
     def _job_id(self, rid: str, role: str, attempt: int) -> str:
-        return f"{self.run.run_id}.{_short_hash(rid)}.{role}{attempt}"
+        return f"{self.run.run_id}.{grading.short_hash(rid)}.{role}{attempt}"
 
     def _harness_env(self, ro: c.Rollout, attempt: int, token: str,
                      workdir: Path) -> dict[str, str]:
@@ -434,8 +425,9 @@ class RunExecution:
         else:
             await self._changed(await ctx.store.start_attempt(rid, attempt, str(workdir)))
             log.info("attempt %d started in %s", attempt, workdir, extra=extra)
-        labels = {"run": self.run.run_id, "rollout": _short_hash(rid), "attempt": str(attempt)}
-        in_job = self.backend.grades_in_job and spec.reward_source != c.REWARD_SOURCE_HARNESS
+        labels = {"run": self.run.run_id, "rollout": grading.short_hash(rid),
+                  "attempt": str(attempt)}
+        in_job = self.backend.grades_in_job and spec.reward_source not in grading.NO_GRADER
         grader = GraderStep(argv=list(spec.grader_command), env=grading.in_job_grader_env(env),
                             timeout_s=spec.grader_timeout_s) if in_job else None
         result = await self._run_job(rid, JobSpec(
@@ -451,7 +443,9 @@ class RunExecution:
                                error=self._harness_failure(result),
                                exit_code=result.exit_code, timed_out=result.timed_out)
             return
-        if spec.reward_source == c.REWARD_SOURCE_HARNESS:
+        if spec.reward_source == c.REWARD_SOURCE_GROUP_GRADER:
+            grade = grading.Grade(0.0, pending=True)  # its group grader gives the reward
+        elif spec.reward_source == c.REWARD_SOURCE_HARNESS:
             grade = grading.reward_from_report(await ctx.store.get_rollout(rid), attempt)
         elif in_job:
             grade = grading.grade_in_job(result, spec.reward_source)
@@ -465,8 +459,7 @@ class RunExecution:
         if self.cancelled:
             await self._finish(rid, attempt, c.ROLLOUT_STATUS_CANCELLED, error="run cancelled")
         elif grade.ok:
-            assert grade.reward is not None
-            await self._finish(rid, attempt, c.ROLLOUT_STATUS_SUCCEEDED, reward=grade.reward)
+            await self._finish(rid, attempt, c.ROLLOUT_STATUS_SUCCEEDED, grade=grade)
         else:
             await self._finish(rid, attempt, c.ROLLOUT_STATUS_FAILED,
                                error=f"grading failed: {grade.error}", may_retry=False)

@@ -22,6 +22,7 @@ DEFAULT_GROUP_SIZE = 1
 DEFAULT_CONCURRENCY = 4
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_GRADER_TIMEOUT_S = 60.0
+DEFAULT_GROUP_GRADER_TIMEOUT_S = 300.0
 DEFAULT_MAX_ATTEMPTS = 1
 DEFAULT_STREAM = "train"
 MAX_GROUP_SIZE = 4096
@@ -48,7 +49,7 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
                               "(0 takes the default)")
     if s.group_size > MAX_GROUP_SIZE:
         raise InvalidArgument(f"group_size {s.group_size} is over {MAX_GROUP_SIZE}")
-    for name in ("timeout_s", "grader_timeout_s"):
+    for name in ("timeout_s", "grader_timeout_s", "group_grader_timeout_s"):
         v = getattr(s, name)
         if v < 0 or not math.isfinite(v) or v > MAX_TIMEOUT_S:
             raise InvalidArgument(f"{name} must be a positive number of seconds up to "
@@ -57,6 +58,8 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
     s.concurrency = s.concurrency or DEFAULT_CONCURRENCY
     s.timeout_s = s.timeout_s or DEFAULT_TIMEOUT_S
     s.grader_timeout_s = s.grader_timeout_s or DEFAULT_GRADER_TIMEOUT_S
+    if s.group_grader_command:
+        s.group_grader_timeout_s = s.group_grader_timeout_s or DEFAULT_GROUP_GRADER_TIMEOUT_S
     s.max_attempts = s.max_attempts or DEFAULT_MAX_ATTEMPTS
     s.stream = s.stream or DEFAULT_STREAM
     s.backend = s.backend or default_backend
@@ -69,10 +72,15 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
                               f"{', '.join(backends)}")
     if not s.harness_command or not s.harness_command[0]:
         raise InvalidArgument("harness_command is empty")
-    if s.reward_source == c.REWARD_SOURCE_HARNESS:
+    if s.group_grader_command and not s.group_grader_command[0]:
+        raise InvalidArgument("group_grader_command's program is empty")
+    if s.reward_source == c.REWARD_SOURCE_GROUP_GRADER and not s.group_grader_command:
+        raise InvalidArgument("REWARD_SOURCE_GROUP_GRADER needs a group_grader_command")
+    if s.reward_source in (c.REWARD_SOURCE_HARNESS, c.REWARD_SOURCE_GROUP_GRADER):
         if s.grader_command:
-            raise InvalidArgument("grader_command is not used with REWARD_SOURCE_HARNESS "
-                                  "(the harness reports its reward); leave it empty")
+            raise InvalidArgument(f"grader_command is not used with "
+                                  f"{c.RewardSource.Name(s.reward_source)} (no per-attempt "
+                                  "grader runs); leave it empty")
     elif not s.grader_command or not s.grader_command[0]:
         raise InvalidArgument(f"grader_command is empty but reward_source is "
                               f"{c.RewardSource.Name(s.reward_source)}")

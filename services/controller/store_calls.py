@@ -102,6 +102,17 @@ class ResilientStore:
         return await self._call(f"FinishAttempt {req.rollout_id}#{req.attempt}",
                                 lambda: self.client.finish_attempt(req))
 
+    async def set_group_rewards(self, req: spb.SetGroupRewardsRequest
+                                ) -> spb.SetGroupRewardsResponse:
+        return await self._call(f"SetGroupRewards {req.group_id}",
+                                lambda: self.client.set_group_rewards(req))
+
+    async def list_group(self, group_id: str) -> list[c.Rollout]:
+        """The group's rollouts with their current attempts' calls."""
+        resp = await self._call(f"ListRollouts group {group_id}", lambda: self.client.list_rollouts(
+            "", group_id=group_id, include_calls=True))
+        return list(resp.rollouts)
+
     async def get_rollout(self, rollout_id: str) -> c.Rollout:
         return await self._call(f"GetRollout {rollout_id}",
                                 lambda: self.client.get_rollout(rollout_id))

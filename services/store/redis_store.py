@@ -9,11 +9,12 @@ Keys (all under the configured prefix P):
   `T` terminal. Updated in the same transaction as the record.
 - `P calls:{rollout_id}:{k}` HASH seq -> `Call` bytes of attempt k (HSETNX: idempotent).
 - `P runro:{run_id}` / `P grp:{group_id}` LISTs of rollout ids, in creation order.
-- `P gdone:{group_id}` SET of terminal rollouts; `P gpub:{group_id}` published flag.
+- `P gdone:{group_id}` SET of terminal rollouts; `P gpub:{group_id}` published flag (a group
+  held for its group grader is published by `group_rewards.py`).
 - `P stream:{name}` the Redis Stream of completed groups, read through consumer groups.
 - `P dead:{name}` its dead-letter stream: groups delivered `max_deliveries` times without being
   acknowledged (`dead_letter`); `P nack:{name}:{group}` HASH entry id -> last failure reason.
-- `P state:{namespace}` HASH key -> bytes: services' own small durable state (`put_state`).
+- `P state:{namespace}` HASH key -> bytes: services' own small durable state (`state_space`).
 
 Appends are checked and written by one Lua script per batch, so a call can never land in an
 attempt that has finished (scripts touch several keys: a single Redis, not Redis Cluster).
@@ -33,12 +34,13 @@ from collections.abc import Callable, Iterable, Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError, WatchError
 
-from harnessrl.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from harnessrl.errors import FailedPrecondition, InvalidArgument, NotFound
 from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
-
-NO_STREAM = ("", "-")
+from services.store import group_rewards
+from services.store.group_rewards import NO_STREAM
+from services.store.state_space import StateSpace
 
 _APPEND_LUA = """
 -- For each call i: KEYS[2i-1] its attempt's state key, KEYS[2i] its calls hash;
@@ -99,15 +101,6 @@ redis.call('HDEL', KEYS[3], ARGV[2])
 return 1
 """
 
-_PUT_STATE_LUA = """
--- KEYS: state hash; ARGV: key, value, max keys. 1 stored, -1 namespace full.
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 and
-   redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then return -1 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-return 1
-"""
-
-
 _ENTRY_ID = re.compile(r"^([0-9]{1,20})(?:-([0-9]{1,20}))?$")
 
 
@@ -143,7 +136,7 @@ class RolloutStore:
         self._create = redis.register_script(_CREATE_LUA)
         self._publish = redis.register_script(_PUBLISH_LUA)
         self._dead_letter = redis.register_script(_DEAD_LETTER_LUA)
-        self._put_state = redis.register_script(_PUT_STATE_LUA)
+        self.state = StateSpace(redis, prefix)  # services' own state (PutState and friends)
 
     # keys -----------------------------------------------------------------------------------
     def _k(self, *parts: str) -> str:
@@ -288,6 +281,7 @@ class RolloutStore:
             raise InvalidArgument("status must be SUCCEEDED, FAILED or CANCELLED")
         if req.status == c.ROLLOUT_STATUS_SUCCEEDED and not math.isfinite(req.reward):
             raise InvalidArgument("reward must be a finite number")
+        group_rewards.check_parts(list(req.reward_parts), "reward_parts")
         retry = req.status == c.ROLLOUT_STATUS_FAILED and req.will_retry
         num_calls = await self.r.hlen(self._calls_key(req.rollout_id, req.attempt))
 
@@ -325,9 +319,9 @@ class RolloutStore:
             ro.status = req.status
             ro.error = req.error
             ro.finished_at = time.time()
-            if req.status == c.ROLLOUT_STATUS_SUCCEEDED:
-                ro.has_reward = True
-                ro.reward = req.reward
+            if req.status == c.ROLLOUT_STATUS_SUCCEEDED and not req.reward_pending:
+                ro.has_reward, ro.reward, ro.reward_reason = True, req.reward, req.reward_reason
+                ro.reward_parts.extend(req.reward_parts)
             return ro, "T"
 
         ro = await self._update(req.rollout_id, change)
@@ -338,12 +332,16 @@ class RolloutStore:
     async def _mark_done_and_publish(self, ro: c.Rollout) -> None:
         gdone = self._k("gdone", ro.group_id)
         await self.r.sadd(gdone, ro.rollout_id)
-        if ro.stream in NO_STREAM:
-            return
+        if ro.stream in NO_STREAM or ro.group_grading == c.GROUP_GRADING_WAITING:
+            return  # a group held for its group grader is published by set_group_rewards
         await self._publish(
             keys=[gdone, self._k("gpub", ro.group_id), self._stream_key(ro.stream)],
             args=[ro.group_size, ro.group_id, ro.run_id, ro.task_id],
         )
+
+    async def set_group_rewards(self, req: spb.SetGroupRewardsRequest
+                                ) -> tuple[list[c.Rollout], bool]:
+        return await group_rewards.set_group_rewards(self, req)
 
     async def get_rollout(self, rollout_id: str, include_calls: bool) -> c.Rollout:
         return (await self._with_calls([await self._load(rollout_id)], include_calls))[0]
@@ -571,25 +569,6 @@ class RolloutStore:
         min_id = f"{floor[0]}-{floor[1]}"
         trimmed = await self.r.xtrim(key, minid=min_id, approximate=False)
         return int(trimmed), min_id
-
-    # services' own state ------------------------------------------------------------------
-    async def put_state(self, namespace: str, key: str, value: bytes, max_keys: int) -> None:
-        if await self._put_state(keys=[self._k("state", _require(namespace, "namespace"))],
-                                 args=[_require(key, "key"), value, max_keys]) == -1:
-            raise ResourceExhausted(f"state namespace {namespace!r} holds {max_keys} keys")
-
-    async def delete_state(self, namespace: str, key: str) -> bool:
-        return bool(await self.r.hdel(self._k("state", _require(namespace, "namespace")),
-                                      _require(key, "key")))
-
-    async def get_state(self, namespace: str, key: str) -> bytes | None:
-        value = await self.r.hget(self._k("state", _require(namespace, "namespace")),
-                                  _require(key, "key"))
-        return None if value is None else bytes(value)
-
-    async def list_state(self, namespace: str) -> list[tuple[str, bytes]]:
-        items = await self.r.hgetall(self._k("state", _require(namespace, "namespace")))
-        return sorted((k.decode("utf-8", "replace"), bytes(v)) for k, v in items.items())
 
     async def ack_groups(self, stream: str, group: str, entry_ids: Iterable[str]) -> int:
         ids = _check_entry_ids(entry_ids)

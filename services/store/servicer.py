@@ -127,6 +127,12 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         return await self.store.finish_attempt(request)
 
     @_redis_unavailable
+    async def SetGroupRewards(self, request: spb.SetGroupRewardsRequest,
+                              context: grpc.aio.ServicerContext) -> spb.SetGroupRewardsResponse:
+        rollouts, published = await self.store.set_group_rewards(request)
+        return spb.SetGroupRewardsResponse(rollouts=rollouts, published=published)
+
+    @_redis_unavailable
     async def GetRollout(self, request: spb.GetRolloutRequest,
                          context: grpc.aio.ServicerContext) -> c.Rollout:
         return await self.store.get_rollout(request.rollout_id, request.include_calls)
@@ -191,7 +197,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                                   f"{self.max_state_value_bytes}-byte limit")
         _check_name(request.namespace, "namespace")
         _check_name(request.key, "key")
-        await self.store.put_state(request.namespace, request.key, request.value,
+        await self.store.state.put(request.namespace, request.key, request.value,
                                    self.max_state_keys)
         return spb.PutStateResponse()
 
@@ -201,21 +207,21 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         _check_name(request.namespace, "namespace")
         _check_name(request.key, "key")
         return spb.DeleteStateResponse(
-            deleted=await self.store.delete_state(request.namespace, request.key))
+            deleted=await self.store.state.delete(request.namespace, request.key))
 
     @_redis_unavailable
     async def GetState(self, request: spb.GetStateRequest,
                        context: grpc.aio.ServicerContext) -> spb.GetStateResponse:
         _check_name(request.namespace, "namespace")
         _check_name(request.key, "key")
-        value = await self.store.get_state(request.namespace, request.key)
+        value = await self.store.state.get(request.namespace, request.key)
         return spb.GetStateResponse(found=value is not None, value=value or b"")
 
     @_redis_unavailable
     async def ListState(self, request: spb.ListStateRequest,
                         context: grpc.aio.ServicerContext) -> spb.ListStateResponse:
         _check_name(request.namespace, "namespace")
-        entries = await self.store.list_state(request.namespace)
+        entries = await self.store.state.list(request.namespace)
         return spb.ListStateResponse(entries=[spb.StateEntry(key=k, value=v)
                                               for k, v in entries])
 
