@@ -170,8 +170,14 @@ def test_a_group_grader_crash_fails_the_group_with_the_reason(local: GroupRun) -
         assert "group grader failed: group grader exited with code 2" in ro.error
         assert "kaboom: the rubric file is missing" in ro.error
         assert ros[f"fine/{i}"].group_grading == c.GROUP_GRADING_DONE  # the other group
+    # published once, every rollout failed (the trainer counts it, learns nothing from it);
+    # a repeated finish of one of its rollouts publishes nothing more
+    local.s.store.finish_attempt(spb.FinishAttemptRequest(
+        rollout_id=ros["boom/0"].rollout_id, attempt=1, status=c.ROLLOUT_STATUS_CANCELLED))
+    groups = {x.group_id: x for x in local.stream_groups()}
     on_stream = [x.group_id for x in local.stream_groups()]
-    assert f"{run.run_id}/fine" in on_stream and f"{run.run_id}/boom" not in on_stream
+    assert on_stream.count(f"{run.run_id}/boom") == 1 and f"{run.run_id}/fine" in on_stream
+    assert not any(r.has_reward for r in groups[f"{run.run_id}/boom"].rollouts)
     assert run.num_failed == 3 and run.num_succeeded == 3
 
 
@@ -183,11 +189,12 @@ def test_a_partial_answer_or_a_timeout_fails_the_group(local: GroupRun) -> None:
     assert "no reward for" in ros["short/1"].error and \
         ros["short/0"].rollout_id in ros["short/1"].error
     assert "group grader timed out after 2s (killed)" in ros["hang/0"].error
-    for pid_file in local.probes.glob("*.pid"):
-        if pid_file.read_text().endswith("/hang"):
-            assert not process_alive(int(pid_file.stem))  # its process group was killed
-    on_stream = {x.group_id for x in local.stream_groups()}
-    assert not on_stream & {f"{run.run_id}/short", f"{run.run_id}/hang"}  # never partly
+    hung = [int(p.stem) for p in local.probes.glob("*.pid")
+            if p.read_text() == f"{run.run_id}/hang"]
+    assert len(hung) == 1 and not process_alive(hung[0])  # its process group was killed
+    for gid in (f"{run.run_id}/short", f"{run.run_id}/hang"):  # never partly rewarded
+        group = next(x for x in local.stream_groups() if x.group_id == gid)
+        assert not any(r.has_reward for r in group.rollouts)
 
 
 def test_failed_rollouts_are_passed_as_failed_and_only_succeeded_ones_rewarded(
@@ -361,3 +368,34 @@ def test_judge_as_the_group_grader(local: GroupRun, tmp_path: Path) -> None:
     finally:
         stub.server.shutdown()
 
+
+
+def test_group_grader_output_and_transcripts_are_checked_and_rendered() -> None:
+    """parse_output refuses what the store would refuse (or what is not a number); every API's
+    recorded call renders as messages."""
+    from services.controller.group_grading import parse_output, transcript
+
+    ok = parse_output('{"rewards": [{"rollout_id": "a", "reward": 1, "parts": {"j": 0.5}}]}',
+                      ["a"])
+    assert ok[0].reward == 1.0 and [(p.name, p.value) for p in ok[0].parts] == [("j", 0.5)]
+    for bad, why in ((f'{{"rewards": [{{"rollout_id": "a", "reward": 1{"0" * 400}}}]}}',
+                      "not a finite number"),
+                     ('{"rewards": [{"rollout_id": "a", "reward": 1, "parts": {"": 1}}]}',
+                      "parts must be"),
+                     ('{"rewards": [{"rollout_id": "a", "reward": 1, "reason": 3}]}',
+                      "reason is not a string"),
+                     ('{"rewards": [{"rollout_id": "b", "reward": 1}]}', "not a rollout"),
+                     ('{"rewards": []}', "no reward for"), ("[]", 'no "rewards" list')):
+        with pytest.raises(ValueError, match=why):
+            parse_output(bad, ["a"])
+    calls = {
+        "messages": ({"system": "sys", "messages": [{"role": "user", "content": "q"}]},
+                     [{"role": "system", "content": "sys"}, {"role": "user", "content": "q"}]),
+        "responses": ({"instructions": "sys", "input": "q"},
+                      [{"role": "system", "content": "sys"}, {"role": "user", "content": "q"}]),
+        "completions": ({"prompt": "q"}, [{"role": "user", "content": "q"}]),
+    }
+    for api, (req, want) in calls.items():
+        got = transcript(c.Call(api=api, request_json=json.dumps(req).encode(),
+                                completion_text="a"))
+        assert got == [*want, {"role": "assistant", "content": "a"}], api

@@ -120,8 +120,10 @@ def user_spec(args: argparse.Namespace, name: str) -> c.RunSpec:
     return c.RunSpec(name=name, tasks_file=str(Path(args.tasks).resolve()),
                      group_size=args.group_size, harness_command=shlex.split(args.harness),
                      grader_command=shlex.split(args.grader) if args.grader else [],
-                     reward_source=(c.REWARD_SOURCE_HARNESS if not args.grader
-                                    else c.REWARD_SOURCE_GRADER_JSON),
+                     group_grader_command=shlex.split(args.group_grader or ""),
+                     reward_source=(c.REWARD_SOURCE_GRADER_JSON if args.grader else
+                                    c.REWARD_SOURCE_GROUP_GRADER if args.group_grader
+                                    else c.REWARD_SOURCE_HARNESS),
                      concurrency=args.concurrency, timeout_s=args.timeout,
                      max_attempts=args.attempts, model=args.model_name)
 
@@ -146,9 +148,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         console.print("[red]--harness and --tasks go together (your harness command and a JSONL "
                       "file of its tasks); --grader is optional")
         return 2
-    if args.harness and not args.grader and not args.rollouts_only:
+    if args.harness and not (args.grader or args.group_grader or args.judge) and \
+            not args.rollouts_only:
         console.print("[red]training your harness needs --grader (a command whose last stdout "
-                      "line is {\"reward\": x}); --rollouts-only runs it without one")
+                      "line is {\"reward\": x}), --group-grader or --judge; --rollouts-only "
+                      "runs it without one")
+        return 2
+    if args.judge and (args.group_grader or args.mode == "collocated" or args.rollouts_only):
+        console.print("[red]--judge is the group grader (not with --group-grader); in "
+                      "collocated mode the judge's calls to the training engine would wait "
+                      "behind the hold they must end: use --mode sync or async, or a judge "
+                      "engine of its own with --group-grader (--judge trains; with "
+                      "--rollouts-only give --group-grader)")
         return 2
     if args.eval_tasks and args.rollouts_only:
         console.print("[red]--eval-tasks evaluates during training; for an evaluation alone "
@@ -174,54 +185,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     except operate.NoStack:
         pass
     if args.detach and not args.daemon:
-        return _detach(args, state)
+        return operate.detach(args, state, console)
     return _up(args, state)
-
-
-def _detach(args: argparse.Namespace, state: Path) -> int:
-    """Starts `harnessrl up ... --daemon` in a session of its own (it outlives this shell),
-    follows its log until the stack serves, and returns."""
-    import subprocess
-
-    (state / "logs").mkdir(parents=True, exist_ok=True)
-    (state / operate.STATE_FILE).unlink(missing_ok=True)
-    log_path = state / "logs" / "up.log"
-    given = sys.argv[1:] if args.argv is None else list(args.argv)
-    argv = [sys.executable, "-m", "harnessrl.local.cli", *given, "--daemon"]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "HARNESSRL_UP_DAEMON": "1"})
-    console.print(f"starting the stack in the background (pid {proc.pid}, log {log_path})",
-                  soft_wrap=True)
-    t0, pos = time.monotonic(), log_path.stat().st_size
-    while not (state / operate.STATE_FILE).exists():
-        with open(log_path, errors="replace") as f:  # its progress lines, as they come
-            f.seek(pos)
-            chunk = f.read()
-            pos = f.tell()
-        for line in chunk.splitlines():
-            if line.startswith("[harnessrl]") or "error" in line.lower():
-                console.print(line, markup=False, highlight=False)
-        if proc.poll() is not None:
-            console.print(f"[red]the stack did not start (exit {proc.returncode}); log "
-                          f"{log_path}:")
-            console.print(operate._tail(log_path, 30), markup=False)
-            return 1
-        if time.monotonic() - t0 > args.start_timeout:
-            console.print(f"[red]not up after {args.start_timeout:.0f}s; stopping it (log "
-                          f"{log_path})")
-            os.kill(proc.pid, signal.SIGTERM)
-            return 1
-        time.sleep(0.5)
-    st = json.loads((state / operate.STATE_FILE).read_text())
-    console.print(f"""stack running (supervisor pid {st['supervisor_pid']}, {time.monotonic() - t0:.0f}s):
-  gateway {st['gateway_url']}  store {st['store']}  controller {st['controller']}""" + (
-        f"  trainer {st['trainer']}" if st.get("trainer") else "") + f"""
-  runs: {', '.join(st.get('runs', [])) or '(the trainer creates one per step)'}
-  harnessrl status | runs | rollouts RUN | show ROLLOUT | logs SERVICE | down   (--state-dir {args.state_dir})""",
-                  markup=False, highlight=False, soft_wrap=True)
-    return 0
 
 
 def _up(args: argparse.Namespace, state: Path) -> int:
@@ -384,6 +349,12 @@ def _harness_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grader", default="", help="grader command line, run after the harness; "
                    "its last stdout line is {\"reward\": x} (default: the harness reports its "
                    "reward through the gateway)")
+    p.add_argument("--group-grader", default="", help="group grader command line, run once "
+                   "per group after its rollouts ended (docs/judge.md)")
+    p.add_argument("--judge", action="store_true", help="the group grader is the built-in judge "
+                   "(harnessrl.graders.judge) on the training engine")
+    p.add_argument("--judge-config", default="", help="--judge's settings: a JSON file of "
+                   "JudgeConfig fields (rubric, score range, sampling; docs/judge.md)")
     p.add_argument("--tasks", default=None, help="JSONL file of tasks (one JSON object with an "
                    "\"id\" per line)")
     p.add_argument("--group-size", type=int, default=4, help="rollouts per task")

@@ -297,3 +297,50 @@ def down(state_dir: Path, console: Console, timeout: float = 90.0) -> int:
         time.sleep(0.2)
     console.print("stopped")
     return 0
+
+
+def detach(args: Any, state: Path, console: Console) -> int:
+    """Starts `harnessrl up ... --daemon` in a session of its own (it outlives this shell),
+    follows its log until the stack serves, and returns."""
+    import subprocess
+    import sys
+
+    (state / "logs").mkdir(parents=True, exist_ok=True)
+    (state / STATE_FILE).unlink(missing_ok=True)
+    log_path = state / "logs" / "up.log"
+    given = sys.argv[1:] if args.argv is None else list(args.argv)
+    argv = [sys.executable, "-m", "harnessrl.local.cli", *given, "--daemon"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "HARNESSRL_UP_DAEMON": "1"})
+    console.print(f"starting the stack in the background (pid {proc.pid}, log {log_path})",
+                  soft_wrap=True)
+    t0, pos = time.monotonic(), log_path.stat().st_size
+    while not (state / STATE_FILE).exists():
+        with open(log_path, errors="replace") as f:  # its progress lines, as they come
+            f.seek(pos)
+            chunk = f.read()
+            pos = f.tell()
+        for line in chunk.splitlines():
+            if line.startswith("[harnessrl]") or "error" in line.lower():
+                console.print(line, markup=False, highlight=False)
+        if proc.poll() is not None:
+            console.print(f"[red]the stack did not start (exit {proc.returncode}); log "
+                          f"{log_path}:")
+            console.print(_tail(log_path, 30), markup=False)
+            return 1
+        if time.monotonic() - t0 > args.start_timeout:
+            console.print(f"[red]not up after {args.start_timeout:.0f}s; stopping it (log "
+                          f"{log_path})")
+            os.kill(proc.pid, signal.SIGTERM)
+            return 1
+        time.sleep(0.5)
+    st = json.loads((state / STATE_FILE).read_text())
+    console.print(f"""stack running (supervisor pid {st['supervisor_pid']}, {time.monotonic() - t0:.0f}s):
+  gateway {st['gateway_url']}  store {st['store']}  controller {st['controller']}""" + (
+        f"  trainer {st['trainer']}" if st.get("trainer") else "") + f"""
+  runs: {', '.join(st.get('runs', [])) or '(the trainer creates one per step)'}
+  harnessrl status | runs | rollouts RUN | show ROLLOUT | logs SERVICE | down   (--state-dir {args.state_dir})""",
+                  markup=False, highlight=False, soft_wrap=True)
+    return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -107,6 +108,17 @@ def terminal_plot(rows: list[dict]) -> str:  # type: ignore[type-arg]
     return str(plt.uncolorize(str(fig.build())))  # plain text: rich would garble ANSI codes
 
 
+def group_grader(stack: Stack, args: argparse.Namespace) -> list[str]:
+    """`--group-grader`, or with `--judge` the built-in judge on the stack's first engine
+    (reached directly, not through the gateway: its calls are never recorded)."""
+    if not getattr(args, "judge", False):
+        return shlex.split(getattr(args, "group_grader", "") or "")
+    config = getattr(args, "judge_config", "")
+    return [sys.executable, "-m", "harnessrl.graders.judge", "--base-url",
+            stack.engines[0].openai_base_url, "--model", stack.cfg.served_model_name,
+            *(["--config", str(Path(config).resolve())] if config else [])]
+
+
 def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
                   console: Console) -> procs.ServiceProcess:
     """Starts the trainer service against the stack, under its supervisor (restarted with
@@ -128,6 +140,7 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
     if getattr(args, "harness", None):  # the user's own harness, grader and tasks
         argv += ["--harness-command", json.dumps(shlex.split(args.harness)),
                  "--grader-command", json.dumps(shlex.split(args.grader or "")),
+                 "--group-grader-command", json.dumps(group_grader(stack, args)),
                  "--tasks-file", str(Path(args.tasks).resolve()),
                  "--group-size", str(args.group_size), "--concurrency", str(args.concurrency),
                  "--rollout-timeout-s", str(args.timeout), "--max-attempts", str(args.attempts)]

@@ -133,7 +133,8 @@ class _GroupGradingEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GroupGra
     """the group grader's rewards are on the rollouts; group published"""
     GROUP_GRADING_FAILED: _GroupGrading.ValueType  # 3
     """The group grader failed (or the run was cancelled first): its rollouts that had succeeded
-    are FAILED with the reason; the group is never published.
+    are FAILED with the reason, and the group is published so (every rollout failed, no
+    reward: the trainer counts it and learns nothing from it), never partly rewarded.
     """
 
 class GroupGrading(_GroupGrading, metaclass=_GroupGradingEnumTypeWrapper):
@@ -149,7 +150,8 @@ GROUP_GRADING_DONE: GroupGrading.ValueType  # 2
 """the group grader's rewards are on the rollouts; group published"""
 GROUP_GRADING_FAILED: GroupGrading.ValueType  # 3
 """The group grader failed (or the run was cancelled first): its rollouts that had succeeded
-are FAILED with the reason; the group is never published.
+are FAILED with the reason, and the group is published so (every rollout failed, no
+reward: the trainer counts it and learns nothing from it), never partly rewarded.
 """
 Global___GroupGrading: _TypeAlias = GroupGrading  # noqa: Y015
 

@@ -371,7 +371,7 @@ class SetGroupRewardsResponse(_message.Message):
     ROLLOUTS_FIELD_NUMBER: _builtins.int
     PUBLISHED_FIELD_NUMBER: _builtins.int
     published: _builtins.bool
-    """published by this call (false for a repeat or a failed group)"""
+    """published by this call (false for a repeat, or a run with no stream)"""
     @_builtins.property
     def rollouts(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Rollout]:
         """the group's rollouts as stored now"""

@@ -216,7 +216,8 @@ class StoreServicer:
     def SetGroupRewards(self, request, context):
         """The group grader's answer for a group held back (GROUP_GRADING_WAITING) whose rollouts
         have all ended: the rewards land on the rollouts and the group is published, in one
-        transaction; with `error`, the group fails and is never published. Idempotent: a group
+        transaction; with `error`, the group fails (every rollout FAILED, no reward) and is published
+        so. Idempotent: a group
         answered already is left as it is.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -60,7 +60,8 @@ class StoreStub:
     SetGroupRewards: _grpc.UnaryUnaryMultiCallable[_store_pb2.SetGroupRewardsRequest, _store_pb2.SetGroupRewardsResponse]
     """The group grader's answer for a group held back (GROUP_GRADING_WAITING) whose rollouts
     have all ended: the rewards land on the rollouts and the group is published, in one
-    transaction; with `error`, the group fails and is never published. Idempotent: a group
+    transaction; with `error`, the group fails (every rollout FAILED, no reward) and is published
+    so. Idempotent: a group
     answered already is left as it is.
     """
     GetRollout: _grpc.UnaryUnaryMultiCallable[_store_pb2.GetRolloutRequest, _common_pb2.Rollout]
@@ -122,7 +123,8 @@ class StoreAsyncStub(StoreStub):
     SetGroupRewards: _aio.UnaryUnaryMultiCallable[_store_pb2.SetGroupRewardsRequest, _store_pb2.SetGroupRewardsResponse]  # type: ignore[assignment]
     """The group grader's answer for a group held back (GROUP_GRADING_WAITING) whose rollouts
     have all ended: the rewards land on the rollouts and the group is published, in one
-    transaction; with `error`, the group fails and is never published. Idempotent: a group
+    transaction; with `error`, the group fails (every rollout FAILED, no reward) and is published
+    so. Idempotent: a group
     answered already is left as it is.
     """
     GetRollout: _aio.UnaryUnaryMultiCallable[_store_pb2.GetRolloutRequest, _common_pb2.Rollout]  # type: ignore[assignment]
@@ -241,7 +243,8 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_store_pb2.SetGroupRewardsResponse, _abc.Awaitable[_store_pb2.SetGroupRewardsResponse]]:
         """The group grader's answer for a group held back (GROUP_GRADING_WAITING) whose rollouts
         have all ended: the rewards land on the rollouts and the group is published, in one
-        transaction; with `error`, the group fails and is never published. Idempotent: a group
+        transaction; with `error`, the group fails (every rollout FAILED, no reward) and is published
+        so. Idempotent: a group
         answered already is left as it is.
         """
 

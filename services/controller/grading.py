@@ -34,6 +34,7 @@ from services.controller.backends import JobResult, JobSpec
 GRADER_STDOUT = "grader.stdout.log"
 GRADER_STDERR = "grader.stderr.log"
 QUOTE_LIMIT = 300
+STDERR_QUOTE_CHARS = 500  # of a failed harness's stderr, in its attempt's error
 _TAIL_BYTES = 64 * 1024
 # The grader gets the harness's environment without these (see the module docstring).
 CREDENTIAL_ENV = ("OPENAI_API_KEY", "OPENAI_BASE_URL")
@@ -109,9 +110,9 @@ def parse_reward_line(stdout: str) -> Grade:
     if "reward" not in obj:
         return Grade(None, f'grader\'s JSON has no "reward": {quote(last)}')
     reward, parts, reason = obj["reward"], obj.get("parts") or {}, obj.get("reason") or ""
-    if not _finite(reward):
+    if not finite(reward):
         return Grade(None, f'grader\'s "reward" is not a finite number: {quote(last)}')
-    if not isinstance(parts, dict) or not all(k and _finite(v) for k, v in parts.items()):
+    if not isinstance(parts, dict) or not all(k and finite(v) for k, v in parts.items()):
         return Grade(None, f'grader\'s "parts" is not an object of finite numbers: {quote(last)}')
     if not isinstance(reason, str):
         return Grade(None, f'grader\'s "reason" is not a string: {quote(last)}')
@@ -119,9 +120,13 @@ def parse_reward_line(stdout: str) -> Grade:
                  reason=reason)
 
 
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
-        math.isfinite(value)
+def finite(value: object) -> bool:
+    """A JSON number (not a bool) that is a finite float."""
+    try:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def reward_from_exit_code(exit_code: int) -> Grade:
@@ -211,3 +216,20 @@ def grade_result(result: JobResult, reward_source: int, timeout_s: float) -> Gra
         if stderr:
             grade = Grade(None, f"{grade.error}; grader stderr: {quote(stderr[-QUOTE_LIMIT:])}")
     return grade
+
+
+def harness_failure(result: JobResult, timeout_s: float) -> str:
+        """Why a harness job that did not succeed failed, for the attempt's record."""
+        if result.cancelled:  # not by this run: the controller shut down, say
+            return f"harness job cancelled ({result.error or 'outside this run'})"
+        if result.timed_out:
+            return (f"harness timed out after {timeout_s:g}s; its job was killed"
+                    + (f" ({result.error})" if result.error else ""))
+        error = f"harness exited with code {result.exit_code}"
+        if result.error:
+            error += f" ({result.error})"
+        what = "log" if result.stderr_path == result.stdout_path else "stderr"
+        stderr = read_tail(result.stderr_path, 4096).strip()
+        if stderr:
+            error += f"; {what}: {quote(stderr[-STDERR_QUOTE_CHARS:])}"
+        return error

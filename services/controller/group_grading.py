@@ -23,9 +23,10 @@ and `HARNESSRL_STORE_ADDRESS` (the judge caches its answers there), in
 the store in one transaction (Store.SetGroupRewards), which publishes the group. Failures
 follow the per-attempt grader's rules: exit code other than 0, a timeout (its process group is
 killed), an output that is not one reward per rollout — the group FAILS with the reason
-(quoting the grader's stderr), and is never published. A group with no succeeded rollout is
-published without running the grader; a cancelled run's unanswered groups fail ("run
-cancelled"). The grader dies with the controller (PR_SET_PDEATHSIG); a restarted controller
+(quoting the grader's stderr). A failed group is published with every rollout
+failed (the trainer counts it and learns nothing from it), never with some of its rewards. A
+group with no succeeded rollout is published without running the grader; a cancelled run's
+unanswered groups fail ("run cancelled"). The grader dies with the controller (PR_SET_PDEATHSIG); a restarted controller
 runs it again for every group still waiting, in a new try directory.
 """
 
@@ -34,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.v1 import common_pb2 as c, store_pb2 as spb
-from services.controller.grading import QUOTE_LIMIT, quote, read_tail, safe_name
+from services.controller.grading import QUOTE_LIMIT, finite, quote, read_tail, safe_name
 from services.controller.store_calls import ResilientStore
 
 log = logging.getLogger("harnessrl.controller")
@@ -120,16 +120,15 @@ def parse_output(text: str, want: list[str]) -> list[spb.GroupReward]:
         reward = it.get("reward") if isinstance(it, dict) else None
         if rid not in want or rid in out:
             raise ValueError(f"a reward for {rid!r}: not a rollout of the input, or repeated")
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or \
-                not math.isfinite(reward):
-            raise ValueError(f"{rid}: reward is not a finite number: {quote(str(reward))}")
-        parts = it.get("parts") or {}
-        if not isinstance(parts, dict) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-                for v in parts.values()):
-            raise ValueError(f"{rid}: parts must be an object of finite numbers")
+        if not finite(reward) or reward is None:
+            raise ValueError(f"{rid}: reward is not a finite number: {quote(str(reward))[:80]}")
+        parts, reason = it.get("parts") or {}, it.get("reason") or ""
+        if not isinstance(parts, dict) or not all(k and finite(v) for k, v in parts.items()):
+            raise ValueError(f"{rid}: parts must be an object of finite numbers, named")
+        if not isinstance(reason, str):
+            raise ValueError(f"{rid}: reason is not a string")
         out[rid] = spb.GroupReward(
-            rollout_id=rid, reward=float(reward), reason=str(it.get("reason") or ""),
+            rollout_id=rid, reward=float(reward), reason=reason,
             parts=[c.RewardPart(name=str(k), value=float(v)) for k, v in parts.items()])
     if missing := [r for r in want if r not in out]:
         raise ValueError(f"no reward for {missing}")
@@ -156,7 +155,7 @@ class GroupGrader:
         the answer to the store; the group's rollouts as stored after it."""
         rollouts = await self.store.list_group(group_id)
         if all(ro.group_grading != c.GROUP_GRADING_WAITING for ro in rollouts):
-            return rollouts
+            return [_without_calls(ro) for ro in rollouts]
         req = spb.SetGroupRewardsRequest(group_id=group_id)
         if cancelled:
             req.error = "run cancelled before the group was graded"
@@ -168,6 +167,11 @@ class GroupGrader:
                 log.warning("group %s: group grader failed: %s", group_id, exc,
                             extra={"run": rollouts[0].run_id})
         return list((await self.store.set_group_rewards(req)).rollouts)
+
+    async def fail(self, group_id: str, error: str) -> list[c.Rollout]:
+        """Fails the group with `error` (the controller's own failure to grade it)."""
+        return list((await self.store.set_group_rewards(spb.SetGroupRewardsRequest(
+            group_id=group_id, error=error))).rollouts)
 
     async def _run(self, data: dict[str, Any]) -> list[spb.GroupReward]:
         base = self.workdir / "groups" / safe_name(data["task_id"])
@@ -212,6 +216,11 @@ class GroupGrader:
 
 class GroupGraderFailed(Exception):
     pass
+
+
+def _without_calls(ro: c.Rollout) -> c.Rollout:
+    del ro.calls[:]
+    return ro
 
 
 async def _kill(proc: asyncio.subprocess.Process) -> None:

@@ -46,8 +46,6 @@ from services.controller.store_calls import ResilientStore, StoreUnavailable
 
 log = logging.getLogger("harnessrl.controller")
 
-STDERR_QUOTE_CHARS = 500
-
 
 @dataclass
 class RunContext:
@@ -94,6 +92,7 @@ class RunExecution:
             if self.spec.group_grader_command else None
         self._group_ended = {ro.group_id: asyncio.Event() for ro in self.rollouts.values()} \
             if self.group_grader is not None else {}
+        self._grade_slots = asyncio.Semaphore(self.spec.concurrency)  # group graders at once
 
     # -- the run's rollouts and its record ---------------------------------------------------
     def _planned(self) -> list[c.Rollout]:
@@ -200,8 +199,7 @@ class RunExecution:
                           key=lambda rid: not _attempt_running(self.rollouts[rid]))
             try:
                 async with asyncio.TaskGroup() as rollouts:  # one error stops them all
-                    for rid in todo:
-                        rollouts.create_task(self._rollout(rid))
+                    rollouts.create_task(self._rollouts(todo))
                     for gid in self._group_ended:  # (a group grader) each group's, once it ends
                         rollouts.create_task(self._grade_group(gid))
             except BaseExceptionGroup as group:
@@ -310,12 +308,32 @@ class RunExecution:
                     log.error("rollout %s: could not record its failure: %s", rid, exc2,
                               extra={**self._extra, "rollout": rid})
 
+    async def _rollouts(self, rids: list[str]) -> None:
+        await asyncio.gather(*(self._rollout(rid) for rid in rids))
+        for ended in self._group_ended.values():  # even a rollout that could not be ended
+            ended.set()  # (its failure not recorded) gets its group a verdict
+
     async def _grade_group(self, gid: str) -> None:
-        """Runs the group grader once every rollout of the group has ended (group_grading)."""
+        """Runs the group grader once every rollout of the group has ended (group_grading);
+        an error of the controller's own fails the group with it, not the run."""
         assert self.group_grader is not None
         await self._group_ended[gid].wait()
-        ro = next(r for r in self.rollouts.values() if r.group_id == gid)
-        for ro in await self.group_grader.settle(gid, self.tasks[ro.task_id], self.cancelled):
+        task = self.tasks[next(r for r in self.rollouts.values() if r.group_id == gid).task_id]
+        async with self._grade_slots:
+            try:
+                graded = await self.group_grader.settle(gid, task, self.cancelled)
+            except (StoreUnavailable, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the group fails alone, with the reason
+                log.exception("group %s: grading failed", gid, extra=self._extra)
+                try:
+                    graded = await self.group_grader.fail(gid, f"controller error: {exc!r}"[:500])
+                except HarnessRLError as exc2:  # (StoreUnavailable is one: the run fails)
+                    if isinstance(exc2, StoreUnavailable):
+                        raise
+                    log.error("group %s: its failure not recorded: %s", gid, exc2)
+                    return
+        for ro in graded:
             await self._changed(ro)
 
     async def _finish(self, rid: str, attempt: int, status: int, *,
@@ -440,7 +458,7 @@ class RunExecution:
             return
         if not result.succeeded:
             await self._finish(rid, attempt, c.ROLLOUT_STATUS_FAILED,
-                               error=self._harness_failure(result),
+                               error=grading.harness_failure(result, self.spec.timeout_s),
                                exit_code=result.exit_code, timed_out=result.timed_out)
             return
         if spec.reward_source == c.REWARD_SOURCE_GROUP_GRADER:
@@ -463,22 +481,6 @@ class RunExecution:
         else:
             await self._finish(rid, attempt, c.ROLLOUT_STATUS_FAILED,
                                error=f"grading failed: {grade.error}", may_retry=False)
-
-    def _harness_failure(self, result: JobResult) -> str:
-        """Why a harness job that did not succeed failed, for the attempt's record."""
-        if result.cancelled:  # not by this run: the controller shut down, say
-            return f"harness job cancelled ({result.error or 'outside this run'})"
-        if result.timed_out:
-            return (f"harness timed out after {self.spec.timeout_s:g}s; its job was killed"
-                    + (f" ({result.error})" if result.error else ""))
-        error = f"harness exited with code {result.exit_code}"
-        if result.error:
-            error += f" ({result.error})"
-        what = "log" if result.stderr_path == result.stdout_path else "stderr"
-        stderr = grading.read_tail(result.stderr_path, 4096).strip()
-        if stderr:
-            error += f"; {what}: {grading.quote(stderr[-STDERR_QUOTE_CHARS:])}"
-        return error
 
     # -- watching ----------------------------------------------------------------------------
     async def watch(self) -> AsyncIterator[cpb.RunEvent]:

@@ -7,8 +7,11 @@ Rules: every rollout of the group must have ended. An answer (no `error`) gives 
 per rollout that SUCCEEDED, no more and no fewer; each succeeded rollout's reward becomes
 the group grader's (the per-attempt grader's is kept as `attempt_reward`), with its parts and
 reason; the group is published to its stream once (the publish script's flag). With `error`
-the group FAILS: each succeeded rollout becomes FAILED with the reason, and nothing is
-published. A group answered already (DONE or FAILED) is left as it is: a repeat is a no-op.
+the group FAILS: each succeeded rollout becomes FAILED with the reason (no reward), and the
+group is published so, every rollout failed — the trainer counts it (a sync step waits for
+every group, async admission for every consumed one) and learns nothing from it; a group is
+never published with some of its rewards. A group answered already (DONE or FAILED) is left as
+it is: a repeat is a no-op.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ def _apply(ros: list[c.Rollout], req: spb.SetGroupRewardsRequest,
             if ro.status == c.ROLLOUT_STATUS_SUCCEEDED:
                 ro.status, ro.has_reward, ro.reward = c.ROLLOUT_STATUS_FAILED, False, 0.0
                 ro.error = f"group grader failed: {req.error}"[:MAX_REASON_CHARS]
+                ro.reward_reason = ""
+                del ro.reward_parts[:]
             continue
         ro.group_grading = c.GROUP_GRADING_DONE
         if ro.rollout_id in rewards:
@@ -92,7 +97,10 @@ async def set_group_rewards(store: "RolloutStore", req: spb.SetGroupRewardsReque
         async with store.r.pipeline(transaction=True) as pipe:
             try:
                 await pipe.watch(*keys)
-                ros = [c.Rollout.FromString(d) for d in await pipe.mget(keys) if d is not None]
+                datas = await pipe.mget(keys)
+                if any(d is None for d in datas):
+                    raise NotFound(f"group {req.group_id}: a rollout record is missing")
+                ros = [c.Rollout.FromString(d) for d in datas]
                 grading = {ro.group_grading for ro in ros}
                 if grading == {c.GROUP_GRADING_NONE}:
                     raise FailedPrecondition(f"group {req.group_id}: its run has no group "
@@ -110,7 +118,7 @@ async def set_group_rewards(store: "RolloutStore", req: spb.SetGroupRewardsReque
                 for key, ro in zip(keys, ros):
                     pipe.set(key, ro.SerializeToString())
                 pipe.sadd(gdone, *ids)
-                publish = not req.error and ro0.stream not in NO_STREAM
+                publish = ro0.stream not in NO_STREAM
                 if publish:
                     await store._publish(
                         keys=[gdone, store._k("gpub", req.group_id),

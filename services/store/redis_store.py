@@ -319,6 +319,8 @@ class RolloutStore:
             ro.status = req.status
             ro.error = req.error
             ro.finished_at = time.time()
+            if req.reward_pending and ro.group_grading != c.GROUP_GRADING_WAITING:
+                raise FailedPrecondition("reward_pending: the run has no group grader")
             if req.status == c.ROLLOUT_STATUS_SUCCEEDED and not req.reward_pending:
                 ro.has_reward, ro.reward, ro.reward_reason = True, req.reward, req.reward_reason
                 ro.reward_parts.extend(req.reward_parts)
@@ -332,8 +334,8 @@ class RolloutStore:
     async def _mark_done_and_publish(self, ro: c.Rollout) -> None:
         gdone = self._k("gdone", ro.group_id)
         await self.r.sadd(gdone, ro.rollout_id)
-        if ro.stream in NO_STREAM or ro.group_grading == c.GROUP_GRADING_WAITING:
-            return  # a group held for its group grader is published by set_group_rewards
+        if ro.stream in NO_STREAM or ro.group_grading != c.GROUP_GRADING_NONE:
+            return  # a group with a group grader is published by set_group_rewards only
         await self._publish(
             keys=[gdone, self._k("gpub", ro.group_id), self._stream_key(ro.stream)],
             args=[ro.group_size, ro.group_id, ro.run_id, ro.task_id],

@@ -243,7 +243,10 @@ class TrainerConfig(ServiceConfig):
     grader_command: list[str] = Field(
         default_factory=lambda: [sys.executable, str(EXAMPLE / "grader.py")],
         description="argv of the grader, run after the harness; its last stdout line is "
-                    "{\"reward\": x}")
+                    "{\"reward\": x} (empty with a group grader: it gives every reward)")
+    group_grader_command: list[str] = Field(
+        default_factory=list, description="argv of the group grader, run by the controller "
+        "once per group after its rollouts ended (docs/judge.md); empty: none")
     harness_env: dict[str, str] = Field(default_factory=dict,
                                         description="extra environment of harness and grader")
     served_model_name: str = Field("tiny", description="model name the harness is told to use "
@@ -334,8 +337,9 @@ class TrainerConfig(ServiceConfig):
     def _checks(self) -> "TrainerConfig":
         if not self.harness_command or not self.harness_command[0]:
             raise ValueError("harness_command is empty")
-        if not self.grader_command or not self.grader_command[0]:
-            raise ValueError("grader_command is empty")
+        if not (self.grader_command and self.grader_command[0]) and \
+                not self.group_grader_command:
+            raise ValueError("grader_command is empty (and no group_grader_command)")
         if self.mode.sleep_level and self.nproc > 1:
             raise ValueError("mode.sleep_level > 0 with nproc > 1 is not implemented (the "
                              "other ranks' ordering against the engines, the ipc push of "

@@ -296,7 +296,9 @@ def step_spec(cfg: Any, tasks: Sequence[dict[str, Any]]) -> c.RunSpec:
         tasks=[c.Task(task_id=str(t["id"]), data_json=json.dumps(t, sort_keys=True))
                for t in tasks],
         group_size=cfg.group_size, harness_command=cfg.harness_command,
-        grader_command=cfg.grader_command, reward_source=c.REWARD_SOURCE_GRADER_JSON,
+        grader_command=cfg.grader_command, group_grader_command=cfg.group_grader_command,
+        reward_source=c.REWARD_SOURCE_GRADER_JSON if cfg.grader_command
+        else c.REWARD_SOURCE_GROUP_GRADER,
         concurrency=cfg.concurrency, timeout_s=cfg.rollout_timeout_s,
         grader_timeout_s=cfg.grader_timeout_s, max_attempts=cfg.max_attempts,
         env=cfg.harness_env, stream=cfg.stream, model=cfg.served_model_name,
