@@ -146,7 +146,8 @@ def _relabel(found: dict, recipe: Recipe, out: Path) -> bool:
 def _build(recipe: Recipe, out: Path) -> Path:
     t0 = time.monotonic()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in out.parent.glob(out.name + ".tmp*"):  # (under the lock) a killed builder's
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
 
     tok = train_tokenizer(tokenizer_corpus(recipe.seed), recipe.vocab_size,
