@@ -399,3 +399,41 @@ def test_group_grader_output_and_transcripts_are_checked_and_rendered() -> None:
         got = transcript(c.Call(api=api, request_json=json.dumps(req).encode(),
                                 completion_text="a"))
         assert got == [*want, {"role": "assistant", "content": "a"}], api
+
+
+def test_cancelling_a_run_no_controller_executes_ends_its_waiting_groups(
+        local: GroupRun) -> None:
+    """CancelRun of a run only the store holds (no execution here): its rollouts are cancelled
+    and each group still waiting for its grader fails ("run cancelled"), not left waiting."""
+    store, run_id = local.s.store, f"stored-{uuid.uuid4().hex[:6]}"
+    spec = local.spec([{"id": "t"}])
+    store.put_run(c.Run(run_id=run_id, spec=spec, status=c.RUN_STATUS_RUNNING,
+                        created_at=time.time()))
+    store.create_rollouts([c.Rollout(
+        rollout_id=f"{run_id}/t/{i}", run_id=run_id, task_id="t", group_id=f"{run_id}/t",
+        index_in_group=i, group_size=2, max_attempts=1, stream=local.stream,
+        group_grading=c.GROUP_GRADING_WAITING) for i in range(2)])
+    run = local.s.ctl.cancel_run(run_id)
+    assert run.status == c.RUN_STATUS_CANCELLED and run.num_cancelled == 2
+    ros = store.list_rollouts(run_id).rollouts
+    assert [r.group_grading for r in ros] == [c.GROUP_GRADING_FAILED] * 2
+    assert [x.group_id for x in local.stream_groups()].count(f"{run_id}/t") == 1
+
+
+def test_cancelling_the_run_stops_its_running_group_grader(local: GroupRun) -> None:
+    run = local.s.ctl.create_run(local.spec([{"id": "hang2", "group": "hang"}]))
+    deadline, pid = time.monotonic() + 30, None
+    while pid is None:
+        assert time.monotonic() < deadline
+        pid = next((int(p.stem) for p in local.probes.glob("*.pid")
+                    if p.read_text() == f"{run.run_id}/hang2"), None)
+        time.sleep(0.05)
+    local.s.ctl.cancel_run(run.run_id)
+    done = list(local.s.ctl.watch_run(run.run_id, timeout=30))[-1].run
+    assert done.status == c.RUN_STATUS_CANCELLED
+    while process_alive(pid):  # its process group is killed, not left to its timeout
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ros = local.s.rollouts(run.run_id)
+    assert all(ros[f"hang2/{i}"].group_grading == c.GROUP_GRADING_FAILED for i in range(3))
+    assert "run cancelled while its grader ran" in ros["hang2/0"].error

@@ -321,7 +321,9 @@ class RunExecution:
         task = self.tasks[next(r for r in self.rollouts.values() if r.group_id == gid).task_id]
         async with self._grade_slots:
             try:
-                graded = await self.group_grader.settle(gid, task, self.cancelled)
+                job = asyncio.ensure_future(self.group_grader.settle(gid, task, self.cancelled))
+                graded = job.result() if await self._unless_cancelled(job) else \
+                    await self.group_grader.fail(gid, "run cancelled while its grader ran")
             except (StoreUnavailable, asyncio.CancelledError):
                 raise
             except Exception as exc:  # noqa: BLE001 - the group fails alone, with the reason

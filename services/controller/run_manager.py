@@ -163,6 +163,11 @@ class RunManager:
         run.status = c.RUN_STATUS_CANCELLED
         run.finished_at = time.time()
         rollouts = await store.list_rollouts(run_id, retry_s=retry)
+        for gid in sorted({r.group_id for r in rollouts
+                           if r.group_grading == c.GROUP_GRADING_WAITING}):  # never graded now
+            await store.set_group_rewards(spb.SetGroupRewardsRequest(
+                group_id=gid, error="run cancelled before the group was graded"))
+        rollouts = await store.list_rollouts(run_id, retry_s=retry)
         run.num_succeeded = sum(r.status == c.ROLLOUT_STATUS_SUCCEEDED for r in rollouts)
         run.num_failed = sum(r.status == c.ROLLOUT_STATUS_FAILED for r in rollouts)
         run.num_cancelled = sum(r.status == c.ROLLOUT_STATUS_CANCELLED for r in rollouts)
