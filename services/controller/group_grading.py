@@ -201,6 +201,7 @@ class GroupGrader:
         except asyncio.CancelledError:
             await _kill(proc)
             raise
+        await _kill(proc)  # whatever it left running in its process group
         try:
             if code != 0:
                 raise ValueError(f"group grader exited with code {code}")
@@ -224,14 +225,16 @@ def _without_calls(ro: c.Rollout) -> c.Rollout:
 
 
 async def _kill(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM to the grader's process group, then (after the grace) SIGKILL to what is left
+    of it: members that ignore SIGTERM, or outlive their leader, die too."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
-        try:
-            await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_GRACE_S)
-            return
-        except asyncio.TimeoutError:
-            continue
-
+            break
+        if sig == signal.SIGTERM:
+            try:
+                await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_GRACE_S)
+            except asyncio.TimeoutError:
+                pass
+    await proc.wait()
