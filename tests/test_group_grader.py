@@ -373,7 +373,8 @@ def test_judge_as_the_group_grader(local: GroupRun, tmp_path: Path) -> None:
 def test_group_grader_output_and_transcripts_are_checked_and_rendered() -> None:
     """parse_output refuses what the store would refuse (or what is not a number); every API's
     recorded call renders as messages."""
-    from services.controller.group_grading import parse_output, transcript
+    from harnessrl.transcripts import transcript
+    from services.controller.group_grading import parse_output
 
     ok = parse_output('{"rewards": [{"rollout_id": "a", "reward": 1, "parts": {"j": 0.5}}]}',
                       ["a"])
@@ -437,3 +438,29 @@ def test_cancelling_the_run_stops_its_running_group_grader(local: GroupRun) -> N
     ros = local.s.rollouts(run.run_id)
     assert all(ros[f"hang2/{i}"].group_grading == c.GROUP_GRADING_FAILED for i in range(3))
     assert "run cancelled while its grader ran" in ros["hang2/0"].error
+
+
+def test_judge_per_attempt_reads_the_attempts_calls_from_the_store(local: GroupRun) -> None:
+    """`harnessrl.graders.judge --per-attempt` as the per-attempt grader (local backend): it
+    judges each attempt alone from its recorded calls and prints the grader's reward line."""
+    from test_judge import StubJudge, valid
+
+    stub = StubJudge()
+    try:
+        stub.answers = [valid(1, [0.8]), "not json", valid(1, [0.2]), valid(1, [0.5])]
+        spec = local.spec([{"id": "alone-judged"}], grader_command=[
+            PY, "-m", "harnessrl.graders.judge", "--per-attempt", "--base-url", stub.base_url,
+            "--model", "judge", "--retries", "1"], concurrency=1)
+        del spec.group_grader_command[:]
+        spec.env["PYTHONPATH"] = str(REPO)
+        run, _ = local.s.run_to_end(spec)
+        ros = local.s.rollouts(run.run_id)
+        got = sorted((ros[f"alone-judged/{i}"].reward,
+                      {p.name: p.value for p in ros[f"alone-judged/{i}"].reward_parts})
+                     for i in range(3))
+        assert got == [(0.2, {"judge": 0.2}), (0.5, {"judge": 0.5}), (0.8, {"judge": 0.8})]
+        assert len(stub.requests) == 4  # one malformed answer asked again
+        prompts = [r["messages"][1]["content"] for r in stub.requests]
+        assert all("2+2?" in p and "answer " in p for p in prompts)  # the store's transcript
+    finally:
+        stub.server.shutdown()

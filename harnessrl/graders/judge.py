@@ -270,10 +270,26 @@ class Judge:
         return out
 
 
+def attempt_group(store: Any, rollout_id: str, task_json: str) -> dict[str, Any]:
+    """A one-attempt "group" for the per-attempt judge: the attempt's recorded calls, from the
+    store, as its transcript (the last call's conversation and answer)."""
+    from harnessrl.transcripts import transcript
+
+    ro = store.get_rollout(rollout_id, include_calls=True)
+    calls = sorted(ro.calls, key=lambda k: k.seq)
+    return {"run_id": ro.run_id, "group_id": ro.group_id, "task": json.loads(task_json or "{}"),
+            "rollouts": [{"rollout_id": rollout_id, "grader": None,
+                          "transcript": transcript(calls[-1]) if calls else []}]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     env = os.environ.get
+    ap.add_argument("--per-attempt", action="store_true",
+                    help="as a per-attempt grader (local job backend): judge the attempt "
+                         "$HARNESSRL_ROLLOUT_ID alone, its calls read from the store, and print "
+                         'its {"reward", "parts", "reason"} line')
     ap.add_argument("--input", type=Path, default=env("HARNESSRL_GROUP_INPUT"),
                     help="the group's file (default $HARNESSRL_GROUP_INPUT: as a group grader)")
     ap.add_argument("--output", type=Path, default=env("HARNESSRL_GROUP_OUTPUT"),
@@ -281,31 +297,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", type=Path, help="a JSON file of JudgeConfig fields")
     ap.add_argument("--store-address", default=env("HARNESSRL_STORE_ADDRESS", ""),
                     help="cache in this store (host:port; default $HARNESSRL_STORE_ADDRESS, "
-                         "which the controller sets for its group graders)")
+                         "which the controller sets for its graders)")
     for name, field in JudgeConfig.model_fields.items():
         ap.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
                         help=field.description)
     a = ap.parse_args(argv)
-    if a.input is None or a.output is None:
+    if a.per_attempt and not (a.store_address and env("HARNESSRL_ROLLOUT_ID")):
+        ap.error("--per-attempt runs as a grader: $HARNESSRL_ROLLOUT_ID and the store's "
+                 "address ($HARNESSRL_STORE_ADDRESS, set by the controller) are needed")
+    if not a.per_attempt and (a.input is None or a.output is None):
         ap.error("--input and --output are needed (or run it as a group grader)")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
     fields = json.loads(a.config.read_text()) if a.config else {}
     fields.update({k: getattr(a, k) for k in JudgeConfig.model_fields
                    if getattr(a, k) is not None})
     cfg = JudgeConfig.model_validate(fields)
-    group = json.loads(a.input.read_text())
-    cache = None
+    store = None
     if a.store_address:
         from harnessrl.clients import StoreClient
 
-        cache = StoreCache(StoreClient.connect(a.store_address), group.get("run_id", ""))
+        store = StoreClient.connect(a.store_address)
     t0 = time.monotonic()
     try:
+        group = attempt_group(store, env("HARNESSRL_ROLLOUT_ID", ""), env(
+            "HARNESSRL_TASK_JSON", "")) if a.per_attempt else json.loads(a.input.read_text())
+        cache = StoreCache(store, group.get("run_id", "")) if store is not None else None
         out = Judge(cfg, cache).score(group)
     except JudgeError as exc:
         print(f"judge: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if store is not None:
+            store.close()
     out["judge"]["seconds"] = round(time.monotonic() - t0, 3)
+    if a.per_attempt:  # the per-attempt grader's protocol: the last stdout line
+        print(json.dumps({**out["rewards"][0], "judge": out["judge"]}))
+        return 0
     tmp = a.output.with_name(a.output.name + ".tmp")
     tmp.write_text(json.dumps(out))
     tmp.replace(a.output)

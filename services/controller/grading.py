@@ -6,7 +6,8 @@ The reward source is the run's `RewardSource`:
   the same working directory, with the harness's environment (minus its model credential, so
   the grader's own model calls, if any, can never be recorded as the policy's) plus
   `HARNESSRL_HARNESS_EXIT_CODE`, `HARNESSRL_HARNESS_STDOUT` and `HARNESSRL_HARNESS_STDERR`
-  (paths of the harness's captured output). It must exit 0 and its last non-empty stdout line
+  (paths of the harness's captured output) and `HARNESSRL_STORE_ADDRESS` (the attempt's
+  recorded calls are there: the per-attempt judge reads them; a grader inside a pod has none). It must exit 0 and its last non-empty stdout line
   must be a JSON object with a finite numeric `"reward"`.
 - `GRADER_EXIT_CODE`: the same grader run; exit 0 gives 1.0, exit 1 gives 0.0, any other exit
   is a failure.

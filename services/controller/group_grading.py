@@ -43,42 +43,12 @@ from typing import Any
 
 from harnessrl.v1 import common_pb2 as c, store_pb2 as spb
 from services.controller.grading import QUOTE_LIMIT, finite, quote, read_tail, safe_name
+from harnessrl.transcripts import transcript
 from services.controller.store_calls import ResilientStore
 
 log = logging.getLogger("harnessrl.controller")
 
 KILL_GRACE_S = 2.0
-
-
-def transcript(call: c.Call) -> list[dict[str, Any]]:
-    """A recorded call as messages: the conversation its request carried, then its answer."""
-    try:
-        req = json.loads(call.request_json or b"{}")
-    except ValueError:
-        req = {}
-    if not isinstance(req, dict):
-        req = {}
-    if call.api == "chat.completions":
-        messages = list(req.get("messages") or [])
-    elif call.api == "messages":  # Anthropic: the system prompt is a field of its own
-        messages = ([{"role": "system", "content": req["system"]}] if req.get("system") else [])
-        messages += list(req.get("messages") or [])
-    elif call.api == "responses":
-        given = req.get("input")
-        messages = ([{"role": "system", "content": req["instructions"]}]
-                    if req.get("instructions") else [])
-        messages += given if isinstance(given, list) else [{"role": "user", "content": given}]
-    else:  # completions: the prompt as it was sent
-        messages = [{"role": "user", "content": req.get("prompt", "")}]
-    answer: Any = None
-    if call.api == "chat.completions" and call.response_message_json:
-        try:
-            answer = json.loads(call.response_message_json)
-        except ValueError:
-            answer = None
-    if not isinstance(answer, dict):
-        answer = {"role": "assistant", "content": call.completion_text}
-    return [*messages, answer]
 
 
 def _grader_part(ro: c.Rollout) -> dict[str, Any] | None:

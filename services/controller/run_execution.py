@@ -473,7 +473,8 @@ class RunExecution:
             grade = await grading.run_grader(
                 lambda job: self._run_job(rid, job, adopt=resumed),
                 job_id=self._job_id(rid, "g", attempt),
-                argv=list(spec.grader_command), harness_env=env, workdir=workdir,
+                argv=list(spec.grader_command), workdir=workdir,
+                harness_env={**env, "HARNESSRL_STORE_ADDRESS": ctx.store.address},
                 timeout_s=spec.grader_timeout_s, harness=result,
                 reward_source=spec.reward_source, labels={**labels, "role": "grader"})
         if self.cancelled:
