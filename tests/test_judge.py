@@ -177,3 +177,22 @@ def test_the_judge_combines_with_a_verifiable_reward_and_keeps_both_parts(
     g["rollouts"][1]["grader"] = None
     with pytest.raises(JudgeError, match="needs each attempt's verifiable reward"):
         Judge(config(stub, combine=combine)).score(g)
+
+
+def test_a_cache_hit_answers_with_this_groups_rollout_ids(stub: StubJudge) -> None:
+    """Two groups alike in everything the judge sees (a duplicate task under a greedy policy)
+    share a cache entry; each answer carries its own group's rollout ids."""
+    class Memory(dict):  # type: ignore[type-arg]
+        def put(self, key: str, value: bytes) -> None:
+            self[key] = value
+
+    cache = Memory()
+    stub.answers = [valid(3)]
+    first = Judge(config(stub), cache).score(group(run_id="run-a"))
+    other = group(run_id="run-a")
+    for i, ro in enumerate(other["rollouts"]):
+        ro["rollout_id"] = f"run-a/t2/{i}"
+    second = Judge(config(stub), cache).score(other)
+    assert second["judge"]["cached"] and len(stub.requests) == 1
+    assert [r["rollout_id"] for r in second["rewards"]] == [f"run-a/t2/{i}" for i in range(3)]
+    assert [r["reward"] for r in second["rewards"]] == [r["reward"] for r in first["rewards"]]

@@ -247,6 +247,8 @@ class Judge:
             if hit is not None:
                 out = json.loads(hit)
                 out["judge"]["cached"] = True
+                for r, ro in zip(out["rewards"], rollouts):  # scores are by position
+                    r["rollout_id"] = ro["rollout_id"]
                 return out
         messages = prompt(cfg, group)
         problems = []
@@ -313,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     fields.update({k: getattr(a, k) for k in JudgeConfig.model_fields
                    if getattr(a, k) is not None})
     cfg = JudgeConfig.model_validate(fields)
+    if a.per_attempt and cfg.combine != "judge":
+        ap.error("--per-attempt judges an attempt alone: combine must be 'judge' (use the "
+                 "group grader to combine with a verifiable reward)")
     store = None
     if a.store_address:
         from harnessrl.clients import StoreClient

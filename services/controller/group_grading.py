@@ -197,14 +197,14 @@ def _without_calls(ro: c.Rollout) -> c.Rollout:
 async def _kill(proc: asyncio.subprocess.Process) -> None:
     """SIGTERM to the grader's process group, then (after the grace) SIGKILL to what is left
     of it: members that ignore SIGTERM, or outlive their leader, die too."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_GRACE_S)
+    except (ProcessLookupError, PermissionError, asyncio.TimeoutError):
+        pass
+    finally:  # also when this task is cancelled during the grace
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        if sig == signal.SIGTERM:
-            try:
-                await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_GRACE_S)
-            except asyncio.TimeoutError:
-                pass
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     await proc.wait()

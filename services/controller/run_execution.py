@@ -161,8 +161,7 @@ class RunExecution:
                 r.status in TERMINAL for r in self.rollouts.values() if r.group_id == ro.group_id):
             if self.admission is not None:
                 self.admission.group_done(ro.group_id)
-            if ro.group_id in self._group_ended:
-                self._group_ended[ro.group_id].set()
+            self._group_ended.get(ro.group_id, asyncio.Event()).set()  # (a group grader)
         if ro.status in TERMINAL:
             run = self.snapshot()
             done = run.num_succeeded + run.num_failed + run.num_cancelled
@@ -310,8 +309,8 @@ class RunExecution:
 
     async def _rollouts(self, rids: list[str]) -> None:
         await asyncio.gather(*(self._rollout(rid) for rid in rids))
-        for ended in self._group_ended.values():  # even a rollout that could not be ended
-            ended.set()  # (its failure not recorded) gets its group a verdict
+        for ended in self._group_ended.values():  # (a rollout left unended: a verdict still)
+            ended.set()
 
     async def _grade_group(self, gid: str) -> None:
         """Runs the group grader once every rollout of the group has ended (group_grading);
@@ -322,8 +321,11 @@ class RunExecution:
         async with self._grade_slots:
             try:
                 job = asyncio.ensure_future(self.group_grader.settle(gid, task, self.cancelled))
-                graded = job.result() if await self._unless_cancelled(job) else \
-                    await self.group_grader.fail(gid, "run cancelled while its grader ran")
+                if self.cancelled or await self._unless_cancelled(job):  # (cancelled before:
+                    graded = await job  # settle fails the group itself)
+                else:  # cancelled while its grader ran: killed, then the group fails
+                    await asyncio.gather(job, return_exceptions=True)
+                    graded = await self.group_grader.fail(gid, "run cancelled while its grader ran")
             except (StoreUnavailable, asyncio.CancelledError):
                 raise
             except Exception as exc:  # noqa: BLE001 - the group fails alone, with the reason

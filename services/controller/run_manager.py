@@ -21,11 +21,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from harnessrl.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from harnessrl.errors import (AlreadyExists, FailedPrecondition, HarnessRLError, InvalidArgument,
+                             NotFound)
 from harnessrl.statuses import RUN_TERMINAL, TERMINAL
 from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as spb
 from services.controller import run_spec
 from services.controller.run_execution import RunContext, RunExecution
+from services.controller.store_calls import StoreUnavailable
 
 log = logging.getLogger("harnessrl.controller")
 
@@ -165,8 +167,13 @@ class RunManager:
         rollouts = await store.list_rollouts(run_id, retry_s=retry)
         for gid in sorted({r.group_id for r in rollouts
                            if r.group_grading == c.GROUP_GRADING_WAITING}):  # never graded now
-            await store.set_group_rewards(spb.SetGroupRewardsRequest(
-                group_id=gid, error="run cancelled before the group was graded"))
+            try:
+                await store.set_group_rewards(spb.SetGroupRewardsRequest(
+                    group_id=gid, error="run cancelled before the group was graded"))
+            except HarnessRLError as exc:  # the run is cancelled all the same
+                if isinstance(exc, StoreUnavailable):
+                    raise
+                log.error("run %s: group %s left waiting: %s", run_id, gid, exc)
         rollouts = await store.list_rollouts(run_id, retry_s=retry)
         run.num_succeeded = sum(r.status == c.ROLLOUT_STATUS_SUCCEEDED for r in rollouts)
         run.num_failed = sum(r.status == c.ROLLOUT_STATUS_FAILED for r in rollouts)
