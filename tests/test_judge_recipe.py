@@ -50,3 +50,16 @@ def test_cite_recipe_trains_on_judge_rewards(tmp_path: Path, redis_url: str,
     rollouts = list(r.scan_iter(f"{key_prefix}ro:*"))
     calls = sum(r.hlen(k) for k in r.scan_iter(f"{key_prefix}calls:*"))
     assert len(rollouts) == 16 and calls == 16
+
+
+def test_up_refuses_judge_combinations_it_cannot_run(tmp_path: Path) -> None:
+    """--judge in collocated mode (its calls would wait behind the hold), with --group-grader,
+    or with --eval-tasks and no per-attempt grader: refused before anything starts."""
+    base = [sys.executable, "-m", "harnessrl.local.cli", "up", "--harness", "true", "--tasks",
+            str(CITE / "tasks.jsonl"), "--state-dir", str(tmp_path / "state")]
+    for extra, why in ((["--judge", "--mode", "collocated"], "collocated mode"),
+                       (["--judge", "--group-grader", "x"], "not with --group-grader"),
+                       (["--judge", "--eval-tasks", str(CITE / "tasks.jsonl")],
+                        "evaluation runs no group grader")):
+        p = subprocess.run(base + extra, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and why in " ".join((p.stdout + p.stderr).split()), p.stdout

@@ -161,6 +161,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                       "engine of its own with --group-grader (--judge trains; with "
                       "--rollouts-only give --group-grader)")
         return 2
+    if args.eval_tasks and not args.grader and (args.judge or args.group_grader):
+        console.print("[red]--eval-tasks grades with the per-attempt --grader (evaluation runs "
+                      "no group grader); give one, or evaluate with harnessrl eval --grader")
+        return 2
     if args.eval_tasks and args.rollouts_only:
         console.print("[red]--eval-tasks evaluates during training; for an evaluation alone "
                       "use harnessrl eval")
