@@ -5,6 +5,7 @@ Anthropic Messages, Responses and completions calls, each in its own shape)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from harnessrl.v1 import common_pb2 as c
@@ -39,3 +40,9 @@ def transcript(call: c.Call) -> list[dict[str, Any]]:
     if not isinstance(answer, dict):
         answer = {"role": "assistant", "content": call.completion_text}
     return [*messages, answer]
+
+
+def last_call_transcript(calls: "Iterable[c.Call]") -> list[dict[str, Any]]:
+    """An attempt's transcript: its last recorded call as messages ([] without calls)."""
+    last = max(calls, key=lambda k: k.seq, default=None)
+    return transcript(last) if last is not None else []

@@ -275,13 +275,12 @@ class Judge:
 def attempt_group(store: Any, rollout_id: str, task_json: str) -> dict[str, Any]:
     """A one-attempt "group" for the per-attempt judge: the attempt's recorded calls, from the
     store, as its transcript (the last call's conversation and answer)."""
-    from harnessrl.transcripts import transcript
+    from harnessrl.transcripts import last_call_transcript
 
     ro = store.get_rollout(rollout_id, include_calls=True)
-    calls = sorted(ro.calls, key=lambda k: k.seq)
     return {"run_id": ro.run_id, "group_id": ro.group_id, "task": json.loads(task_json or "{}"),
             "rollouts": [{"rollout_id": rollout_id, "grader": None,
-                          "transcript": transcript(calls[-1]) if calls else []}]}
+                          "transcript": last_call_transcript(ro.calls)}]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,9 @@ The reward source is the run's `RewardSource`:
   the grader's own model calls, if any, can never be recorded as the policy's) plus
   `HARNESSRL_HARNESS_EXIT_CODE`, `HARNESSRL_HARNESS_STDOUT` and `HARNESSRL_HARNESS_STDERR`
   (paths of the harness's captured output) and `HARNESSRL_STORE_ADDRESS` (the attempt's
-  recorded calls are there: the per-attempt judge reads them; a grader inside a pod has none). It must exit 0 and its last non-empty stdout line
-  must be a JSON object with a finite numeric `"reward"`.
+  recorded calls are there: the per-attempt judge reads them; a grader inside a pod has none).
+  It must exit 0 and its last non-empty stdout line must be a JSON object with a finite numeric
+  `"reward"` (and optionally `"parts"`, named numbers, and a `"reason"`).
 - `GRADER_EXIT_CODE`: the same grader run; exit 0 gives 1.0, exit 1 gives 0.0, any other exit
   is a failure.
 - `HARNESS`: no grader; the reward the harness reported through the gateway (stored on its
@@ -28,6 +29,7 @@ import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeGuard
 
 from harnessrl.v1 import common_pb2 as c, store_pb2 as spb
 from services.controller.backends import JobResult, JobSpec
@@ -110,18 +112,26 @@ def parse_reward_line(stdout: str) -> Grade:
         return Grade(None, f"grader's last stdout line is not a JSON object: {quote(last)}")
     if "reward" not in obj:
         return Grade(None, f'grader\'s JSON has no "reward": {quote(last)}')
-    reward, parts, reason = obj["reward"], obj.get("parts") or {}, obj.get("reason") or ""
+    grade = reward_fields(obj)
+    return grade if grade.ok else Grade(None, f"grader's {grade.error}: {quote(last)}")
+
+
+def reward_fields(obj: dict[str, object]) -> Grade:
+    """The reward of a grader's JSON object — `reward` (a finite number), optional `parts`
+    (named finite numbers) and `reason` (a string) — or what is wrong with it; the per-attempt
+    grader's line and each of a group grader's rewards."""
+    reward, parts, reason = obj.get("reward"), obj.get("parts") or {}, obj.get("reason") or ""
     if not finite(reward):
-        return Grade(None, f'grader\'s "reward" is not a finite number: {quote(last)}')
+        return Grade(None, "reward is not a finite number")
     if not isinstance(parts, dict) or not all(k and finite(v) for k, v in parts.items()):
-        return Grade(None, f'grader\'s "parts" is not an object of finite numbers: {quote(last)}')
+        return Grade(None, "parts must be an object of named finite numbers")
     if not isinstance(reason, str):
-        return Grade(None, f'grader\'s "reason" is not a string: {quote(last)}')
-    return Grade(float(reward), parts=tuple((k, float(v)) for k, v in parts.items()),
+        return Grade(None, "reason is not a string")
+    return Grade(float(reward), parts=tuple((str(k), float(v)) for k, v in parts.items()),
                  reason=reason)
 
 
-def finite(value: object) -> bool:
+def finite(value: object) -> TypeGuard[int | float]:
     """A JSON number (not a bool) that is a finite float."""
     try:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and \
@@ -220,17 +230,17 @@ def grade_result(result: JobResult, reward_source: int, timeout_s: float) -> Gra
 
 
 def harness_failure(result: JobResult, timeout_s: float) -> str:
-        """Why a harness job that did not succeed failed, for the attempt's record."""
-        if result.cancelled:  # not by this run: the controller shut down, say
-            return f"harness job cancelled ({result.error or 'outside this run'})"
-        if result.timed_out:
-            return (f"harness timed out after {timeout_s:g}s; its job was killed"
-                    + (f" ({result.error})" if result.error else ""))
-        error = f"harness exited with code {result.exit_code}"
-        if result.error:
-            error += f" ({result.error})"
-        what = "log" if result.stderr_path == result.stdout_path else "stderr"
-        stderr = read_tail(result.stderr_path, 4096).strip()
-        if stderr:
-            error += f"; {what}: {quote(stderr[-STDERR_QUOTE_CHARS:])}"
-        return error
+    """Why a harness job that did not succeed failed, for the attempt's record."""
+    if result.cancelled:  # not by this run: the controller shut down, say
+        return f"harness job cancelled ({result.error or 'outside this run'})"
+    if result.timed_out:
+        return (f"harness timed out after {timeout_s:g}s; its job was killed"
+                + (f" ({result.error})" if result.error else ""))
+    error = f"harness exited with code {result.exit_code}"
+    if result.error:
+        error += f" ({result.error})"
+    what = "log" if result.stderr_path == result.stdout_path else "stderr"
+    stderr = read_tail(result.stderr_path, 4096).strip()
+    if stderr:
+        error += f"; {what}: {quote(stderr[-STDERR_QUOTE_CHARS:])}"
+    return error

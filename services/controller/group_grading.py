@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.v1 import common_pb2 as c, store_pb2 as spb
-from services.controller.grading import QUOTE_LIMIT, finite, quote, read_tail, safe_name
-from harnessrl.transcripts import transcript
+from services.controller.grading import QUOTE_LIMIT, quote, read_tail, reward_fields, safe_name
+from harnessrl.transcripts import last_call_transcript
 from services.controller.store_calls import ResilientStore
 
 log = logging.getLogger("harnessrl.controller")
@@ -66,8 +66,7 @@ def group_input(rollouts: list[c.Rollout], task: c.Task) -> dict[str, Any]:
         "task": json.loads(task.data_json),
         "rollouts": [{"rollout_id": ro.rollout_id, "index_in_group": ro.index_in_group,
                       "calls": len(ro.calls),
-                      "transcript": transcript(max(ro.calls, key=lambda k: k.seq))
-                      if ro.calls else [],
+                      "transcript": last_call_transcript(ro.calls),
                       "grader": _grader_part(ro)} for ro in done],
         "failed": [{"rollout_id": ro.rollout_id, "index_in_group": ro.index_in_group,
                     "status": c.RolloutStatus.Name(ro.status), "error": ro.error}
@@ -87,19 +86,14 @@ def parse_output(text: str, want: list[str]) -> list[spb.GroupReward]:
     out: dict[str, spb.GroupReward] = {}
     for it in items:
         rid = it.get("rollout_id") if isinstance(it, dict) else None
-        reward = it.get("reward") if isinstance(it, dict) else None
         if rid not in want or rid in out:
             raise ValueError(f"a reward for {rid!r}: not a rollout of the input, or repeated")
-        if not finite(reward) or reward is None:
-            raise ValueError(f"{rid}: reward is not a finite number: {quote(str(reward))[:80]}")
-        parts, reason = it.get("parts") or {}, it.get("reason") or ""
-        if not isinstance(parts, dict) or not all(k and finite(v) for k, v in parts.items()):
-            raise ValueError(f"{rid}: parts must be an object of finite numbers, named")
-        if not isinstance(reason, str):
-            raise ValueError(f"{rid}: reason is not a string")
+        grade = reward_fields(it)
+        if grade.reward is None:
+            raise ValueError(f"{rid}: {grade.error}")
         out[rid] = spb.GroupReward(
-            rollout_id=rid, reward=float(reward), reason=reason,
-            parts=[c.RewardPart(name=str(k), value=float(v)) for k, v in parts.items()])
+            rollout_id=rid, reward=grade.reward, reason=grade.reason,
+            parts=[c.RewardPart(name=n, value=v) for n, v in grade.parts])
     if missing := [r for r in want if r not in out]:
         raise ValueError(f"no reward for {missing}")
     return [out[r] for r in want]

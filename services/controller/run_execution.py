@@ -87,11 +87,12 @@ class RunExecution:
         self.admission = Admission(run.run_id, self.spec.admission_max_staleness,
                                    self.spec.admission_batch_groups) \
             if self.spec.admission_batch_groups > 0 else None
-        self.group_grader = GroupGrader(self.spec, ctx.store, Path(ctx.cfg.workdir_root)
-                                        .resolve() / run.run_id) \
-            if self.spec.group_grader_command else None
-        self._group_ended = {ro.group_id: asyncio.Event() for ro in self.rollouts.values()} \
-            if self.group_grader is not None else {}
+        self.group_grader = GroupGrader(self.spec, ctx.store, Path(ctx.cfg.workdir_root).resolve()
+                                        / run.run_id) if self.spec.group_grader_command else None
+        self._group_rids = {group_id_of(run.run_id, t): [rollout_id_of(run.run_id, t, i) for i in
+                            range(self.spec.group_size)] for t in self.tasks}  # (as _planned)
+        self._group_ended = {g: asyncio.Event() for g in self._group_rids} \
+            if self.group_grader else {}
         self._grade_slots = asyncio.Semaphore(self.spec.concurrency)  # group graders at once
 
     # -- the run's rollouts and its record ---------------------------------------------------
@@ -158,7 +159,7 @@ class RunExecution:
         self.rollouts[ro.rollout_id] = ro
         self._publish(cpb.RunEvent(kind=cpb.RunEvent.KIND_ROLLOUT, rollout=ro))
         if ro.status in TERMINAL and (self.admission or self._group_ended) and all(
-                r.status in TERMINAL for r in self.rollouts.values() if r.group_id == ro.group_id):
+                self.rollouts[r].status in TERMINAL for r in self._group_rids[ro.group_id]):
             if self.admission is not None:
                 self.admission.group_done(ro.group_id)
             self._group_ended.get(ro.group_id, asyncio.Event()).set()  # (a group grader)
@@ -257,11 +258,10 @@ class RunExecution:
 
     async def _acquire(self, sem: asyncio.Semaphore) -> bool:
         """Takes a slot of `sem`, or returns False when the run is cancelled first."""
-        if self.cancelled or not await self._unless_cancelled(sem.acquire()):
-            return False
-        if self.cancelled:
+        got = not self.cancelled and await self._unless_cancelled(sem.acquire())
+        if got and self.cancelled:  # acquired, but the run was cancelled meanwhile
             sem.release()
-        return not self.cancelled
+        return got and not self.cancelled
 
     async def _admitted(self, rid: str) -> bool:
         """Waits until the rollout's group is admitted (`admission`); False when the run is
@@ -317,7 +317,7 @@ class RunExecution:
         an error of the controller's own fails the group with it, not the run."""
         assert self.group_grader is not None
         await self._group_ended[gid].wait()
-        task = self.tasks[next(r for r in self.rollouts.values() if r.group_id == gid).task_id]
+        task = self.tasks[self.rollouts[self._group_rids[gid][0]].task_id]
         async with self._grade_slots:
             try:
                 job = asyncio.ensure_future(self.group_grader.settle(gid, task, self.cancelled))

@@ -40,7 +40,7 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 from services.store import group_rewards
 from services.store.group_rewards import NO_STREAM
-from services.store.state_space import StateSpace
+from services.store.state_space import StateSpace, require as _require
 
 _APPEND_LUA = """
 -- For each call i: KEYS[2i-1] its attempt's state key, KEYS[2i] its calls hash;
@@ -120,12 +120,6 @@ def _check_entry_ids(entry_ids: Iterable[str]) -> list[str]:
         except ValueError as exc:
             raise InvalidArgument(f"bad stream entry id {entry_id[:100]!r}") from exc
     return ids
-
-
-def _require(value: str, what: str) -> str:
-    if not value:
-        raise InvalidArgument(f"{what} is required")
-    return value
 
 
 class RolloutStore:

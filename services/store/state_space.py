@@ -17,7 +17,8 @@ return 1
 """
 
 
-def _require(value: str, what: str) -> str:
+def require(value: str, what: str) -> str:
+    """`value`, or InvalidArgument when it is empty."""
     if not value:
         raise InvalidArgument(f"{what} is required")
     return value
@@ -30,18 +31,18 @@ class StateSpace:
         self._put = redis.register_script(_PUT_STATE_LUA)
 
     def _key(self, namespace: str) -> str:
-        return f"{self.prefix}state:{_require(namespace, 'namespace')}"
+        return f"{self.prefix}state:{require(namespace, 'namespace')}"
 
     async def put(self, namespace: str, key: str, value: bytes, max_keys: int) -> None:
         if await self._put(keys=[self._key(namespace)],
-                           args=[_require(key, "key"), value, max_keys]) == -1:
+                           args=[require(key, "key"), value, max_keys]) == -1:
             raise ResourceExhausted(f"state namespace {namespace!r} holds {max_keys} keys")
 
     async def delete(self, namespace: str, key: str) -> bool:
-        return bool(await self.r.hdel(self._key(namespace), _require(key, "key")))
+        return bool(await self.r.hdel(self._key(namespace), require(key, "key")))
 
     async def get(self, namespace: str, key: str) -> bytes | None:
-        value = await self.r.hget(self._key(namespace), _require(key, "key"))
+        value = await self.r.hget(self._key(namespace), require(key, "key"))
         return None if value is None else bytes(value)
 
     async def list(self, namespace: str) -> list[tuple[str, bytes]]:
