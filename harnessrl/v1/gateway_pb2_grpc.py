@@ -64,6 +64,11 @@ class GatewayAdminStub:
                 request_serializer=harnessrl_dot_v1_dot_gateway__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=harnessrl_dot_v1_dot_gateway__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.SetAdapter = channel.unary_unary(
+                '/harnessrl.v1.GatewayAdmin/SetAdapter',
+                request_serializer=harnessrl_dot_v1_dot_gateway__pb2.SetAdapterRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_gateway__pb2.Adapter.FromString,
+                _registered_method=True)
 
 
 class GatewayAdminServicer:
@@ -108,6 +113,14 @@ class GatewayAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetAdapter(self, request, context):
+        """Records the load of an adapter version on an engine (READY with policy_version, lora_name
+        and lora_path: its calls go there from now on) or a failed one (MARKED with the reason).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +153,11 @@ def add_GatewayAdminServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=harnessrl_dot_v1_dot_gateway__pb2.ResumeRequest.FromString,
                     response_serializer=harnessrl_dot_v1_dot_gateway__pb2.ResumeResponse.SerializeToString,
+            ),
+            'SetAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetAdapter,
+                    request_deserializer=harnessrl_dot_v1_dot_gateway__pb2.SetAdapterRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_gateway__pb2.Adapter.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -304,6 +322,33 @@ class GatewayAdmin:
             '/harnessrl.v1.GatewayAdmin/Resume',
             harnessrl_dot_v1_dot_gateway__pb2.ResumeRequest.SerializeToString,
             harnessrl_dot_v1_dot_gateway__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.GatewayAdmin/SetAdapter',
+            harnessrl_dot_v1_dot_gateway__pb2.SetAdapterRequest.SerializeToString,
+            harnessrl_dot_v1_dot_gateway__pb2.Adapter.FromString,
             options,
             channel_credentials,
             insecure,

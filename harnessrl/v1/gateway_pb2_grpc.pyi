@@ -41,6 +41,10 @@ class GatewayAdminStub:
     requests already forwarded to them have finished.
     """
     Resume: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ResumeRequest, _gateway_pb2.ResumeResponse]
+    SetAdapter: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SetAdapterRequest, _gateway_pb2.Adapter]
+    """Records the load of an adapter version on an engine (READY with policy_version, lora_name
+    and lora_path: its calls go there from now on) or a failed one (MARKED with the reason).
+    """
 
 @_typing.type_check_only
 class GatewayAdminAsyncStub(GatewayAdminStub):
@@ -55,6 +59,10 @@ class GatewayAdminAsyncStub(GatewayAdminStub):
     requests already forwarded to them have finished.
     """
     Resume: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ResumeRequest, _gateway_pb2.ResumeResponse]  # type: ignore[assignment]
+    SetAdapter: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SetAdapterRequest, _gateway_pb2.Adapter]  # type: ignore[assignment]
+    """Records the load of an adapter version on an engine (READY with policy_version, lora_name
+    and lora_path: its calls go there from now on) or a failed one (MARKED with the reason).
+    """
 
 class GatewayAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -102,5 +110,15 @@ class GatewayAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.ResumeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ResumeResponse, _abc.Awaitable[_gateway_pb2.ResumeResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def SetAdapter(
+        self,
+        request: _gateway_pb2.SetAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.Adapter, _abc.Awaitable[_gateway_pb2.Adapter]]:
+        """Records the load of an adapter version on an engine (READY with policy_version, lora_name
+        and lora_path: its calls go there from now on) or a failed one (MARKED with the reason).
+        """
 
 def add_GatewayAdminServicer_to_server(servicer: GatewayAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
