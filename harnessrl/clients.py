@@ -220,9 +220,10 @@ class GatewayAdminClient(_Client[gateway_pb2_grpc.GatewayAdminStub]):
     _stub_cls = gateway_pb2_grpc.GatewayAdminStub
 
     def register_engine(self, name: str, base_url: str, model: str = "",
-                        policy_version: int = 0) -> gpb.Engine:
+                        policy_version: int = 0, lora: gpb.LoraSupport | None = None
+                        ) -> gpb.Engine:
         engine = gpb.Engine(name=name, base_url=base_url, model=model,
-                            policy_version=policy_version)
+                            policy_version=policy_version, lora=lora)
         return self.stub.RegisterEngine(gpb.RegisterEngineRequest(engine=engine),
                                         timeout=self.timeout)
 
@@ -241,14 +242,25 @@ class GatewayAdminClient(_Client[gateway_pb2_grpc.GatewayAdminStub]):
         return self.stub.UpdateEngine(req, timeout=self.timeout)
 
     def pause(self, engines: Iterable[str] = (), drain: bool = True,
-              drain_timeout_s: float = 60.0) -> gpb.PauseResponse:
+              drain_timeout_s: float = 60.0, adapter: str = "") -> gpb.PauseResponse:
         return self.stub.Pause(
-            gpb.PauseRequest(engines=list(engines), drain=drain, drain_timeout_s=drain_timeout_s),
+            gpb.PauseRequest(engines=list(engines), drain=drain, drain_timeout_s=drain_timeout_s,
+                             adapter=adapter),
             timeout=self.timeout + drain_timeout_s,
         )
 
-    def resume(self, engines: Iterable[str] = ()) -> gpb.ResumeResponse:
-        return self.stub.Resume(gpb.ResumeRequest(engines=list(engines)), timeout=self.timeout)
+    def resume(self, engines: Iterable[str] = (), adapter: str = "") -> gpb.ResumeResponse:
+        return self.stub.Resume(gpb.ResumeRequest(engines=list(engines), adapter=adapter),
+                                timeout=self.timeout)
+
+    def set_adapter(self, engine: str, name: str, state: int, version: int | None = None,
+                    lora_name: str = "", lora_path: str = "", reason: str = ""
+                    ) -> gpb.Adapter:
+        req = gpb.SetAdapterRequest(engine=engine, name=name, state=state,  # type: ignore[arg-type]
+                                    lora_name=lora_name, lora_path=lora_path, reason=reason)
+        if version is not None:
+            req.policy_version = version
+        return self.stub.SetAdapter(req, timeout=self.timeout)
 
 
 class TrainerClient(_Client[trainer_pb2_grpc.TrainerStub]):

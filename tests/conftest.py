@@ -78,10 +78,10 @@ TEST_SECRET = "test-secret-0123456789abcdef0123456789"
 class StubEngineService:
     """`harnessrl.testing.stub_engine` in its own process: answers like vLLM, no model."""
 
-    def __init__(self, workdir: Path, model: str = "tiny") -> None:
+    def __init__(self, workdir: Path, model: str = "tiny", *flags: str) -> None:
         self.model = model
         self.proc, info = procs.start_service("stub", "harnessrl.testing.stub_engine",
-                                              ["--model", model], workdir, timeout=30)
+                                              ["--model", model, *flags], workdir, timeout=30)
         self.port = info["http_port"]
         self.base_url = f"http://127.0.0.1:{self.port}"
 

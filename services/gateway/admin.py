@@ -32,7 +32,8 @@ class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
     async def RegisterEngine(self, request: gpb.RegisterEngineRequest,
                              context: grpc.aio.ServicerContext) -> gpb.Engine:
         e = request.engine
-        eng = self.registry.register(e.name, e.base_url, e.model, e.policy_version)
+        eng = self.registry.register(e.name, e.base_url, e.model, e.policy_version,
+                                     e.lora if e.HasField("lora") else None)
         await self._save(eng)
         return eng.to_proto()
 
@@ -60,14 +61,26 @@ class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
         timeout_s = request.drain_timeout_s or 60.0
         if not math.isfinite(timeout_s) or timeout_s < 0:
             raise InvalidArgument("drain_timeout_s must be a finite number >= 0")
-        engines = self.registry.pause(list(request.engines))
-        await self._save(*engines)
-        if request.drain:
-            await self.registry.drain(engines, timeout_s)
+        if request.adapter:  # only the calls of the runs serving this adapter
+            held = self.registry.hold_adapter(list(request.engines), request.adapter, True)
+            engines = [self.registry.get(a.engine) for a in held]
+            await self._save(*engines)
+            if request.drain:
+                await self.registry.drain_adapter(held, timeout_s)
+        else:
+            engines = self.registry.pause(list(request.engines))
+            await self._save(*engines)
+            if request.drain:
+                await self.registry.drain(engines, timeout_s)
         return gpb.PauseResponse(engines=[e.to_proto() for e in engines])
 
     async def Resume(self, request: gpb.ResumeRequest, context: grpc.aio.ServicerContext
                      ) -> gpb.ResumeResponse:
+        if request.adapter:
+            held = self.registry.hold_adapter(list(request.engines), request.adapter, False)
+            engines = [self.registry.get(a.engine) for a in held]
+            await self._save(*engines)
+            return gpb.ResumeResponse(engines=[e.to_proto() for e in engines])
         if self.weights is not None:  # an engine holding other weights is MARKED first
             for eng in self.registry.select(list(request.engines)):
                 if eng.paused and eng.reachable and not eng.marked:
@@ -75,3 +88,11 @@ class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
         engines = self.registry.resume(list(request.engines))
         await self._save(*engines)
         return gpb.ResumeResponse(engines=[e.to_proto() for e in engines])
+
+    async def SetAdapter(self, request: gpb.SetAdapterRequest,
+                         context: grpc.aio.ServicerContext) -> gpb.Adapter:
+        version = request.policy_version if request.HasField("policy_version") else None
+        a = self.registry.set_adapter(request.engine, request.name, version, request.lora_name,
+                                      request.lora_path, request.state, request.reason)
+        await self._save(self.registry.get(request.engine))
+        return a.to_proto()

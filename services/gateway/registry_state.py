@@ -25,6 +25,7 @@ from harnessrl.clients import AsyncStoreClient
 from harnessrl.errors import Unavailable
 from harnessrl.v1 import gateway_pb2 as gpb
 from services.gateway.config import EngineSpec
+from services.gateway.adapters import AdapterState
 from services.gateway.engines import EngineRegistry, EngineState, normalize_base_url
 
 log = logging.getLogger("harnessrl.gateway.state")
@@ -89,8 +90,10 @@ class RegistryState:
                       timeout_s: float) -> None:
         """Fills `registry`: the stored engines, then the configured ones (see the module)."""
         for rec in await self.load(timeout_s):
-            eng = registry.register(rec.name, rec.base_url, rec.model, rec.policy_version)
+            eng = registry.register(rec.name, rec.base_url, rec.model, rec.policy_version,
+                                    rec.lora if rec.HasField("lora") else None)
             registry.update(rec.name, None, rec.state, rec.reason)
+            eng.adapters = {a.name: AdapterState.from_proto(a) for a in rec.adapters}
             if rec.paused:
                 registry.pause([rec.name])
             log.info("engine %s restored from the store: version %d%s%s", rec.name,
@@ -102,5 +105,6 @@ class RegistryState:
                 continue
             if known is not None:
                 registry.remove(spec.name)
-            eng = registry.register(spec.name, spec.base_url, spec.model, spec.policy_version)
+            eng = registry.register(spec.name, spec.base_url, spec.model, spec.policy_version,
+                                    spec.lora_support())
             await self.save(eng)

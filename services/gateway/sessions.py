@@ -24,7 +24,7 @@ from harnessrl.v1 import common_pb2 as c
 
 class Session:
     __slots__ = ("cred", "next_seq", "closed", "run_model", "sampling", "sampling_problem",
-                 "tokens")
+                 "tokens", "adapter")
 
     def __init__(self, cred: RolloutCredential, next_seq: int) -> None:
         self.cred = cred
@@ -34,6 +34,7 @@ class Session:
         self.sampling: c.SamplingPolicy | None = None  # RunSpec.sampling, when set
         self.sampling_problem = ""  # why the trainer cannot match it ("" when it can)
         self.tokens: list[Any] | None = None  # tokens.SegmentState of its latest calls
+        self.adapter = ""  # RunSpec.adapter: the LoRA adapter serving its calls (adapters.py)
 
     def take_seq(self) -> int:
         seq = self.next_seq
@@ -121,7 +122,7 @@ class Sessions:
             if err.code() == grpc.StatusCode.NOT_FOUND:
                 return
             raise Unavailable(f"store unavailable: {err.details()}") from err
-        session.run_model = run.spec.model
+        session.run_model, session.adapter = run.spec.model, run.spec.adapter
         if run.spec.HasField("sampling") and run.spec.sampling.ListFields():
             session.sampling = run.spec.sampling
             session.sampling_problem = unmatched(run.spec.sampling, run.spec.stream)

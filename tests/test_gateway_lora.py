@@ -1,0 +1,281 @@
+"""LoRA runs at the gateway (services/gateway/adapters.py, docs/lora.md): each run's calls go
+only to its own adapter's current version, recorded with that version; base-model calls on a
+LoRA engine go through its zero adapter (or elsewhere); a failed load keeps the run off that
+engine; replaced versions are unloaded once their last call has ended; a restarted gateway
+keeps the adapters. Real store, Redis and gateway processes; the engine is the stub with
+vLLM's runtime LoRA API (`--enable-lora`), whose request log says which model name each
+completion was sent as."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import TEST_SECRET, GatewayService, StoreService, StubEngineService
+from harnessrl.clients import GatewayAdminClient, StoreClient
+from harnessrl.credentials import CredentialSigner
+from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import gateway_pb2 as gpb
+
+SIGNER = CredentialSigner(TEST_SECRET.encode())
+READY, MARKED = gpb.ENGINE_STATE_READY, gpb.ENGINE_STATE_MARKED
+
+
+class LoraWorld:
+    def __init__(self, tmp: Path, store: StoreService, n_engines: int = 1,
+                 base_adapter: str = "zero") -> None:
+        self.tmp, self.store_svc = tmp, store
+        self.store = StoreClient.connect(store.address, timeout=10)
+        self.engines = [StubEngineService(tmp / f"stub{i}", "tiny", "--enable-lora")
+                        for i in range(n_engines)]
+        for e in self.engines:  # the zero adapter, loaded at the engine's start
+            httpx.post(f"{e.base_url}/v1/load_lora_adapter",
+                       json={"lora_name": "zero", "lora_path": "/zero"}).raise_for_status()
+        self.specs = [{"name": f"e{i}", "base_url": e.base_url, "model": "tiny", "lora": True,
+                       "lora_base_adapter": base_adapter, "max_loras": 4}
+                      for i, e in enumerate(self.engines)]
+        self.start_gateway()
+        self._n = 0
+
+    def start_gateway(self) -> None:
+        self.gateway = GatewayService(self.tmp / "gw", self.store_svc.address, self.specs)
+        self.admin = GatewayAdminClient.connect(self.gateway.admin_address)
+
+    def load(self, engine: int, adapter: str, version: int) -> gpb.Adapter:
+        """What the trainer's push does: load a new name and path, then SetAdapter READY."""
+        name, path = f"{adapter}-v{version}", f"/adapters/{adapter}/v{version}"
+        httpx.post(f"{self.engines[engine].base_url}/v1/load_lora_adapter",
+                   json={"lora_name": name, "lora_path": path}).raise_for_status()
+        return self.admin.set_adapter(f"e{engine}", adapter, READY, version, name, path)
+
+    def key(self, adapter: str) -> tuple[str, str]:
+        """A running rollout of a run with `adapter` ("" = base): (rollout id, its key)."""
+        self._n += 1
+        run_id = f"run{self._n}"
+        self.store.put_run(c.Run(run_id=run_id, spec=c.RunSpec(name="r", model="tiny",
+                                                                adapter=adapter)))
+        rid = f"{run_id}/t/0"
+        self.store.create_rollouts([c.Rollout(rollout_id=rid, run_id=run_id, task_id="t",
+                                              group_id=f"{run_id}/t", group_size=1,
+                                              max_attempts=1, stream="-")])
+        self.store.start_attempt(rid, 1)
+        return rid, SIGNER.mint(rid, 1, 600)
+
+    def chat(self, key: str, timeout: float = 30) -> str:
+        client = openai.OpenAI(base_url=self.gateway.base_url, api_key=key, max_retries=0,
+                               timeout=timeout)
+        out = client.chat.completions.create(model="tiny",
+                                             messages=[{"role": "user", "content": "hi"}])
+        return out.choices[0].message.content or ""
+
+    def calls(self, rid: str) -> list[c.Call]:
+        return list(self.store.get_rollout(rid, include_calls=True).calls)
+
+    def sent_models(self, engine: int = 0) -> list[str]:
+        log = httpx.get(f"{self.engines[engine].base_url}/stub/log").json()
+        return [r["model"] for r in log if r["path"] == "/v1/chat/completions"]
+
+    def loaded(self, engine: int = 0) -> set[str]:
+        return set(httpx.post(f"{self.engines[engine].base_url}/stub/adapters").json())
+
+    def close(self) -> None:
+        self.gateway.stop()
+        for e in self.engines:
+            e.proc.stop()
+        self.store.close()
+
+
+@pytest.fixture
+def lora_world(tmp_path: Path, store_service: StoreService) -> Iterator[LoraWorld]:
+    w = LoraWorld(tmp_path, store_service)
+    yield w
+    w.close()
+
+
+def test_each_run_is_served_by_its_own_adapter_at_its_version(lora_world: LoraWorld) -> None:
+    w = lora_world
+    w.load(0, "A", 0)
+    w.load(0, "B", 3)
+    ra, ka = w.key("A")
+    rb, kb = w.key("B")
+    rbase, kbase = w.key("")
+    for key in (ka, kb, kbase, ka):
+        assert w.chat(key)
+    # what the engine was asked for: each run's adapter, base traffic through the zero adapter
+    assert w.sent_models() == ["A-v0", "B-v3", "zero", "A-v0"]
+    assert [x.policy_version for x in w.calls(ra)] == [0, 0]
+    assert [x.policy_version for x in w.calls(rb)] == [3]
+    assert [x.policy_version for x in w.calls(rbase)] == [0]  # the engine's own version
+    engine = w.admin.list_engines().engines[0]
+    assert engine.lora.enabled and engine.lora.base_adapter == "zero"
+    shown = {a.name: a for a in engine.adapters}
+    assert shown["A"].policy_version == 0 and shown["A"].served_calls == 2
+    assert shown["B"].lora_name == "B-v3" and list(shown["B"].loaded_versions) == [3]
+
+
+def test_a_new_version_serves_new_calls_and_the_old_one_is_unloaded(
+        lora_world: LoraWorld) -> None:
+    w = lora_world
+    w.load(0, "A", 0)
+    rid, key = w.key("A")
+    assert w.chat(key)
+    a = w.load(0, "A", 1)
+    assert list(a.loaded_versions) == [1]  # v0 had no call in flight: unloaded at once
+    assert w.chat(key)
+    assert [x.policy_version for x in w.calls(rid)] == [0, 1]
+    assert w.sent_models()[-2:] == ["A-v0", "A-v1"]
+    deadline = time.monotonic() + 10
+    while "A-v0" in w.loaded() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert w.loaded() == {"zero", "A-v1"}
+    with pytest.raises(Exception, match="older than its current"):
+        w.admin.set_adapter("e0", "A", READY, 0, "A-v0", "/x")
+
+
+def test_a_call_in_flight_finishes_on_its_version_before_that_version_is_unloaded(
+        lora_world: LoraWorld) -> None:
+    w = lora_world
+    w.load(0, "A", 0)
+    rid, key = w.key("A")
+    client = openai.OpenAI(base_url=w.gateway.base_url, api_key=key, max_retries=0)
+    done: list[str] = []
+
+    def slow_call() -> None:
+        stream = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
+            extra_body={"stub_pause_s": 1.5})
+        done.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
+
+    t = threading.Thread(target=slow_call)
+    t.start()
+    deadline = time.monotonic() + 10
+    while not [x for x in w.admin.list_engines().engines[0].adapters if x.inflight]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    a = w.load(0, "A", 1)
+    assert sorted(a.loaded_versions) == [0, 1]  # v0 still serves the call in flight
+    assert "A-v0" in w.loaded()
+    t.join(10)
+    assert done and done[0]
+    deadline = time.monotonic() + 10
+    while "A-v0" in w.loaded() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "A-v0" not in w.loaded()
+    assert [x.policy_version for x in w.calls(rid)] == [0]
+    shown = w.admin.list_engines().engines[0].adapters[0]
+    assert list(shown.loaded_versions) == [1]
+
+
+def test_a_failed_load_keeps_the_run_off_that_engine_only(tmp_path: Path,
+                                                          store_service: StoreService) -> None:
+    w = LoraWorld(tmp_path, store_service, n_engines=2)
+    try:
+        w.load(0, "A", 0)
+        w.load(1, "A", 0)
+        w.load(1, "B", 0)
+        w.load(0, "B", 0)
+        # e0 fails to load A's version 1: MARKED there; e1 serves it
+        w.admin.set_adapter("e0", "A", MARKED, reason="load of A-v1 failed: HTTP 500")
+        w.load(1, "A", 1)
+        for _ in range(3):
+            rid, key = w.key("A")
+            assert w.chat(key)
+            assert [(x.engine, x.policy_version) for x in w.calls(rid)] == [("e1", 1)]
+        assert "A-v0" not in w.sent_models(0)  # never the old adapter under the new version
+        rb, kb = w.key("B")
+        assert w.chat(kb)  # B is unaffected on both engines
+        e0 = {x.name: x for x in w.admin.list_engines().engines}["e0"]
+        a0 = {x.name: x for x in e0.adapters}
+        assert a0["A"].state == MARKED and "HTTP 500" in a0["A"].reason
+        assert a0["B"].state == READY
+    finally:
+        w.close()
+
+
+def test_a_run_whose_adapter_is_nowhere_loaded_is_held_then_served(
+        lora_world: LoraWorld) -> None:
+    w = lora_world
+    rid, key = w.key("A")
+    done: list[str] = []
+    t = threading.Thread(target=lambda: done.append(w.chat(key)))
+    t.start()
+    time.sleep(0.5)
+    assert not done and w.sent_models() == []  # not served by the base weights meanwhile
+    w.load(0, "A", 0)
+    t.join(10)
+    assert done and w.sent_models() == ["A-v0"]
+
+
+def test_base_calls_are_kept_off_a_lora_engine_without_a_zero_adapter(
+        tmp_path: Path, store_service: StoreService) -> None:
+    w = LoraWorld(tmp_path, store_service, base_adapter="")
+    try:
+        rid, key = w.key("")
+        with pytest.raises(openai.APIStatusError) as err:
+            w.gateway.stop()  # a short hold timeout for this one
+            w.gateway = GatewayService(w.tmp / "gw2", w.store_svc.address, w.specs,
+                                       "--hold-timeout-s", "1")
+            w.chat(key)
+        assert err.value.status_code == 503
+        assert w.sent_models() == []
+    finally:
+        w.close()
+
+
+def test_pause_by_adapter_holds_only_that_runs_calls(lora_world: LoraWorld) -> None:
+    w = lora_world
+    w.load(0, "A", 0)
+    w.load(0, "B", 0)
+    ra, ka = w.key("A")
+    rb, kb = w.key("B")
+    w.admin.pause(adapter="A")
+    assert w.chat(kb)  # B flows
+    done: list[str] = []
+    t = threading.Thread(target=lambda: done.append(w.chat(ka)))
+    t.start()
+    time.sleep(0.5)
+    assert not done
+    shown = {a.name: a for a in w.admin.list_engines().engines[0].adapters}
+    assert shown["A"].paused and not shown["B"].paused
+    w.load(0, "A", 1)
+    w.admin.resume(adapter="A")
+    t.join(10)
+    assert done
+    assert [x.policy_version for x in w.calls(ra)] == [1]  # the held call got the new version
+
+
+def test_a_restarted_gateway_keeps_its_adapters(lora_world: LoraWorld) -> None:
+    w = lora_world
+    w.load(0, "A", 2)
+    w.gateway.proc.kill()
+    w.start_gateway()
+    shown = {a.name: a for a in w.admin.list_engines().engines[0].adapters}
+    assert shown["A"].policy_version == 2 and shown["A"].lora_name == "A-v2"
+    rid, key = w.key("A")
+    assert w.chat(key)
+    assert [x.policy_version for x in w.calls(rid)] == [2]
+
+
+def test_set_adapter_refuses_bad_input(lora_world: LoraWorld) -> None:
+    import grpc
+
+    w = lora_world
+    for kwargs, code in [
+        (dict(engine="nope", name="A", state=READY, version=0, lora_name="x"),
+         grpc.StatusCode.NOT_FOUND),
+        (dict(engine="e0", name="", state=READY, version=0, lora_name="x"),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(engine="e0", name="A", state=READY, version=0, lora_name=""),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(engine="e0", name="A", state=gpb.ENGINE_STATE_UNSPECIFIED),
+         grpc.StatusCode.INVALID_ARGUMENT),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            w.admin.set_adapter(**kwargs)  # type: ignore[arg-type]
+        assert err.value.code() == code, kwargs
