@@ -90,17 +90,22 @@ class Gauges:
 
 
 class GatewayHold:
-    def __init__(self, admin: GatewayAdminClient, drain_timeout_s: float) -> None:
-        self.admin, self.drain_timeout_s = admin, drain_timeout_s
+    """Collocated mode's hold of new calls while the trainer steps: every call, or with
+    `adapter` (a LoRA run) only the calls of the runs serving it (other runs' adapters on the
+    same engine keep flowing)."""
+
+    def __init__(self, admin: GatewayAdminClient, drain_timeout_s: float, adapter: str = ""
+                 ) -> None:
+        self.admin, self.drain_timeout_s, self.adapter = admin, drain_timeout_s, adapter
         self.windows: list[tuple[float, float]] = []  # (held since, released at), unix time
         self._since: float | None = None
 
     def hold(self) -> None:
         self._since = time.time()
-        self.admin.pause(drain=True, drain_timeout_s=self.drain_timeout_s)
+        self.admin.pause(drain=True, drain_timeout_s=self.drain_timeout_s, adapter=self.adapter)
 
     def release(self) -> None:
-        self.admin.resume()
+        self.admin.resume(adapter=self.adapter)
         if self._since is not None:
             self.windows.append((self._since, time.time()))
             self._since = None

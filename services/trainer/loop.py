@@ -85,13 +85,11 @@ and W&B (`tracking.py`); `harnessrl report` turns the two files into an HTML pag
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
 import statistics
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +112,7 @@ from .collocation import Collocation, EngineSleep
 from .gauges import GatewayHold, Gauges, GaugeWindow
 from .outputs import append_jsonl, trim_metrics
 from .rollouts import (
+    RUN_FILE,
     AdmissionReporter,
     RunLauncher,
     StreamReader,
@@ -121,6 +120,7 @@ from .rollouts import (
     load_tasks,
     pool_spec,
     run_id_for,
+    run_prefix_of,
     step_spec,
     step_tasks,
 )
@@ -133,7 +133,6 @@ from .weights import WeightSink, push_model
 
 log = logging.getLogger("harnessrl.trainer")
 
-RUN_FILE = "run.json"
 
 
 def train_sync(t: "Trainer") -> None:
@@ -283,7 +282,7 @@ class Trainer:
         o = self.cfg.optimizer
         self.optimizer = make_optimizer(self.model, lr=o.lr, betas=(o.beta1, o.beta2),
                                         weight_decay=o.weight_decay, eps=o.eps)
-        run_prefix = d.agree(self._run_prefix() if d.is_main else "")
+        run_prefix = d.agree(run_prefix_of(self.output, self.cfg.run_name) if d.is_main else "")
         if found is not None:
             self.state = ckpt.load_trainer_state(found, self.optimizer, self.model, d)
             if self.state.run_prefix != run_prefix:
@@ -334,7 +333,8 @@ class Trainer:
         """Every engine gets the weights as `version`; the engines reached (None: all)."""
         if self.colo is not None:
             self.colo.before_push(self.model, self.optimizer)  # sleep: engines' weights awake
-        r = push_model(self.model, self.weights, version, self.dist, self.cfg.push.bucket_bytes)
+        r = push_model(self.model, self.weights, version, self.dist, self.cfg,
+                       self.state.run_prefix)
         self.pushed = set(r.engines) if r is not None else None
         return self.pushed
 
@@ -352,17 +352,6 @@ class Trainer:
         from harnessrl.model import build_tiny_model, default_model_dir
 
         return str(build_tiny_model(default_model_dir()))
-
-    def _run_prefix(self) -> str:
-        """`<run_name>-<nonce>`, drawn once per output dir and kept in run.json."""
-        path = self.output / RUN_FILE
-        if path.exists():
-            return str(json.loads(path.read_text())["run_prefix"])
-        prefix = f"{self.cfg.run_name}-{uuid.uuid4().hex[:8]}"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"run_prefix": prefix}) + "\n")
-        tmp.replace(path)
-        return prefix
 
     # -- one step ----------------------------------------------------------------------------
     def generate(self, step: int, s: StepRecord) -> tuple[str, list[str]]:
@@ -756,22 +745,22 @@ def build_trainer(cfg: TrainerConfig, control: TrainerControl | None = None,
     from harnessrl.clients import ControllerClient, GatewayAdminClient
 
     from .rollouts import ControllerRuns
-    from .weights import EngineWeights
+    from .weights import make_sink
 
     if dist is not None and not dist.is_main:
         return Trainer(cfg, None, None, None, control, dist)
 
     store = StoreClient.connect(cfg.store_address)
+    adapter = run_prefix_of(Path(cfg.output_dir), cfg.run_name) if cfg.lora else ""  # LoRA
     launcher = ControllerRuns(ControllerClient.connect(cfg.controller_address),
-                              cfg.run_timeout_s)
+                              cfg.run_timeout_s, adapter)
     admin = GatewayAdminClient.connect(cfg.gateway_admin_address)
-    log.info("weight transport: %s (%s)", cfg.push.backend, cfg.push_backend_reason)
-    weights = EngineWeights(admin, cfg.push, cfg.push.attempts, cfg.push.retry_delay_s)
+    weights = make_sink(admin, cfg)
     controller = ControllerClient.connect(cfg.controller_address)
     gauges = Gauges(GatewayAdminClient.connect(cfg.gateway_admin_address), controller,
                     cfg.mode.gauge_interval_s)
     collocated, m = cfg.mode.kind == "collocated", cfg.mode
-    hold = GatewayHold(admin, m.hold_drain_timeout_s) if collocated else None
+    hold = GatewayHold(admin, m.hold_drain_timeout_s, adapter) if collocated else None
     sleep = EngineSleep(admin, m.sleep_level, m.sleep_timeout_s) if m.sleep_level else None
     return Trainer(cfg, launcher, store, weights, control, dist, gauges=gauges, hold=hold,
                    admission=gauges, sleep=sleep)

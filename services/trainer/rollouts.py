@@ -23,6 +23,7 @@ import json
 import logging
 import random
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -79,14 +80,35 @@ class AdmissionReporter(Protocol):
     def report(self, run_id: str, consumed: int, version: int) -> None: ...
 
 
-class ControllerRuns:
-    """`RunLauncher` over the controller's gRPC API."""
+RUN_FILE = "run.json"  # in the trainer's output_dir: {"run_prefix": ...}
 
-    def __init__(self, controller: ControllerClient, timeout_s: float) -> None:
+
+def run_prefix_of(output: Path, run_name: str) -> str:
+    """`<run_name>-<nonce>`, drawn once per output dir and kept in run.json (a LoRA run's
+    adapter is named after it too)."""
+    path = output / RUN_FILE
+    if path.exists():
+        return str(json.loads(path.read_text())["run_prefix"])
+    output.mkdir(parents=True, exist_ok=True)
+    prefix = f"{run_name}-{uuid.uuid4().hex[:8]}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"run_prefix": prefix}) + "\n")
+    tmp.replace(path)
+    return prefix
+
+
+class ControllerRuns:
+    """`RunLauncher` over the controller's gRPC API. A LoRA trainer's runs name its adapter
+    (`RunSpec.adapter`): the gateway serves their calls with it."""
+
+    def __init__(self, controller: ControllerClient, timeout_s: float, adapter: str = ""
+                 ) -> None:
         self.controller = controller
         self.timeout_s = timeout_s
+        self.adapter = adapter
 
     def run(self, run_id: str, spec: c.RunSpec) -> c.Run:
+        spec.adapter = self.adapter
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
@@ -115,6 +137,7 @@ class ControllerRuns:
 
 
     def start(self, run_id: str, spec: c.RunSpec) -> c.Run:
+        spec.adapter = self.adapter
         run = self.controller.create_run(spec, run_id=run_id)
         if run.status not in (c.RUN_STATUS_RUNNING, c.RUN_STATUS_SUCCEEDED):
             raise RuntimeError(f"run {run_id} is {c.RunStatus.Name(run.status)}: {run.error}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -126,11 +127,36 @@ class EngineWeights:
         self.close()
 
 
+def make_sink(admin: GatewayAdminClient, cfg: Any) -> WeightSink:
+    """Full weights into every engine, or (cfg.lora) the run's adapter into every LoRA engine."""
+    p = cfg.push
+    if cfg.lora is not None:
+        from .adapter_push import AdapterWeights
+
+        log.info("weight push: LoRA adapters (PEFT folders under %s)", adapter_root(cfg))
+        return AdapterWeights(admin, cfg.lora.engine_adapter_dir, p.attempts, p.retry_delay_s,
+                              p.http_timeout_s)
+    log.info("weight transport: %s (%s)", p.backend, cfg.push_backend_reason)
+    return EngineWeights(admin, p, p.attempts, p.retry_delay_s)
+
+
 def push_model(model: torch.nn.Module, weights: WeightSink | None, version: int, dist: Any,
-               bucket_bytes: int) -> PushReport | None:
-    """The trainer's push of `model` as `version`: straight from the model, or (sharded) rank 0
-    pushes the full tensors gathered bucket by bucket with the other ranks' help (they follow
-    the gathers and get None)."""
+               cfg: Any, adapter: str) -> PushReport | None:
+    """The trainer's push of `model` as `version` (cfg: `TrainerConfig`): straight from the
+    model, or (sharded) rank 0 pushes the full tensors gathered bucket by bucket with the other
+    ranks' help (they follow the gathers and get None). LoRA (adapter_push.py): every rank
+    joins the save of the version's adapter folder, rank 0 loads it into the engines."""
+    if cfg.lora is not None:
+        from .adapter_push import AdapterWeights, version_dir
+        from .lora import save_adapter
+
+        path = version_dir(adapter_root(cfg) / adapter, version, dist)
+        save_adapter(model, path, dist)
+        if not dist.is_main:
+            return None
+        assert isinstance(weights, AdapterWeights)
+        return weights.load(path, version)
+    bucket_bytes = cfg.push.bucket_bytes
     if not dist.sharded:
         assert weights is not None
         return weights.push(model, version)
@@ -144,3 +170,8 @@ def push_model(model: torch.nn.Module, weights: WeightSink | None, version: int,
             return weights.push(gathered, version)  # type: ignore[arg-type]
     follow_gathers(model, bucket_bytes, object_group())
     return None
+
+
+def adapter_root(cfg: Any) -> Path:
+    """Where a LoRA trainer writes its adapter versions (cfg: `TrainerConfig`)."""
+    return Path(cfg.lora.adapter_dir or Path(cfg.output_dir) / "adapters")

@@ -279,3 +279,85 @@ def test_set_adapter_refuses_bad_input(lora_world: LoraWorld) -> None:
         with pytest.raises(grpc.RpcError) as err:
             w.admin.set_adapter(**kwargs)  # type: ignore[arg-type]
         assert err.value.code() == code, kwargs
+
+
+# -- the trainer's adapter push (services/trainer/adapter_push.py) against the same world ----
+def _version_folder(root: Path, adapter: str, version: int, nonce: str) -> Path:
+    path = root / adapter / f"v{version}-{nonce}"
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text("{}")
+    (path / "adapter_model.safetensors").write_bytes(b"x" * 100)
+    return path
+
+
+def _faults(w: LoraWorld, engine: int, faults: dict) -> None:
+    httpx.post(f"{w.engines[engine].base_url}/stub/faults", json=faults).raise_for_status()
+
+
+def test_adapter_push_loads_every_lora_engine_and_retries_a_failed_one(
+        tmp_path: Path, store_service: StoreService) -> None:
+    from services.trainer.adapter_push import AdapterWeights
+
+    w = LoraWorld(tmp_path, store_service, n_engines=2)
+    sink = AdapterWeights(w.admin, attempts=2, retry_delay_s=0.1)
+    try:
+        p0 = _version_folder(tmp_path / "ad", "A", 0, "00000000")
+        report = sink.load(p0, 0)
+        assert sorted(report.engines) == ["e0", "e1"] and not report.failed
+        assert {"A-v0-00000000"} <= w.loaded(0) & w.loaded(1)
+        # e1's first load of version 1 fails once: MARKED, then the retry loads it
+        _faults(w, 1, {"/v1/load_lora_adapter": {"status": 500, "times": 1}})
+        p1 = _version_folder(tmp_path / "ad", "A", 1, "11111111")
+        report = sink.load(p1, 1)
+        assert sorted(report.engines) == ["e0", "e1"] and not report.failed
+        shown = {e.name: e.adapters[0] for e in w.admin.list_engines().engines}
+        assert all(a.state == READY and a.policy_version == 1 and
+                   a.lora_name == "A-v1-11111111" for a in shown.values())
+        assert not p0.exists()  # replaced, no call in flight: deleted
+        # e0 refuses every try: MARKED there, served on e1 only, the push still counts
+        _faults(w, 0, {"/v1/load_lora_adapter": {"status": 500, "times": None}})
+        p2 = _version_folder(tmp_path / "ad", "A", 2, "22222222")
+        report = sink.load(p2, 2)
+        assert list(report.engines) == ["e1"] and list(report.failed) == ["e0"]
+        e0 = {e.name: e for e in w.admin.list_engines().engines}["e0"]
+        assert e0.adapters[0].state == MARKED and "HTTP 500" in e0.adapters[0].reason
+        rid, key = w.key("A")
+        assert w.chat(key)
+        assert [(x.engine, x.policy_version) for x in w.calls(rid)] == [("e1", 2)]
+        assert p1.exists()  # still e0's current version (MARKED): kept
+        # every engine refuses: PushError, the trainer stops
+        _faults(w, 1, {"/v1/load_lora_adapter": {"status": 500, "times": None}})
+        from harnessrl.weight_transfer import PushError
+
+        with pytest.raises(PushError, match="load_lora_adapter"):
+            sink.load(_version_folder(tmp_path / "ad", "A", 3, "33333333"), 3)
+        # the engines heal; the next push reaches both and e0 is READY again
+        _faults(w, 0, {})
+        _faults(w, 1, {})
+        report = sink.load(_version_folder(tmp_path / "ad", "A", 4, "44444444"), 4)
+        assert sorted(report.engines) == ["e0", "e1"]
+        assert {e.name: e.adapters[0].state for e in w.admin.list_engines().engines} == \
+            {"e0": READY, "e1": READY}
+        assert sorted(x.name for x in (tmp_path / "ad" / "A").iterdir()) == ["v4-44444444"]
+    finally:
+        sink.close()
+        w.close()
+
+
+def test_adapter_push_refuses_a_gateway_without_lora_engines(
+        tmp_path: Path, store_service: StoreService, stub_engine: StubEngineService) -> None:
+    from services.trainer.adapter_push import AdapterWeights
+
+    gw = GatewayService(tmp_path / "gw", store_service.address,
+                        [{"name": "e0", "base_url": stub_engine.base_url, "model": "tiny"}])
+    admin = GatewayAdminClient.connect(gw.admin_address)
+    sink = AdapterWeights(admin, attempts=1)
+    try:
+        with pytest.raises(RuntimeError, match="--enable-lora"):
+            sink.load(_version_folder(tmp_path / "ad", "A", 0, "00000000"), 0)
+        with pytest.raises(Exception, match="not registered with LoRA"):
+            admin.set_adapter("e0", "A", READY, 0, "A-v0", "/x")
+    finally:
+        sink.close()
+        admin.close()
+        gw.stop()
