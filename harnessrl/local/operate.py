@@ -67,6 +67,13 @@ def _age(t: float) -> str:
     return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago"
 
 
+def _state(x: Any) -> str:
+    """READY, or MARKED with the reason, of an engine or an adapter."""
+    from harnessrl.v1 import gateway_pb2 as gpb
+
+    return "MARKED: " + x.reason if x.state == gpb.ENGINE_STATE_MARKED else "READY"
+
+
 def _health(address: str) -> str:
     from harnessrl.rpc import health_check
 
@@ -104,14 +111,23 @@ def status(st: dict[str, Any], console: Console) -> int:
         t = Table(title="engines")
         for col in ("engine", "url", "state", "policy version", "paused", "in flight", "served"):
             t.add_column(col)
-        for e in admin.list_engines().engines:
-            from harnessrl.v1 import gateway_pb2 as gpb
-
-            state = "MARKED: " + e.reason if e.state == gpb.ENGINE_STATE_MARKED else "READY"
-            t.add_row(e.name, e.base_url, state, str(e.policy_version), str(e.paused),
+        engines = admin.list_engines().engines
+        for e in engines:
+            t.add_row(e.name, e.base_url, _state(e), str(e.policy_version), str(e.paused),
                       str(e.inflight), str(e.served_calls))
         admin.close()
         console.print(t)
+        adapters = [a for e in engines for a in e.adapters]
+        if adapters:  # LoRA runs (docs/lora.md): which adapter versions each engine holds
+            t = Table(title="LoRA adapters")
+            for col in ("engine", "adapter (run)", "state", "version", "loaded versions",
+                        "held", "in flight", "served"):
+                t.add_column(col)
+            for a in adapters:
+                t.add_row(a.engine, a.name, _state(a), str(a.policy_version),
+                          ",".join(map(str, a.loaded_versions)), str(a.paused),
+                          str(a.inflight), str(a.served_calls))
+            console.print(t)
     except Exception as exc:  # noqa: BLE001
         console.print(f"engines: gateway unreachable ({exc.__class__.__name__})")
     try:
