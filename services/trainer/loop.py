@@ -23,7 +23,8 @@ On start the trainer resumes from `<output_dir>/checkpoints/latest` if there is 
 (weights, optimizer, RNG states, step, policy version), acknowledges the entries that checkpoint
 consumed (see `checkpoint` for why this loses nothing and trains nothing twice), and pushes its
 weights into the engines as its policy version — fresh or resumed, the engines then serve
-exactly the trainer's weights before the first rollout.
+exactly the trainer's weights before the first rollout. With `lora` set (lora.py) the base
+model is frozen and a LoRA adapter trains; checkpoints hold the adapter, resumed onto the base.
 
 Several processes (world size N > 1, `sharding.py`): every rank runs `train_sync`. Rank 0 alone
 talks to the rest of the system — it launches the runs, reads and acknowledges the stream,
@@ -85,13 +86,11 @@ and W&B (`tracking.py`); `harnessrl report` turns the two files into an HTML pag
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
 import statistics
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,13 +105,13 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import trainer_pb2 as tpb
 
 from . import checkpoint as ckpt
-from . import evaluation
+from . import evaluation, lora
 from . import metrics as prom
 from .config import TrainerConfig
 from .control import TrainerControl
 from .collocation import Collocation, EngineSleep
 from .gauges import GatewayHold, Gauges, GaugeWindow
-from .outputs import append_jsonl, trim_metrics
+from .outputs import RUN_FILE, append_jsonl, run_prefix_of, trim_metrics
 from .rollouts import (
     AdmissionReporter,
     RunLauncher,
@@ -132,8 +131,6 @@ from .tracking import Trackers, render_rollouts
 from .weights import WeightSink, push_model
 
 log = logging.getLogger("harnessrl.trainer")
-
-RUN_FILE = "run.json"
 
 
 def train_sync(t: "Trainer") -> None:
@@ -271,11 +268,14 @@ class Trainer:
         d = self.dist
         found = d.agree(ckpt.latest_checkpoint(self.cfg.checkpoints_dir)
                         if self.cfg.resume and d.is_main else None)
-        source = found if found is not None else Path(d.agree(
-            self._initial_model() if d.is_main else ""))
+        lora.check_resumable(found, self.cfg.lora)  # an adapter checkpoint needs lora set
+        source = found if found is not None and self.cfg.lora is None else Path(d.agree(
+            self._initial_model() if d.is_main else ""))  # LoRA: the base, always
         on_host = self.colo is not None and self.colo.offload.hold_on_host()  # until a step
         self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(
             torch, self.cfg.dtype)).to("cpu" if on_host else device_for(self.cfg.device, d))
+        if self.cfg.lora is not None:  # base frozen; adapter weights from the checkpoint
+            self.model = lora.apply_lora(self.model, self.cfg.lora, found)
         self.model = shard_model(self.model, d, ShardingConfig(
             mixed_precision=self.cfg.mixed_precision,
             activation_checkpointing=self.cfg.activation_checkpointing))
@@ -283,7 +283,7 @@ class Trainer:
         o = self.cfg.optimizer
         self.optimizer = make_optimizer(self.model, lr=o.lr, betas=(o.beta1, o.beta2),
                                         weight_decay=o.weight_decay, eps=o.eps)
-        run_prefix = d.agree(self._run_prefix() if d.is_main else "")
+        run_prefix = d.agree(run_prefix_of(self.output, self.cfg.run_name) if d.is_main else "")
         if found is not None:
             self.state = ckpt.load_trainer_state(found, self.optimizer, self.model, d)
             if self.state.run_prefix != run_prefix:
@@ -352,17 +352,6 @@ class Trainer:
         from harnessrl.model import build_tiny_model, default_model_dir
 
         return str(build_tiny_model(default_model_dir()))
-
-    def _run_prefix(self) -> str:
-        """`<run_name>-<nonce>`, drawn once per output dir and kept in run.json."""
-        path = self.output / RUN_FILE
-        if path.exists():
-            return str(json.loads(path.read_text())["run_prefix"])
-        prefix = f"{self.cfg.run_name}-{uuid.uuid4().hex[:8]}"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"run_prefix": prefix}) + "\n")
-        tmp.replace(path)
-        return prefix
 
     # -- one step ----------------------------------------------------------------------------
     def generate(self, step: int, s: StepRecord) -> tuple[str, list[str]]:
