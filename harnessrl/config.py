@@ -22,7 +22,7 @@ import json
 import logging
 import tomllib
 from pathlib import Path
-from typing import Any, ClassVar, Self, get_origin
+from typing import Any, ClassVar, Self, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
@@ -57,7 +57,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def _section(field: FieldInfo) -> type[BaseModel] | None:
-    ann = field.annotation
+    """The section's model (also of an optional section, `Section | None`: off by default)."""
+    ann = next((a for a in get_args(field.annotation) if a is not type(None)), field.annotation)
     return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
 
 

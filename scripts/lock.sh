@@ -15,6 +15,8 @@ TORCH_CPU_URL=https://download.pytorch.org/whl/cpu
 
 compile() {  # compile OUT [uv args...]
   local out=$1; shift
+  # seeded with the current lock: uv keeps its versions, so a new pin adds only what it needs
+  if [ -f "$out" ]; then cp "$out" "$out.tmp"; fi
   "$UV" pip compile --quiet --python-version 3.11 --python-platform x86_64-manylinux_2_28 \
     --generate-hashes --no-header --no-annotate --index-url https://pypi.org/simple \
     "$@" -o "$out.tmp"

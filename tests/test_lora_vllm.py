@@ -110,7 +110,7 @@ def make_trainer(tmp: Path, stack: Stack, tiny_model_dir: Path, name: str, seed:
 
 
 def name_of(cfg: TrainerConfig) -> str:
-    from services.trainer.rollouts import run_prefix_of
+    from services.trainer.outputs import run_prefix_of
 
     return run_prefix_of(Path(cfg.output_dir), cfg.run_name)
 

@@ -11,6 +11,8 @@
   `logs SERVICE`, `run` and `down` find it through `--state-dir` (default `.harnessrl`).
 - `harnessrl run`: creates a run of your harness on a running stack and follows it.
 - `harnessrl report RUN_DIR`: an HTML page of a training run (`harnessrl/local/report.py`).
+- `harnessrl export CHECKPOINT --out DIR [--merge]`: a checkpoint as a LoRA adapter or a
+  (merged) Hugging Face model (`harnessrl/local/export.py`).
 - `harnessrl eval`: pass@k of a model (the tiny model, a checkpoint, a running engine) on a task
   file through the same harness, grader and controller (`harnessrl/local/evaluate.py`);
   `harnessrl eval --compare A.json B.json` puts two results side by side.
@@ -32,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harnessrl import log as hlog
-from harnessrl.local import evaluate, operate, progress
+from harnessrl.local import evaluate, export, operate, progress, report
 from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import controller_pb2 as cpb
@@ -368,18 +370,6 @@ def _harness_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", default="tiny", help="model name the engines serve")
 
 
-def cmd_report(args: argparse.Namespace) -> int:
-    from harnessrl.local.report import write_report
-
-    try:
-        out = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
-    except ValueError as exc:
-        console.print(f"[red]{exc}[/red]")
-        return 1
-    print(out)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="harnessrl", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -465,11 +455,8 @@ def main(argv: list[str] | None = None) -> int:
 
     evaluate.add_parser(sub).set_defaults(fn=lambda a: evaluate.cmd_eval(a, console))
 
-    report = sub.add_parser("report", help="write an HTML report of a training run "
-                            "(curves, step times, rendered rollouts)")
-    report.add_argument("run_dir", help="the trainer's output dir (holds metrics.jsonl)")
-    report.add_argument("--out", default=None, help="HTML file (default: RUN_DIR/report.html)")
-    report.set_defaults(fn=cmd_report)
+    report.add_parser(sub).set_defaults(fn=lambda a: report.cmd_report(a, console))
+    export.add_parser(sub).set_defaults(fn=lambda a: export.cmd_export(a, console))
 
     args = ap.parse_args(argv)
     args.argv = argv

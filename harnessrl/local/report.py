@@ -21,6 +21,7 @@ tests find the curves in a screenshot by them.
 
 from __future__ import annotations
 
+import argparse
 import html
 import io
 import json
@@ -334,3 +335,22 @@ def write_eval_report(results: list[tuple[str, dict[str, Any]]], out: Path) -> P
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render_eval(results), encoding="utf-8")
     return out
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    """The `report` verb's flags (cli.py calls this)."""
+    p = sub.add_parser("report", help="write an HTML report of a training run (curves, step "
+                       "times, rendered rollouts)")
+    p.add_argument("run_dir", help="the trainer's output dir (holds metrics.jsonl)")
+    p.add_argument("--out", default=None, help="HTML file (default: RUN_DIR/report.html)")
+    return p
+
+
+def cmd_report(args: argparse.Namespace, console: Any) -> int:
+    try:
+        out = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 1
+    print(out)
+    return 0

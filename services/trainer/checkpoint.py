@@ -27,6 +27,17 @@ model from the export and the optimizer from dcp/ (no process group needed). A w
 checkpoint resumed sharded loads the model from the export and the optimizer from
 trainer_state.pt, mapped onto the shards. Checkpoints must be on a filesystem every rank sees.
 
+A checkpoint of adapter training (`lora` set, lora.py) holds no full model; instead
+
+      adapter/                the LoRA adapter, a PEFT folder (adapter_config.json,
+                              adapter_model.safetensors): peft and vLLM's LoRA loading read it
+      state.json              also names the base model folder ("base_model") it was trained on
+
+and the optimizer state (trainer_state.pt; sharded, dcp/, which then holds the LoRA parameters
+alone) is the LoRA parameters'. The resumed trainer loads the base from `model_path` (it must be
+the recorded folder) and the adapter from adapter/ (as it loads the export above);
+`harnessrl export --merge` writes the merged model.
+
 **Atomicity.** A checkpoint is written into a temporary folder (`.tmp-step-000012-<pid>`),
 every file and the folder are fsynced, the folder is renamed to its final name and the parent
 fsynced, and only then is `latest` replaced (written to a temporary file, fsynced, renamed). A
@@ -61,6 +72,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from . import lora
 
 log = logging.getLogger("harnessrl.trainer")
 
@@ -174,21 +187,25 @@ def save_sharded_checkpoint(root: str | Path, model: Any, tokenizer: Any,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    adapter = lora.is_adapter_model(model)  # then the LoRA parameters alone (frozen: the base)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
+    if adapter:
+        lora.save_adapter(model, tmp / lora.ADAPTER_DIR, dist)  # gathered; rank 0 writes
+    full = {} if adapter else get_model_state_dict(model, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
     torch.save(rng_states(), tmp / f"rng-rank{dist.rank}.pt")
     dist.barrier()
     final = root / name
     if dist.is_main:
-        model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+        if not adapter:
+            model.save_pretrained(tmp, state_dict=full, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         torch.save({"rng": rng_states(), "world_size": dist.world_size},
                    tmp / TRAINER_STATE_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(
-            {**asdict(state), "saved_at": time.time(), "world_size": dist.world_size},
-            indent=1) + "\n")
+            {**asdict(state), "saved_at": time.time(), "world_size": dist.world_size,
+             **_model_record(model)}, indent=1) + "\n")
         final = _finish_folder(root, tmp, name, keep)
     del full
     dist.barrier()  # no rank moves on before `latest` names the checkpoint
@@ -207,12 +224,16 @@ def save_checkpoint(root: str | Path, model: Any, tokenizer: Any,
     tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
+    if lora.is_adapter_model(model):
+        lora.save_adapter(model, tmp / lora.ADAPTER_DIR)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     torch.save({"optimizer": optimizer.state_dict(), "rng": rng_states()},
                tmp / TRAINER_STATE_FILE)
     (tmp / STATE_FILE).write_text(json.dumps(
-        {**asdict(state), "saved_at": time.time(), **(extra or {})}, indent=1) + "\n")
+        {**asdict(state), "saved_at": time.time(), **_model_record(model), **(extra or {})},
+        indent=1) + "\n")
     for f in tmp.rglob("*"):
         if f.is_file():
             _fsync_file(f)
@@ -224,6 +245,21 @@ def save_checkpoint(root: str | Path, model: Any, tokenizer: Any,
     _write_latest(root, name)
     prune(root, keep)
     return final
+
+
+def _model_record(model: Any) -> dict[str, Any]:
+    """What state.json records of an adapter-trained model: its base model folder."""
+    return {"base_model": lora.base_model_path(model)} if lora.is_adapter_model(model) else {}
+
+
+def _options(model: Any) -> Any:
+    """State dict options of `model`: an adapter-trained model's state is its LoRA parameters
+    (the frozen base is `model_path`'s, not the checkpoint's)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    if lora.is_adapter_model(model):
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
+    return None
 
 
 def _write_latest(root: Path, name: str) -> None:
@@ -323,13 +359,13 @@ def load_trainer_state(path: str | Path, optimizer: torch.optim.Optimizer,
     if sharded_ckpt:
         import torch.distributed.checkpoint as dcp
 
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         loaded = {"model": model_sd, "optim": optim_sd}
         dcp.load(loaded, checkpoint_id=str(path / DCP_DIR))
         set_state_dict(model, optimizer, model_state_dict=loaded["model"],
-                       optim_state_dict=loaded["optim"])
+                       optim_state_dict=loaded["optim"], options=_options(model))
     else:  # a world-size-1 checkpoint, resumed sharded: the model came from the export
-        names = [n for n, _ in model.named_parameters()]
+        names = [n for n, p in model.named_parameters() if p.requires_grad]  # the optimizer's
         osd = blob["optimizer"]
         full = {"state": {names[i]: v for i, v in osd["state"].items()},
                 "param_groups": [{**g, "params": [names[i] for i in g["params"]]}

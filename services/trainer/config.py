@@ -24,6 +24,7 @@ from harnessrl.metrics import METRICS_BIND_HELP
 from harnessrl.weight_transfer import PushConfig
 
 from .advantages import AdvantageConfig
+from .lora import LoraConfig
 from .loss import LossConfig
 from .step import StepConfig
 
@@ -271,6 +272,10 @@ class TrainerConfig(ServiceConfig):
     loss: LossConfig = Field(default_factory=LossConfig, description="the policy loss")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig,
                                        description="AdamW and micro-batching")
+    lora: LoraConfig | None = Field(
+        None, description="train a LoRA adapter on the frozen base model (LoraConfig; "
+                          "docs/lora.md): `--lora '{}'` for the defaults, `--lora.rank 16`. "
+                          "None: full fine-tuning")
 
     # -- services ----------------------------------------------------------------------------
     store_address: str = Field("127.0.0.1:50051", description="host:port of the store")
@@ -344,6 +349,11 @@ class TrainerConfig(ServiceConfig):
             raise ValueError("mode.sleep_level > 0 with nproc > 1 is not implemented (the "
                              "other ranks' ordering against the engines, the ipc push of "
                              "sharded weights): use one trainer process, or sleep_level 0")
+        if self.lora is not None and self.mode.sleep_level:
+            raise ValueError("lora with mode.sleep_level > 0 is refused: a LoRA engine may "
+                             "serve other runs' adapters, which sleeping it would stop (and a "
+                             "level-2 sleep drops its base weights, which a LoRA run never "
+                             "pushes); use sleep_level 0 (docs/lora.md)")
         self.push.backend, self._push_backend_reason = choose_backend(
             self.push.backend, self.device, self.mode.sleep_level, self.nproc)
         return self

@@ -23,7 +23,8 @@ On start the trainer resumes from `<output_dir>/checkpoints/latest` if there is 
 (weights, optimizer, RNG states, step, policy version), acknowledges the entries that checkpoint
 consumed (see `checkpoint` for why this loses nothing and trains nothing twice), and pushes its
 weights into the engines as its policy version — fresh or resumed, the engines then serve
-exactly the trainer's weights before the first rollout.
+exactly the trainer's weights before the first rollout. With `lora` set (lora.py) the base
+model is frozen and a LoRA adapter trains; checkpoints hold the adapter, resumed onto the base.
 
 Several processes (world size N > 1, `sharding.py`): every rank runs `train_sync`. Rank 0 alone
 talks to the rest of the system — it launches the runs, reads and acknowledges the stream,
@@ -104,15 +105,14 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import trainer_pb2 as tpb
 
 from . import checkpoint as ckpt
-from . import evaluation
+from . import evaluation, lora
 from . import metrics as prom
 from .config import TrainerConfig
 from .control import TrainerControl
 from .collocation import Collocation, EngineSleep
 from .gauges import GatewayHold, Gauges, GaugeWindow
-from .outputs import append_jsonl, trim_metrics
+from .outputs import RUN_FILE, append_jsonl, run_prefix_of, trim_metrics
 from .rollouts import (
-    RUN_FILE,
     AdmissionReporter,
     RunLauncher,
     StreamReader,
@@ -120,7 +120,6 @@ from .rollouts import (
     load_tasks,
     pool_spec,
     run_id_for,
-    run_prefix_of,
     step_spec,
     step_tasks,
 )
@@ -270,11 +269,14 @@ class Trainer:
         d = self.dist
         found = d.agree(ckpt.latest_checkpoint(self.cfg.checkpoints_dir)
                         if self.cfg.resume and d.is_main else None)
-        source = found if found is not None else Path(d.agree(
-            self._initial_model() if d.is_main else ""))
+        lora.check_resumable(found, self.cfg.lora)  # an adapter checkpoint needs lora set
+        source = found if found is not None and self.cfg.lora is None else Path(d.agree(
+            self._initial_model() if d.is_main else ""))  # LoRA: the base, always
         on_host = self.colo is not None and self.colo.offload.hold_on_host()  # until a step
         self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(
             torch, self.cfg.dtype)).to("cpu" if on_host else device_for(self.cfg.device, d))
+        if self.cfg.lora is not None:  # base frozen; adapter weights from the checkpoint
+            self.model = lora.apply_lora(self.model, self.cfg.lora, found)
         self.model = shard_model(self.model, d, ShardingConfig(
             mixed_precision=self.cfg.mixed_precision,
             activation_checkpointing=self.cfg.activation_checkpointing))

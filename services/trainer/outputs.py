@@ -1,13 +1,30 @@
 """The trainer's line files (`metrics.jsonl`, `rollouts.jsonl`): appended one fsynced line at
 a time, and trimmed on resume to the steps the checkpoint holds (lines of later steps were
-written before a crash and are redone)."""
+written before a crash and are redone); and the run's identity (`run.json`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
+
+RUN_FILE = "run.json"
+
+
+def run_prefix_of(output: Path, run_name: str) -> str:
+    """`<run_name>-<nonce>`, drawn once per output dir and kept in its run.json (a LoRA
+    run's adapter is named after it too)."""
+    path = output / RUN_FILE
+    if path.exists():
+        return str(json.loads(path.read_text())["run_prefix"])
+    output.mkdir(parents=True, exist_ok=True)
+    prefix = f"{run_name}-{uuid.uuid4().hex[:8]}"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"run_prefix": prefix}) + "\n")
+    tmp.replace(path)
+    return prefix
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:

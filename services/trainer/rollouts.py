@@ -23,7 +23,6 @@ import json
 import logging
 import random
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -78,23 +77,6 @@ class AdmissionReporter(Protocol):
     """Tells the controller how many groups of `run_id` the trainer consumed (async mode)."""
 
     def report(self, run_id: str, consumed: int, version: int) -> None: ...
-
-
-RUN_FILE = "run.json"  # in the trainer's output_dir: {"run_prefix": ...}
-
-
-def run_prefix_of(output: Path, run_name: str) -> str:
-    """`<run_name>-<nonce>`, drawn once per output dir and kept in run.json (a LoRA run's
-    adapter is named after it too)."""
-    path = output / RUN_FILE
-    if path.exists():
-        return str(json.loads(path.read_text())["run_prefix"])
-    output.mkdir(parents=True, exist_ok=True)
-    prefix = f"{run_name}-{uuid.uuid4().hex[:8]}"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"run_prefix": prefix}) + "\n")
-    tmp.replace(path)
-    return prefix
 
 
 class ControllerRuns:

@@ -202,8 +202,8 @@ def shard_model(model: torch.nn.Module, d: Dist, cfg: ShardingConfig | None = No
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (`model.model.layers`)."""
-    inner = getattr(model, "model", None)
+    """The transformer blocks of a Hugging Face causal LM (`model.model.layers`), or peft's."""
+    inner = getattr(getattr(model, "get_base_model", lambda: model)(), "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: no model.layers to shard; the sharded "

@@ -174,4 +174,4 @@ def push_model(model: torch.nn.Module, weights: WeightSink | None, version: int,
 
 def adapter_root(cfg: Any) -> Path:
     """Where a LoRA trainer writes its adapter versions (cfg: `TrainerConfig`)."""
-    return Path(cfg.lora.adapter_dir or Path(cfg.output_dir) / "adapters")
+    return Path(cfg.lora.adapter_dirs(cfg.output_dir)[0])
