@@ -215,6 +215,18 @@ def test_two_lora_runs_on_one_engine_keep_parity_and_isolation(
         assert checked > 20
         assert discriminating > 0, "the other run's adapter matched every call: no proof"
         store.close()
+        # harnessrl export of the last checkpoint: a PEFT folder vLLM loads, serving the
+        # trained adapter (the same logprobs as the trainer's model)
+        from harnessrl.local.export import export
+
+        t = trainers[0]
+        out = tmp_path / "exported"
+        print(export(Path(t.cfg.output_dir) / "checkpoints" / "latest", out))
+        url = lora_stack.engines[0].base_url
+        httpx.post(f"{url}/v1/load_lora_adapter", timeout=60, json={
+            "lora_name": "exported", "lora_path": str(out)}).raise_for_status()
+        ids = probe_ids(t.model.config.vocab_size, 99)
+        assert diff_to(t.model, ids, engine_logprobs(url, ids, "exported")) <= PARITY
     finally:
         for t in trainers:
             t.close()

@@ -167,6 +167,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         console.print("[red]--eval-tasks grades with the per-attempt --grader (evaluation runs "
                       "no group grader); give one, or evaluate with harnessrl eval --grader")
         return 2
+    if args.lora_rank and (args.lora_rank < 0 or args.engine_url or args.rollouts_only):
+        console.print("[red]--lora-rank N > 0 trains an adapter on engines harnessrl starts "
+                      "with LoRA on (not with --engine-url or --rollouts-only)")
+        return 2
     if args.eval_tasks and args.rollouts_only:
         console.print("[red]--eval-tasks evaluates during training; for an evaluation alone "
                       "use harnessrl eval")
@@ -198,6 +202,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace, state: Path) -> int:
     from harnessrl.model.build import build_tiny_model, default_model_dir
     from harnessrl.local.stack import Stack, StackConfig, default_weight_backend
+    from harnessrl.local.train_job import lora_engine
 
     daemon = args.daemon
     if daemon:  # `harnessrl down` sends SIGTERM: stop everything on the way out
@@ -218,7 +223,7 @@ def _up(args: argparse.Namespace, state: Path) -> int:
     cfg = StackConfig(state_dir=state, redis_url=args.redis_url,
                       model_dir=None if engines else model_dir,
                       served_model_name=args.model_name, external_engines=engines,
-                      key_prefix=args.key_prefix,
+                      key_prefix=args.key_prefix, lora=lora_engine(args, model_dir, state),
                       weight_transfer_backend=default_weight_backend(getattr(args, "mode", "sync")))
     what = "starting Redis, store, gateway, controller" + (
         "" if engines else " and vLLM (about a minute)")
@@ -397,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--tasks-per-step", type=int, default=None, help="tasks per training step")
     up.add_argument("--steps", type=int, default=None, help="training steps")
     up.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    up.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this "
+                    "rank instead of every weight (docs/lora.md); 0: full fine-tuning")
     up.add_argument("--mode", choices=("sync", "async", "collocated"), default="sync",
                     help="training mode (docs/modes.md)")
     up.add_argument("--output-dir", default=None, help="checkpoints, metrics, reward curve")

@@ -36,6 +36,8 @@ def find_checkpoint(path: Path) -> Path:
     from services.trainer.checkpoint import STATE_FILE, latest_checkpoint
 
     path = path.expanduser().resolve()
+    if path.name == "latest" and path.is_file():  # checkpoints/latest names the newest
+        path = path.parent
     if (path / STATE_FILE).exists():
         return path
     for folder in (path, path / "checkpoints"):

@@ -18,6 +18,7 @@ from rich.table import Table
 from harnessrl import procs
 from harnessrl.local import progress
 from harnessrl.local.progress import fmt_s
+from harnessrl.local.engine import LoraEngine
 from harnessrl.local.stack import Stack
 
 
@@ -119,6 +120,19 @@ def group_grader(stack: Stack, args: argparse.Namespace) -> list[str]:
             *(["--config", str(Path(config).resolve())] if config else [])]
 
 
+def lora_engine(args: argparse.Namespace, model_dir: Path | None, state: Path
+                ) -> LoraEngine | None:
+    """`--lora-rank N`: the engines serve runtime-loaded adapters, base calls through a zero
+    adapter written for the model (docs/lora.md); slots for one run's versions in flight."""
+    rank = getattr(args, "lora_rank", 0)
+    if not rank or model_dir is None:
+        return None
+    from services.trainer.lora import LoraConfig, write_zero_adapter
+
+    zero = write_zero_adapter(model_dir, LoraConfig(rank=rank), state / "lora-zero")
+    return LoraEngine(max_rank=max(16, rank), max_loras=4, zero_adapter=zero)
+
+
 def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
                   console: Console) -> procs.ServiceProcess:
     """Starts the trainer service against the stack, under its supervisor (restarted with
@@ -151,6 +165,8 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
                  "--eval.every", str(args.eval_every), "--eval.k", str(args.eval_k)]
     if stack.cfg.weight_transfer_backend == "ipc":  # one GPU: the engine sleeps while it steps
         argv += ["--mode.sleep-level", "1"]
+    if getattr(args, "lora_rank", 0):
+        argv += ["--lora.rank", str(args.lora_rank), "--lora.alpha", str(2 * args.lora_rank)]
     argv += list(getattr(args, "trainer_flags", None) or ())
     if getattr(args, "mode", "sync") != "sync":
         argv += ["--mode.kind", args.mode]
@@ -231,13 +247,17 @@ def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
     if len(evals) >= 2:
         console.print(f"compare: harnessrl eval --compare {evals[0]['result']} "
                       f"{evals[-1]['result']}", markup=False, highlight=False, soft_wrap=True)
-    latest = out / "checkpoints" / "latest"
-    ckpt = latest.resolve() if latest.exists() else out / "checkpoints"
+    from services.trainer.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(out / "checkpoints") or out / "checkpoints"
+    kind = ("a LoRA adapter: harnessrl export it, --merge for a merged model" if
+            getattr(args, "lora_rank", 0) else
+            "Hugging Face format: loads in transformers and vLLM as is")
     console.print(f"""
 [bold]done[/bold]: {len(rows)} steps in {time.monotonic() - started:.0f}s; mean reward of the first 5 steps {sum(first) / max(1, len(first)):.3f}, of the last 5 {sum(last) / max(1, len(last)):.3f}
 reward curve: {png}
 metrics:      {metrics}
-checkpoint:   {ckpt}  (Hugging Face format: loads in transformers and vLLM as is)
+checkpoint:   {ckpt}  ({kind})
 logs:         {stack.logs}
 resume:       harnessrl up --resume --steps {len(rows) + 10} --output-dir {out}
 a real model on a GPU: bash scripts/setup.sh installs vLLM for CUDA where nvidia-smi works; then
