@@ -32,7 +32,8 @@ from harnessrl.local.engine import LoraEngine
 from harnessrl.local.stack import Stack, StackConfig
 from services.trainer.config import TrainerConfig
 from services.trainer.lora import LoraConfig, write_zero_adapter
-from services.trainer.loop import Trainer, train_sync
+from services.trainer.gauges import GatewayHold, Gauges
+from services.trainer.loop import Trainer, train_async, train_sync
 from services.trainer.rollouts import ControllerRuns
 from services.trainer.weights import make_sink
 
@@ -114,20 +115,24 @@ class ParityTrainer(Trainer):
         return pushed
 
 
-def make_trainer(tmp: Path, stack: Stack, tiny_model_dir: Path, name: str, seed: int
-                 ) -> ParityTrainer:
+def make_trainer(tmp: Path, stack: Stack, tiny_model_dir: Path, name: str, seed: int,
+                 mode: str = "sync") -> ParityTrainer:
     cfg = TrainerConfig(
         model_path=str(tiny_model_dir), output_dir=str(tmp / name), steps=3,
         tasks_per_step=2, group_size=4, concurrency=4, run_name=name, stream=f"lora-{name}",
         tasks_file=str(CALC / "tasks.jsonl"), served_model_name="tiny", seed=seed,
         harness_command=[sys.executable, str(CALC / "harness.py")],
         grader_command=[sys.executable, str(CALC / "grader.py")],
-        optimizer={"lr": 2e-2}, lora={"rank": 8, "alpha": 16})
+        optimizer={"lr": 2e-2}, lora={"rank": 8, "alpha": 16},
+        mode={"kind": mode, "max_staleness": 1, "gauge_interval_s": 0.2})
     admin = GatewayAdminClient.connect(stack.gateway_admin_address)
     controller = ControllerClient.connect(stack.controller_address)
     adapter = name_of(cfg)
+    gauges = Gauges(GatewayAdminClient.connect(stack.gateway_admin_address), controller, 0.2)
+    hold = GatewayHold(admin, 60, adapter) if mode == "collocated" else None
     t = ParityTrainer(cfg, ControllerRuns(controller, 600, adapter),
-                      StoreClient.connect(stack.store_address), make_sink(admin, cfg))
+                      StoreClient.connect(stack.store_address), make_sink(admin, cfg),
+                      gauges=gauges, hold=hold, admission=gauges)
     t.stack, t.admin, t.diffs, t.moved, t.snapshots = stack, admin, [], [], {}
     t.snap_dir = tmp / f"snap-{name}"
     return t
@@ -148,17 +153,21 @@ def completion_logprobs(model: torch.nn.Module, prompt: list[int], completion: l
     return logp.gather(1, torch.tensor(completion).unsqueeze(1)).squeeze(1)
 
 
+@pytest.mark.parametrize("modes", [("sync", "sync"), ("async", "collocated")],
+                         ids=["sync+sync", "async+collocated"])
 def test_two_lora_runs_on_one_engine_keep_parity_and_isolation(
-        tmp_path: Path, lora_stack: Stack, tiny_model_dir: Path) -> None:
+        tmp_path: Path, lora_stack: Stack, tiny_model_dir: Path, modes: tuple[str, str]) -> None:
+    """Two trainers at once on one engine, in the modes given (collocated holds only its own
+    run's calls: the other run keeps being served)."""
     from peft import PeftModel
 
-    trainers = [make_trainer(tmp_path, lora_stack, tiny_model_dir, n, seed)
-                for n, seed in (("la", 1), ("lb", 2))]
+    trainers = [make_trainer(tmp_path, lora_stack, tiny_model_dir, n, seed, mode)
+                for n, seed, mode in (("la", 1, modes[0]), ("lb", 2, modes[1]))]
     errors: list[BaseException] = []
 
     def run(t: ParityTrainer) -> None:
         try:
-            train_sync(t)
+            (train_sync if t.cfg.mode.kind == "sync" else train_async)(t)
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors.append(e)
 
@@ -214,6 +223,18 @@ def test_two_lora_runs_on_one_engine_keep_parity_and_isolation(
               f"adapter {discriminating}")
         assert checked > 20
         assert discriminating > 0, "the other run's adapter matched every call: no proof"
+        for t, other in (trainers, trainers[::-1]):
+            if t.hold is None:
+                continue
+            windows = t.hold.windows  # collocated: its hold held only its own run's calls
+            assert len(windows) == t.cfg.steps, windows
+            served = [call for r in store.list_runs(limit=1000).runs
+                      if r.run_id.startswith(other.state.run_prefix)
+                      for ro in store.list_rollouts(r.run_id, include_calls=True).rollouts
+                      for call in ro.calls if any(a <= call.started_at + call.latency_s <= b
+                                                  for a, b in windows)]
+            print(f"LORA-HOLD {len(windows)} holds of {t.state.run_prefix}; "
+                  f"{len(served)} calls of {other.state.run_prefix} answered during them")
         store.close()
         # harnessrl export of the last checkpoint: a PEFT folder vLLM loads, serving the
         # trained adapter (the same logprobs as the trainer's model)
