@@ -193,13 +193,17 @@ def test_fuzz_gateway_admin(tmp_path: Path, store_service: StoreService,
         from harnessrl.v1 import gateway_pb2
         seeds: dict[str, object] = {
             "RegisterEngine": gpb.RegisterEngineRequest(engine=gpb.Engine(
-                name="fz-e", base_url=stub_engine.base_url, model="tiny")),
+                name="fz-e", base_url=stub_engine.base_url, model="tiny",
+                lora=gpb.LoraSupport(enabled=True, base_adapter="zero", max_loras=4))),
             "RemoveEngine": gpb.RemoveEngineRequest(name="fz-e"),
             "ListEngines": gpb.ListEnginesRequest(),
             "UpdateEngine": gpb.UpdateEngineRequest(name="fz-e", policy_version=1,
                                                     state=gpb.ENGINE_STATE_READY),
             "Pause": gpb.PauseRequest(engines=["fz-e"], drain=False),
             "Resume": gpb.ResumeRequest(engines=["fz-e"]),
+            "SetAdapter": gpb.SetAdapterRequest(engine="fz-e", name="fz-a", policy_version=1,
+                                                lora_name="fz-a-v1", lora_path="/a",
+                                                state=gpb.ENGINE_STATE_READY),
         }
         problems = fuzz("gateway-admin", gateway.admin_address,
                         _rpcs(gateway_pb2, "GatewayAdmin", seeds))
