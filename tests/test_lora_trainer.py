@@ -26,8 +26,29 @@ from services.trainer.lora import LoraConfig
 from services.trainer.loop import Trainer, train_sync
 from services.trainer.step import StepConfig, make_optimizer, token_logprobs, train_step
 
-from test_checkpoint import RecordingSink, make_config, store, trainer  # noqa: F401 - fixtures
+from test_checkpoint import make_config, store, trainer  # noqa: F401 - fixtures
 from test_trainer_step import make_samples
+
+class RecordingAdapters:
+    """Test double of `AdapterWeights` (the LoRA engines): records each version's folder as
+    `push_model` hands it over (version, tensors as written)."""
+
+    def __init__(self) -> None:
+        self.loads: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self.version = 0  # the version the fake runs' calls are recorded with
+
+    def push(self, model: Any, version: int) -> None:
+        raise AssertionError("LoRA pushes go through load()")
+
+    def load(self, path: Path, version: int) -> None:
+        from safetensors.torch import load_file
+
+        self.loads.append((version, load_file(str(path / "adapter_model.safetensors"))))
+        self.version = version
+
+    def close(self) -> None:
+        pass
+
 
 TINY_FRACTION = (47_104, 755_840)  # rank 8 on the 7 projections of 2 layers, of all params
 
@@ -174,10 +195,10 @@ def test_checkpoint_holds_the_adapter_and_resume_is_exact(
     """Three steps uninterrupted against two, then a new trainer on the same output dir that
     resumes from the step-2 checkpoint: LoRA tensors and optimizer state identical."""
     vocab = vocab_of(tiny_model_dir)
-    ref, _ = trainer(lora_config(tmp_path, "ref", tiny_model_dir, 3), store, RecordingSink(),
+    ref, _ = trainer(lora_config(tmp_path, "ref", tiny_model_dir, 3), store, RecordingAdapters(),
                      vocab)
     train_sync(ref)
-    first, _ = trainer(lora_config(tmp_path, "res", tiny_model_dir, 2), store, RecordingSink(),
+    first, _ = trainer(lora_config(tmp_path, "res", tiny_model_dir, 2), store, RecordingAdapters(),
                        vocab)
     train_sync(first)
     saved = ckpt.latest_checkpoint(first.cfg.checkpoints_dir)
@@ -193,15 +214,22 @@ def test_checkpoint_holds_the_adapter_and_resume_is_exact(
     assert len(blob["optimizer"]["state"]) == 2 * 7 * 2  # the LoRA parameters' AdamW state
 
     second, runs = trainer(lora_config(tmp_path, "res", tiny_model_dir, 3), store,
-                           RecordingSink(), vocab)
-    second.start()  # resumed: the adapter and optimizer of step 2
+                           RecordingAdapters(), vocab)
+    from safetensors.torch import load_file
+
+    sink = second.weights
+    second.start()  # resumed: the adapter and optimizer of step 2, pushed again
+    assert isinstance(sink, RecordingAdapters) and [v for v, _ in sink.loads] == [2]
+    written = load_file(str(saved / "adapter" / "adapter_model.safetensors"))
+    assert sink.loads[0][1].keys() == written.keys()
+    assert all(torch.equal(sink.loads[0][1][k], written[k]) for k in written)
     resumed = lora_params(second.model)
     assert resumed.keys() == lora_params(first.model).keys()
     assert all(torch.equal(resumed[k], v) for k, v in lora_params(first.model).items())
     assert_same_optimizer(second.optimizer, first.optimizer)
     second.close()
     third, runs = trainer(lora_config(tmp_path, "res", tiny_model_dir, 3), store,
-                          RecordingSink(), vocab)
+                          RecordingAdapters(), vocab)
     train_sync(third)
     assert third.state.step == 3 and runs.launched == [f"{third.state.run_prefix}-step000003"]
     final, want = lora_params(third.model), lora_params(ref.model)
@@ -230,20 +258,20 @@ def test_resume_refuses_another_base_or_kind(tmp_path: Path, tiny_model_dir: Pat
     other = tmp_path / "other-base"
     shutil.copytree(tiny_model_dir, other)
     with pytest.raises(RuntimeError, match="holds an adapter of the base model"):
-        Trainer(lora_config(tmp_path, "run", other, 3), None, None, RecordingSink()).start()
+        Trainer(lora_config(tmp_path, "run", other, 3), None, None, RecordingAdapters()).start()
     with pytest.raises(RuntimeError, match="is a LoRA adapter checkpoint"):
         Trainer(make_config(tmp_path, "run", tiny_model_dir, 3), None, None,
-                RecordingSink()).start()
+                RecordingAdapters()).start()
     with pytest.raises(RuntimeError, match=r"its adapter is \(rank, alpha, targets\)"):
         Trainer(make_config(tmp_path, "run", tiny_model_dir, 3, lora={}), None, None,
-                RecordingSink()).start()
+                RecordingAdapters()).start()
     full = make_config(tmp_path, "full", tiny_model_dir, 3)
     plain = load(tiny_model_dir)
     ckpt.save_checkpoint(full.checkpoints_dir, plain, tok, make_optimizer(plain),
                          ckpt.TrainState(step=1))
     with pytest.raises(RuntimeError, match="full fine-tuning checkpoint"):
         Trainer(lora_config(tmp_path, "full", tiny_model_dir, 3), None, None,
-                RecordingSink()).start()
+                RecordingAdapters()).start()
 
 
 def test_export_adapter_and_merged(tmp_path: Path, tiny_model_dir: Path) -> None:

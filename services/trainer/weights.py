@@ -154,8 +154,8 @@ def push_model(model: torch.nn.Module, weights: WeightSink | None, version: int,
         save_adapter(model, path, dist)
         if not dist.is_main:
             return None
-        assert isinstance(weights, AdapterWeights)
-        return weights.load(path, version)
+        assert isinstance(weights, AdapterWeights) or hasattr(weights, "load"), weights
+        return weights.load(path, version)  # type: ignore[union-attr]
     bucket_bytes = cfg.push.bucket_bytes
     if not dist.sharded:
         assert weights is not None
