@@ -134,8 +134,11 @@ def test_a_new_version_serves_new_calls_and_the_old_one_is_unloaded(
     while "A-v0" in w.loaded() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert w.loaded() == {"zero", "A-v1"}
-    with pytest.raises(Exception, match="older than its current"):
-        w.admin.set_adapter("e0", "A", READY, 0, "A-v0", "/x")
+    # a resumed trainer pushes its checkpoint's (older) version again, under a new name
+    a = w.load(0, "A", 0)
+    assert a.policy_version == 0 and a.lora_name == "A-v0"
+    with pytest.raises(Exception, match="is version 0, not 5"):
+        w.admin.set_adapter("e0", "A", READY, 5, "A-v0", "/x")  # one name, one version
 
 
 def test_a_call_in_flight_finishes_on_its_version_before_that_version_is_unloaded(
@@ -374,3 +377,65 @@ def test_a_lora_run_cannot_ask_for_prompt_logprobs(lora_world: LoraWorld) -> Non
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                        extra_body={"prompt_logprobs": 1})
     assert w.sent_models() == []
+
+
+def test_a_version_pushed_again_under_a_new_name_keeps_the_old_name_for_its_calls(
+        lora_world: LoraWorld) -> None:
+    """A resumed trainer pushes its checkpoint's version number again, under a new name: the
+    call in flight on the old name finishes there, the old name is unloaded after it, and the
+    trainer's clean-up (by name) keeps the old folder until then."""
+    from services.trainer.adapter_push import AdapterWeights
+
+    w = lora_world
+    root = w.tmp / "ad"
+    old = _version_folder(root, "A", 3, "aaaaaaaa")
+    sink = AdapterWeights(w.admin, attempts=1)
+    try:
+        sink.load(old, 3)
+        rid, key = w.key("A")
+        client = openai.OpenAI(base_url=w.gateway.base_url, api_key=key, max_retries=0)
+        done: list[str] = []
+
+        def slow_call() -> None:
+            stream = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
+                extra_body={"stub_pause_s": 1.5})
+            done.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+
+        t = threading.Thread(target=slow_call)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not w.admin.list_engines().engines[0].adapters[0].inflight:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        new = _version_folder(root, "A", 3, "bbbbbbbb")
+        sink.load(new, 3)  # the restarted trainer's push of the same version
+        a = w.admin.list_engines().engines[0].adapters[0]
+        assert list(a.loaded_names) == ["A-v3-bbbbbbbb", "A-v3-aaaaaaaa"]
+        assert old.exists()  # its call is still in flight
+        t.join(10)
+        assert done and done[0]
+        deadline = time.monotonic() + 10
+        while "A-v3-aaaaaaaa" in w.loaded() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.loaded() == {"zero", "A-v3-bbbbbbbb"}
+        sink.load(_version_folder(root, "A", 4, "cccccccc"), 4)
+        assert sorted(x.name for x in (root / "A").iterdir()) == ["v4-cccccccc"]
+    finally:
+        sink.close()
+
+
+def test_an_adapter_held_everywhere_is_held_on_an_engine_that_loads_it_during_the_hold(
+        lora_world: LoraWorld) -> None:
+    w = lora_world
+    w.admin.pause(adapter="A", drain=False)
+    w.load(0, "A", 0)  # loaded during the hold: held too
+    rid, key = w.key("A")
+    done: list[str] = []
+    th = threading.Thread(target=lambda: done.append(w.chat(key)))
+    th.start()
+    time.sleep(0.5)
+    assert not done and w.sent_models() == []
+    w.admin.resume(adapter="A")
+    th.join(10)
+    assert done and w.sent_models() == ["A-v0"]

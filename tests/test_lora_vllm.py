@@ -235,6 +235,7 @@ def test_two_lora_runs_on_one_engine_keep_parity_and_isolation(
                                                   for a, b in windows)]
             print(f"LORA-HOLD {len(windows)} holds of {t.state.run_prefix}; "
                   f"{len(served)} calls of {other.state.run_prefix} answered during them")
+            assert served, "the other run was held too (or had no call during the holds)"
         store.close()
         # harnessrl export of the last checkpoint: a PEFT folder vLLM loads, serving the
         # trained adapter (the same logprobs as the trainer's model)

@@ -203,9 +203,9 @@ class Supervisor:
             log.warning("could not mark %s at the gateway: %s", name, exc)
 
     def _after_engine_restart(self, name: str) -> None:
-        from harnessrl.v1 import gateway_pb2 as gpb
-
         trainer = self.stack.procs.get("trainer")
+        if self.stack.cfg.lora is not None:  # its base weights are on disk; the adapters come
+            self._ready(name)  # back from the gateway's reload and the trainer's next push
         if trainer is not None and trainer.alive:
             # its weights are only in the trainer: restart it (it resumes from its checkpoint
             # and pushes them into every engine, which marks this one READY)
@@ -214,8 +214,13 @@ class Supervisor:
             trainer.kill()
             return
         if trainer is None:  # nothing trains: the weights on disk are the policy
-            admin = self._admin()
-            try:
-                admin.update_engine(name, state=gpb.ENGINE_STATE_READY)
-            finally:
-                admin.close()
+            self._ready(name)
+
+    def _ready(self, name: str) -> None:
+        from harnessrl.v1 import gateway_pb2 as gpb
+
+        admin = self._admin()
+        try:
+            admin.update_engine(name, state=gpb.ENGINE_STATE_READY)
+        finally:
+            admin.close()

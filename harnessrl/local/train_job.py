@@ -163,7 +163,8 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
     if getattr(args, "eval_tasks", None):  # evaluation during training (evaluation.py)
         argv += ["--eval.tasks-file", str(Path(args.eval_tasks).resolve()),
                  "--eval.every", str(args.eval_every), "--eval.k", str(args.eval_k)]
-    if stack.cfg.weight_transfer_backend == "ipc":  # one GPU: the engine sleeps while it steps
+    if stack.cfg.weight_transfer_backend == "ipc" and not getattr(args, "lora_rank", 0):
+        # one GPU: the engine sleeps while it steps (not with LoRA: it serves other runs)
         argv += ["--mode.sleep-level", "1"]
     if getattr(args, "lora_rank", 0):
         argv += ["--lora.rank", str(args.lora_rank), "--lora.alpha", str(2 * args.lora_rank)]

@@ -160,6 +160,7 @@ class Adapter(_message.Message):
     INFLIGHT_FIELD_NUMBER: _builtins.int
     PAUSED_FIELD_NUMBER: _builtins.int
     SERVED_CALLS_FIELD_NUMBER: _builtins.int
+    LOADED_NAMES_FIELD_NUMBER: _builtins.int
     engine: _builtins.str
     name: _builtins.str
     policy_version: _builtins.int
@@ -180,6 +181,12 @@ class Adapter(_message.Message):
     def loaded_versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """the current one and replaced ones still in use"""
 
+    @_builtins.property
+    def loaded_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The lora names still loaded (current first): a version pushed again by a restarted trainer
+        has a new name, and calls may still run on the old one.
+        """
+
     def __init__(
         self,
         *,
@@ -194,10 +201,11 @@ class Adapter(_message.Message):
         inflight: _builtins.int = ...,
         paused: _builtins.bool = ...,
         served_calls: _builtins.int = ...,
+        loaded_names: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "inflight", b"inflight", "loaded_versions", b"loaded_versions", "lora_name", b"lora_name", "lora_path", b"lora_path", "name", b"name", "paused", b"paused", "policy_version", b"policy_version", "reason", b"reason", "served_calls", b"served_calls", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "inflight", b"inflight", "loaded_names", b"loaded_names", "loaded_versions", b"loaded_versions", "lora_name", b"lora_name", "lora_path", b"lora_path", "name", b"name", "paused", b"paused", "policy_version", b"policy_version", "reason", b"reason", "served_calls", b"served_calls", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -40,8 +40,10 @@ class AdapterState:
     marked: bool = False
     reason: str = ""
     paused: bool = False  # Pause(adapter=...): its calls are held
-    loaded: dict[int, str] = field(default_factory=dict)  # version -> lora_name
-    inflight: dict[int, int] = field(default_factory=dict)  # version -> calls in flight
+    # lora_name -> version: the current one and replaced ones still in use (a version pushed
+    # again by a restarted trainer comes under a new name)
+    loaded: dict[str, int] = field(default_factory=dict)
+    inflight: dict[str, int] = field(default_factory=dict)  # lora_name -> calls in flight
     served: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -61,24 +63,25 @@ class AdapterState:
             engine=self.engine, name=self.name, policy_version=self.policy_version,
             lora_name=self.lora_name, lora_path=self.lora_path,
             state=gpb.ENGINE_STATE_MARKED if self.marked else gpb.ENGINE_STATE_READY,
-            reason=self.reason, loaded_versions=sorted(self.loaded), inflight=self.calls,
-            paused=self.paused, served_calls=self.served)
+            reason=self.reason, loaded_versions=sorted(set(self.loaded.values())),
+            inflight=self.calls, paused=self.paused, served_calls=self.served,
+            loaded_names=sorted(self.loaded, key=lambda n: n != self.lora_name))
 
     # -- a call's lease --------------------------------------------------------------------
     def take(self) -> int:
         """Counts a call in flight on the current version; returns that version."""
-        v = self.policy_version
-        self.inflight[v] = self.inflight.get(v, 0) + 1
+        name = self.lora_name
+        self.inflight[name] = self.inflight.get(name, 0) + 1
         self.idle.clear()
-        return v
+        return self.policy_version
 
-    def give_back(self, version: int, served: bool) -> list[str]:
-        """Ends a call of `version`; returns the lora names that no call needs any more."""
-        left = self.inflight.get(version, 0) - 1
+    def give_back(self, lora_name: str, served: bool) -> list[str]:
+        """Ends a call sent as `lora_name`; returns the lora names no call needs any more."""
+        left = self.inflight.get(lora_name, 0) - 1
         if left > 0:
-            self.inflight[version] = left
+            self.inflight[lora_name] = left
         else:
-            self.inflight.pop(version, None)
+            self.inflight.pop(lora_name, None)
         if served:
             self.served += 1
         if not self.inflight:
@@ -87,8 +90,10 @@ class AdapterState:
 
     def retire(self) -> list[str]:
         """Drops replaced versions with no call in flight; their lora names to unload."""
-        done = [v for v in self.loaded if v != self.policy_version and v not in self.inflight]
-        return [self.loaded.pop(v) for v in done]
+        done = [n for n in self.loaded if n != self.lora_name and n not in self.inflight]
+        for n in done:
+            del self.loaded[n]
+        return done
 
     # -- administration ----------------------------------------------------------------------
     def set(self, version: int | None, lora_name: str, lora_path: str, state: int,
@@ -100,12 +105,12 @@ class AdapterState:
                 raise InvalidArgument("READY needs policy_version >= 0 and lora_name")
             if len(lora_name) > 512 or len(lora_path) > 4096:
                 raise InvalidArgument("lora_name or lora_path too long")
-            if version < self.policy_version and self.lora_name:
-                raise InvalidArgument(f"adapter {self.name!r} on {self.engine}: version "
-                                      f"{version} is older than its current "
-                                      f"{self.policy_version}")
+            if self.loaded.get(lora_name, version) != version:
+                raise InvalidArgument(f"adapter {self.name!r} on {self.engine}: {lora_name!r} "
+                                      f"is version {self.loaded[lora_name]}, not {version}")
+            # any version: a resumed trainer pushes its checkpoint's, older than the last one
             self.policy_version, self.lora_name, self.lora_path = version, lora_name, lora_path
-            self.loaded[version] = lora_name
+            self.loaded[lora_name] = version
             self.marked, self.reason = False, ""
             return self.retire()
         if state == gpb.ENGINE_STATE_MARKED:
@@ -124,7 +129,7 @@ class AdapterState:
         st = cls(rec.engine, rec.name, rec.policy_version, rec.lora_name, rec.lora_path,
                  rec.state == gpb.ENGINE_STATE_MARKED, rec.reason, rec.paused)
         if rec.lora_name:
-            st.loaded[rec.policy_version] = rec.lora_name
+            st.loaded[rec.lora_name] = rec.policy_version
         return st
 
 
@@ -151,3 +156,20 @@ async def unload(engine: EngineState, lora_names: list[str], timeout_s: float = 
                         raw[:200], extra={"engine": engine.name})
         else:
             log.info("unloaded adapter %s", name, extra={"engine": engine.name})
+
+
+async def reload(engine: EngineState, lora_name: str, lora_path: str, timeout_s: float = 60.0
+                 ) -> bool:
+    """Loads `lora_name` from `lora_path` again (an engine back after a restart); True when the
+    engine has it."""
+    try:
+        status, raw = await engine.pool.post("/v1/load_lora_adapter", orjson.dumps(
+            {"lora_name": lora_name, "lora_path": lora_path, "load_inplace": True}), timeout_s)
+    except Exception as err:  # noqa: BLE001 - the adapter is MARKED instead
+        log.warning("reloading %s into %s failed: %s", lora_name, engine.name, err,
+                    extra={"engine": engine.name})
+        return False
+    if status != 200:
+        log.warning("reloading %s into %s: HTTP %d %s", lora_name, engine.name, status,
+                    raw[:200], extra={"engine": engine.name})
+    return status == 200

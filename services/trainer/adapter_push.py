@@ -143,15 +143,14 @@ class AdapterWeights:
 
     def clean_up(self, current: Path) -> None:
         """Deletes (and unloads) this adapter's version folders that no engine still uses: not
-        an engine's current version of it, nor a replaced version still serving calls."""
+        an engine's current version of it, nor a replaced one still serving calls (by name: a
+        resumed trainer pushes a version number again, under a new name)."""
         engines = list(self.admin.list_engines().engines)
-        mine = [a for e in engines for a in e.adapters if a.name == self.adapter]
-        names = {a.lora_name for a in mine}
-        replaced = {v for a in mine for v in a.loaded_versions if v != a.policy_version}
+        names = {n for e in engines for a in e.adapters if a.name == self.adapter
+                 for n in (a.lora_name, *a.loaded_names)}
         for folder in sorted(self.root.iterdir()) if self.root.exists() else []:
-            m = _VERSION_DIR.match(folder.name)
-            if m is None or folder == current or self.lora_name(folder) in names or \
-                    int(m.group(1)) in replaced:
+            if _VERSION_DIR.match(folder.name) is None or folder == current or \
+                    self.lora_name(folder) in names:
                 continue
             for e in engines:  # best effort: a restarted gateway forgets replaced names
                 if e.lora.enabled:

@@ -207,6 +207,8 @@ class Collocation:
         if self.sleep is None:
             pushed = push()
             self.offload.offload_params(model)
+            if self.hold is not None:  # a hold a killed trainer left (a LoRA run's is only
+                self.hold.release()  # released here: its pushes resume no engine)
             return pushed
         self._asleep(record)
         try:
