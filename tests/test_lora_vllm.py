@@ -181,7 +181,8 @@ def test_two_lora_runs_on_one_engine_keep_parity_and_isolation(
         for t in trainers:
             print(f"LORA-PARITY {t.state.run_prefix}: {t.diffs} moved {t.moved} "
                   f"version {t.state.policy_version}")
-            assert t.state.policy_version >= 2, "fewer than 2 steps trained"
+            # a step whose groups all have one reward trains nothing (and pushes nothing)
+            assert t.state.policy_version >= 1, "no step trained: no adapter was pushed"
             assert all(d <= PARITY for d in t.diffs), t.diffs
             assert max(t.moved) > 10 * PARITY, t.moved  # the adapters moved the logprobs
         # isolation: each call recomputed with its run's adapter at its recorded version
@@ -245,10 +246,12 @@ def test_two_lora_runs_on_one_engine_keep_parity_and_isolation(
         out = tmp_path / "exported"
         print(export(Path(t.cfg.output_dir) / "checkpoints" / "latest", out))
         url = lora_stack.engines[0].base_url
+        name = f"exported-{t.state.run_prefix}"
         httpx.post(f"{url}/v1/load_lora_adapter", timeout=60, json={
-            "lora_name": "exported", "lora_path": str(out)}).raise_for_status()
+            "lora_name": name, "lora_path": str(out)}).raise_for_status()
         ids = probe_ids(t.model.config.vocab_size, 99)
-        assert diff_to(t.model, ids, engine_logprobs(url, ids, "exported")) <= PARITY
+        assert diff_to(t.model, ids, engine_logprobs(url, ids, name)) <= PARITY
+        httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
     finally:
         for t in trainers:
             t.close()
