@@ -74,6 +74,26 @@ class LoraWorld:
                                              messages=[{"role": "user", "content": "hi"}])
         return out.choices[0].message.content or ""
 
+    def slow_call_in_flight(self, key: str, done: list[str]) -> threading.Thread:
+        """A streamed call that pauses at the engine (its text goes to `done` when it ends);
+        returns once the gateway counts it in flight on an adapter."""
+        client = openai.OpenAI(base_url=self.gateway.base_url, api_key=key, max_retries=0)
+
+        def call() -> None:
+            stream = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
+                extra_body={"stub_pause_s": 1.5})
+            done.append("".join(ch.choices[0].delta.content or "" for ch in stream
+                                if ch.choices))
+
+        t = threading.Thread(target=call)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not [x for x in self.admin.list_engines().engines[0].adapters if x.inflight]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        return t
+
     def calls(self, rid: str) -> list[c.Call]:
         return list(self.store.get_rollout(rid, include_calls=True).calls)
 
@@ -146,21 +166,8 @@ def test_a_call_in_flight_finishes_on_its_version_before_that_version_is_unloade
     w = lora_world
     w.load(0, "A", 0)
     rid, key = w.key("A")
-    client = openai.OpenAI(base_url=w.gateway.base_url, api_key=key, max_retries=0)
     done: list[str] = []
-
-    def slow_call() -> None:
-        stream = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
-            extra_body={"stub_pause_s": 1.5})
-        done.append("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices))
-
-    t = threading.Thread(target=slow_call)
-    t.start()
-    deadline = time.monotonic() + 10
-    while not [x for x in w.admin.list_engines().engines[0].adapters if x.inflight]:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    t = w.slow_call_in_flight(key, done)
     a = w.load(0, "A", 1)
     assert sorted(a.loaded_versions) == [0, 1]  # v0 still serves the call in flight
     assert "A-v0" in w.loaded()
@@ -393,21 +400,8 @@ def test_a_version_pushed_again_under_a_new_name_keeps_the_old_name_for_its_call
     try:
         sink.load(old, 3)
         rid, key = w.key("A")
-        client = openai.OpenAI(base_url=w.gateway.base_url, api_key=key, max_retries=0)
         done: list[str] = []
-
-        def slow_call() -> None:
-            stream = client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
-                extra_body={"stub_pause_s": 1.5})
-            done.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
-
-        t = threading.Thread(target=slow_call)
-        t.start()
-        deadline = time.monotonic() + 10
-        while not w.admin.list_engines().engines[0].adapters[0].inflight:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        t = w.slow_call_in_flight(key, done)
         new = _version_folder(root, "A", 3, "bbbbbbbb")
         sink.load(new, 3)  # the restarted trainer's push of the same version
         a = w.admin.list_engines().engines[0].adapters[0]

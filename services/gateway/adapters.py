@@ -138,23 +138,26 @@ def check_name(name: str) -> None:
         raise InvalidArgument("adapter name: 1-128 characters (RunSpec.adapter)")
 
 
+async def _post(engine: EngineState, path: str, body: dict[str, object], what: str,
+                timeout_s: float) -> bool:
+    """POSTs a LoRA admin request to the engine; a failure is logged. True on HTTP 200."""
+    try:
+        status, raw = await engine.pool.post(path, orjson.dumps(body), timeout_s)
+    except Exception as err:  # noqa: BLE001 - logged; the caller decides what it means
+        log.warning("%s on %s failed: %s", what, engine.name, err, extra={"engine": engine.name})
+        return False
+    if status != 200:
+        log.warning("%s on %s: HTTP %d %s", what, engine.name, status, raw[:200],
+                    extra={"engine": engine.name})
+    return status == 200
+
+
 async def unload(engine: EngineState, lora_names: list[str], timeout_s: float = 30.0) -> None:
     """Unloads replaced versions from the engine; a failure is logged (the engine keeps an
     unused adapter in its cache, nothing is served wrong)."""
     for name in lora_names:
-        if not name:
-            continue
-        try:
-            status, raw = await engine.pool.post(
-                "/v1/unload_lora_adapter", orjson.dumps({"lora_name": name}), timeout_s)
-        except Exception as err:  # noqa: BLE001 - logged; nothing depends on it
-            log.warning("unloading %s from %s failed: %s", name, engine.name, err,
-                        extra={"engine": engine.name})
-            continue
-        if status != 200:
-            log.warning("unloading %s from %s: HTTP %d %s", name, engine.name, status,
-                        raw[:200], extra={"engine": engine.name})
-        else:
+        if name and await _post(engine, "/v1/unload_lora_adapter", {"lora_name": name},
+                                f"unloading {name}", timeout_s):
             log.info("unloaded adapter %s", name, extra={"engine": engine.name})
 
 
@@ -162,14 +165,6 @@ async def reload(engine: EngineState, lora_name: str, lora_path: str, timeout_s:
                  ) -> bool:
     """Loads `lora_name` from `lora_path` again (an engine back after a restart); True when the
     engine has it."""
-    try:
-        status, raw = await engine.pool.post("/v1/load_lora_adapter", orjson.dumps(
-            {"lora_name": lora_name, "lora_path": lora_path, "load_inplace": True}), timeout_s)
-    except Exception as err:  # noqa: BLE001 - the adapter is MARKED instead
-        log.warning("reloading %s into %s failed: %s", lora_name, engine.name, err,
-                    extra={"engine": engine.name})
-        return False
-    if status != 200:
-        log.warning("reloading %s into %s: HTTP %d %s", lora_name, engine.name, status,
-                    raw[:200], extra={"engine": engine.name})
-    return status == 200
+    return await _post(engine, "/v1/load_lora_adapter", {
+        "lora_name": lora_name, "lora_path": lora_path, "load_inplace": True},
+        f"reloading {lora_name}", timeout_s)

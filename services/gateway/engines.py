@@ -6,7 +6,9 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from harnessrl.errors import (
     AlreadyExists,
@@ -254,9 +256,13 @@ class EngineRegistry:
 
     def _unload(self, eng: EngineState, lora_names: list[str]) -> None:
         if lora_names:
-            task = asyncio.get_running_loop().create_task(unload(eng, lora_names))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(unload(eng, lora_names))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Runs `work` in the background, referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # routing ------------------------------------------------------------------------------
     async def acquire(self, rollout_id: str, model: str, deadline: float, adapter: str = ""
@@ -338,9 +344,7 @@ class EngineRegistry:
                 if eng.name in self._reloading:
                     return
                 self._reloading.add(eng.name)
-                task = asyncio.get_running_loop().create_task(self._reload(eng))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._spawn(self._reload(eng))
                 return  # reachable once they are back
             eng.reachable = True
             self._notify()

@@ -206,11 +206,15 @@ def save_adapter(model: Any, path: Path, dist: Dist | None = None) -> None:
     tensors = adapter_tensors(model, d)
     if not d.is_main:
         return
-    path = Path(path)
+    write_peft(model, tensors, Path(path))
+
+
+def write_peft(model: Any, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """peft's own `save_pretrained` of `tensors` (the LoRA ones: peft keeps those and drops
+    the adapter name from their keys) into a temporary folder, moved to `path` when complete."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    # only the LoRA tensors given: peft keeps those, drops the adapter name from their keys
     model.save_pretrained(tmp, state_dict=tensors, safe_serialization=True,
                           save_embedding_layers=False)
     replace_folder(tmp, path)
@@ -300,12 +304,7 @@ def write_zero_adapter(model_dir: Path, cfg: LoraConfig, out: Path) -> Path:
     zeros = {n: torch.zeros(p.shape, dtype=p.dtype) for n, p in wrapped.named_parameters()
              if "lora_" in n}
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    wrapped.save_pretrained(tmp, state_dict=zeros, safe_serialization=True,
-                            save_embedding_layers=False)
-    replace_folder(tmp, out)
+    write_peft(wrapped, zeros, out)
     return out
 
 
