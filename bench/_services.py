@@ -13,24 +13,30 @@ import sys
 from pathlib import Path
 
 from harnessrl import procs
+from harnessrl.clients import StoreClient
+from harnessrl.credentials import CredentialSigner
+from harnessrl.v1 import common_pb2 as c
 
 VARIANTS = Path(__file__).resolve().parent / "_gateway_variants.py"
 
 
-def start_store(workdir: Path, redis_url: str) -> tuple[procs.ServiceProcess, str]:
+def start_store(workdir: Path, redis_url: str, env: dict[str, str] | None = None
+                ) -> tuple[procs.ServiceProcess, str]:
     proc, info = procs.start_service("store", "services.store",
-                                     ["--bind", "127.0.0.1:0", "--redis-url", redis_url], workdir)
+                                     ["--bind", "127.0.0.1:0", "--redis-url", redis_url], workdir,
+                                     env=env)
     return proc, f"127.0.0.1:{info['grpc_port']}"
 
 
 def start_gateway(workdir: Path, store_address: str, secret: str,
                   engines: list[dict[str, object]], http_server: str = "builtin",
-                  engine_client: str = "builtin") -> tuple[procs.ServiceProcess, dict]:  # type: ignore[type-arg]
-    """The gateway; with another `http_server` or `engine_client` than its own, the variant of
-    `bench/_gateway_variants.py`."""
+                  engine_client: str = "builtin", extra: tuple[str, ...] = (),
+                  env: dict[str, str] | None = None) -> tuple[procs.ServiceProcess, dict]:  # type: ignore[type-arg]
+    """The gateway (with `extra` flags; `env` added to its environment); with another
+    `http_server` or `engine_client` than its own, the variant of `bench/_gateway_variants.py`."""
     flags = ["--http-port", "0", "--grpc-bind", "127.0.0.1:0", "--store-address", store_address,
-             "--engines", json.dumps(engines)]
-    env = {"HARNESSRL_SECRET": secret}
+             "--engines", json.dumps(engines), *extra]
+    env = {**(env or {}), "HARNESSRL_SECRET": secret}
     if (http_server, engine_client) == ("builtin", "builtin"):
         return procs.start_service("gateway", "services.gateway", flags, workdir, env=env)
     name = f"gateway-{http_server}-{engine_client}"
@@ -59,3 +65,13 @@ def start_world(workdir: Path, model: str,
     stub_proc, stub_url = start_stub_engine(workdir, model)
     started.append(stub_proc)
     return redis_url, store_addr, stub_url
+
+
+def running_attempt(store_address: str, rollout_id: str, secret: str) -> str:
+    """Creates rollout `rollout_id` in the store, starts its attempt 1; returns its key."""
+    store = StoreClient.connect(store_address)
+    store.create_rollouts([c.Rollout(rollout_id=rollout_id, run_id="bench", task_id="t",
+                                     group_id="bench/t", group_size=1, stream="-")])
+    store.start_attempt(rollout_id, 1)
+    store.close()
+    return CredentialSigner(secret.encode()).mint(rollout_id, 1, 3600)

@@ -32,18 +32,22 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="times each service is killed")
     ap.add_argument("--no-engine", action="store_true", help="do not kill vLLM")
+    ap.add_argument("--gateway-replicas", type=int, default=2, help="gateways behind the "
+                    "stack's balancer; 2 or more adds a rolling restart of them to each round")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--model-dir", default=None, help="default: an un-warmed tiny model built "
                     "in seconds (the accounting is measured, not learning)")
     a = ap.parse_args()
     from harnessrl.model import build_tiny_model  # torch: after --help
 
-    order = KILL_ORDER + (() if a.no_engine else ("engine0",))
+    order = KILL_ORDER + (() if a.no_engine else ("engine0",)) + \
+        (("gateways",) if a.gateway_replicas > 1 else ())
     work = Path(a.workdir or tempfile.mkdtemp(prefix="chaos-"))
     model = Path(a.model_dir) if a.model_dir else \
         build_tiny_model(work / "model", warmup_steps=0)
     res = run_chaos(work, model, seed=a.seed, steps=a.steps, kill_order=order * a.rounds,
                     mode=a.mode, gap_s=(1.0, 8.0), timeout_s=3600,
+                    gateway_replicas=a.gateway_replicas,
                     log=lambda m: print(m, file=sys.stderr, flush=True))
     err = sys.stderr
     for e in res.events:

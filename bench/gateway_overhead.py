@@ -31,13 +31,26 @@ upstream, 32 connections), and the raw figures.
    The JSON line's `arms` holds, per arm, the four figures above and the gateway's CPU per
    call (docs/http.md: the decision they informed).
 
+5. the baseline (`--baseline REF`, default e4c7192, the code before the gateway kept its
+   per-rollout state in the store; `bench/_baseline.py`): REF's store and gateway, from a
+   temporary git worktree, on a Redis of their own, measured with the same stub loads as
+   today's in alternating rounds (`--rounds`, medians). `baseline` holds its
+   `added_p50_ms_stub_c1` and `throughput_ratio`, `vs_baseline` today's / the baseline's
+   (above 1 is worse for the first, below 1 for the second).
+6. two replicas on the one store (docs/gateway-replicas.md): two wrk processes of 16
+   connections, each on a rollout of its own, both against the gateway alone
+   (`replicas1_throughput`, calls/s summed) and one against each of two replicas
+   (`replicas2_throughput`; the replicas then ask the store before every call), alternating.
+
     python bench/gateway_overhead.py [--duration 10] [--no-vllm] [--engine-cpus 0|''] [--arms ...]
-    python bench/gateway_overhead.py --no-vllm --quick --arms uvicorn+builtin   # runs? (~20 s)
+        [--baseline e4c7192|''] [--rounds 3]
+    python bench/gateway_overhead.py --no-vllm --quick --arms uvicorn+builtin --baseline ''  # runs?
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -46,16 +59,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import _baseline  # noqa: E402
 from bench._procstat import children, proc_table  # noqa: E402
-from bench._services import start_gateway, start_store, start_stub_engine  # noqa: E402
+from bench._services import (running_attempt, start_gateway, start_store,  # noqa: E402
+                             start_stub_engine)
 from harnessrl import procs  # noqa: E402
 from harnessrl.clients import StoreClient  # noqa: E402
-from harnessrl.credentials import CredentialSigner  # noqa: E402
-from harnessrl.v1 import common_pb2 as c  # noqa: E402
 
 SECRET = "bench-secret-0123456789abcdef0123"
 # HTTP-layer arms (server+engine client) measured beside the gateway's own httptools server and
@@ -124,6 +138,10 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
+def medians(rs: list[dict[str, float]]) -> dict[str, float]:
+    return {m: statistics.median(r[m] for r in rs) for m in rs[0]}
+
+
 def as_forwarded(body: dict) -> dict:  # type: ignore[type-arg]
     """The request the gateway sends the engine for a chat completion `body`."""
     return {**body, "logprobs": True, "return_token_ids": True}
@@ -143,6 +161,12 @@ def main() -> None:
                     help="HTTP-layer variants server+client to measure beside the gateway "
                          "(servers: builtin, uvicorn, granian; clients: builtin, httpx, "
                          "aiohttp); '' for none")
+    ap.add_argument("--baseline", default="e4c7192",
+                    help="git ref whose store and gateway are measured beside today's (stub "
+                         "loads, from a temporary worktree); '' for none")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternating direct/gateway/baseline runs against the stub, and "
+                         "1-replica/2-replica runs (medians reported)")
     ap.add_argument("--quick", action="store_true",
                     help="1 s per measurement and per warm-up, 1 connection included, one round "
                          "against vLLM: checks that every part runs (tests/test_bench_cli.py); "
@@ -159,6 +183,7 @@ def main() -> None:
         engine_cpus = set()
     work = Path(tempfile.mkdtemp(prefix="hrl-bench-gw-"))
     started: list[procs.ServiceProcess] = []
+    cleanup = contextlib.ExitStack()
     try:
         redis_url, redis_proc = procs.start_redis(work / "redis")
         started.append(redis_proc)
@@ -178,15 +203,17 @@ def main() -> None:
             started.append(vllm)
             vllm.wait_healthy(300)
             engines.append({"name": "vllm", "base_url": vllm.base_url, "model": "tiny"})
-        gw_proc, gw = start_gateway(work, store_addr, SECRET, engines)
+        gw_proc, gw = start_gateway(work, store_addr, SECRET, engines,
+                                    extra=("--replica-name", "bench-a"))
         started.append(gw_proc)
         gw_url = f"http://127.0.0.1:{gw['http_port']}/v1/chat/completions"
-
+        key = running_attempt(store_addr, "bench/0", SECRET)
         store = StoreClient.connect(store_addr)
-        store.create_rollouts([c.Rollout(rollout_id="bench/0", run_id="bench", task_id="t",
-                                         group_id="bench/t", group_size=1, stream="-")])
-        store.start_attempt("bench/0", 1)
-        key = CredentialSigner(SECRET.encode()).mint("bench/0", 1, 3600)
+        base_ours: dict[str, procs.ServiceProcess] = {}
+        if args.baseline:
+            src = cleanup.enter_context(_baseline.worktree(args.baseline))
+            base_ours, base_url, base_key = _baseline.start(src, work / "baseline", SECRET,
+                                                            engines, "bench/0", started)
 
         stub_body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
         results: dict[str, dict[str, float]] = {}
@@ -194,26 +221,40 @@ def main() -> None:
         # seconds of each 1-connection measurement (enough calls for a p50) and of a warm-up
         # (vLLM's longer), and runs against vLLM
         d_c1, warm, warm_vllm, vllm_rounds_n = max(3, d // 2), 2, 3, args.vllm_rounds
+        rounds = max(1, args.rounds)
         if args.quick:
-            d = d_c1 = warm = warm_vllm = vllm_rounds_n = 1
+            d = d_c1 = warm = warm_vllm = vllm_rounds_n = rounds = 1
         ours = {"gateway": gw_proc, "store": store_proc, "redis": redis_proc}
 
-        def through_gateway(name: str, body: dict, conns: int, secs: int) -> None:  # type: ignore[type-arg]
+        def through_gateway(name: str, body: dict, conns: int, secs: int,  # type: ignore[type-arg]
+                            url: str = gw_url, key: str = key,
+                            ours: dict[str, procs.ServiceProcess] = ours) -> dict[str, float]:
             before = cpu_ms(ours)
-            r = results[name] = wrk(gw_url, body, key, conns, secs, work)
+            r = results[name] = wrk(url, body, key, conns, secs, work)
             after = cpu_ms(ours)
             for proc_name in ours:  # CPU the harnessrl side spent per call, in microseconds
                 r[f"{proc_name}_cpu_us_per_call"] = \
                     (after[proc_name] - before[proc_name]) * 1000 / max(1, r["calls"])
+            return r
 
         stub_direct = f"{stub_url}/v1/chat/completions"
-        wrk(gw_url, stub_body, key, n, warm, work)  # warm-up
-        results["stub_direct"] = wrk(stub_direct, as_forwarded(stub_body), key, n, d, work)
-        through_gateway("stub_gateway", stub_body, n, d)
+        gateways = [("stub_gateway", gw_url, key, ours)]
+        if base_ours:
+            gateways.append(("baseline_stub_gateway", base_url, base_key, base_ours))
+        for _, url, k, _ in gateways:
+            wrk(url, stub_body, k, n, warm, work)  # warm-up
+        # direct, today's gateway and the baseline's in turn (the two gateways in alternating
+        # order), `rounds` times at 32 connections and at 1: medians
+        runs: dict[str, list[dict[str, float]]] = {}
+        for i in range(rounds):
+            for conns, secs, sfx in ((n, d, ""), (1, d_c1, "_c1")):
+                runs.setdefault(f"stub_direct{sfx}", []).append(
+                    wrk(stub_direct, as_forwarded(stub_body), key, conns, secs, work))
+                for name, url, k, ps in gateways[::-1 if i % 2 else 1]:
+                    runs.setdefault(name + sfx, []).append(
+                        through_gateway(name + sfx, stub_body, conns, secs, url, k, ps))
+        results.update({name: medians(rs) for name, rs in runs.items()})
         results["stub_direct_plain"] = wrk(stub_direct, stub_body, key, n, d, work)
-        results["stub_direct_c1"] = wrk(stub_direct, as_forwarded(stub_body), key, 1,
-                                        d_c1, work)
-        through_gateway("stub_gateway_c1", stub_body, 1, d_c1)
         from bench import _stream_client
         stream_body = {**stub_body, "stream": True, "stub_tokens": 64}
         forwarded_stream = {**as_forwarded(stream_body)}
@@ -244,6 +285,35 @@ def main() -> None:
                     arm_url, stream_body, key, 1, d_c1)
             finally:
                 arm_proc.stop()
+        # Two replicas on the one store: two wrks (16 connections each, a rollout each) against
+        # the gateway alone, then one against each replica; the second replica starts and
+        # stops (announcing it leaves) every round, so the first is alone again in between.
+        halves = [(n // 2, running_attempt(store_addr, f"bench/{i}", SECRET)) for i in (1, 2)]
+
+        def two_wrks(urls: list[str], secs: int) -> dict[str, float]:
+            before = cpu_ms({"store": store_proc})["store"]
+            with ThreadPoolExecutor(2) as ex:
+                rs = list(ex.map(lambda u, h: wrk(u, stub_body, h[1], h[0], secs, work),
+                                 urls, halves))
+            calls = sum(r["calls"] for r in rs)
+            return {"p50_ms": max(r["p50_ms"] for r in rs), "p99_ms": max(r["p99_ms"] for r in rs),
+                    "calls_per_s": sum(r["calls_per_s"] for r in rs), "calls": calls,
+                    "store_cpu_us_per_call":
+                        (cpu_ms({"store": store_proc})["store"] - before) * 1000 / max(1, calls)}
+
+        runs = {"replicas1": [], "replicas2": []}
+        for _ in range(rounds):
+            runs["replicas1"].append(two_wrks([gw_url, gw_url], d))
+            b_proc, b = start_gateway(work / "replica-b", store_addr, SECRET, engines,
+                                      extra=("--replica-name", "bench-b"))
+            try:
+                b_url = f"http://127.0.0.1:{b['http_port']}/v1/chat/completions"
+                two_wrks([gw_url, b_url], warm)  # warm-up (calls wait while b joins)
+                runs["replicas2"].append(two_wrks([gw_url, b_url], d))
+            finally:
+                b_proc.stop()
+            time.sleep(2.5)  # the first replica's next heartbeat finds it alone
+        results.update({name: medians(rs) for name, rs in runs.items()})
         if vllm is not None:
             # Every completion exactly 16 tokens (ignore_eos), so each request is the same work.
             body = {"model": "tiny", "max_tokens": 16, "temperature": 1.0, "ignore_eos": True,
@@ -260,8 +330,7 @@ def main() -> None:
                     through_gateway("vllm_gateway" + suffix, body, n, d)
                     runs["gateway"].append(results["vllm_gateway" + suffix])
                 for how, rs in runs.items():
-                    results[f"vllm_{how}{suffix}"] = {m: statistics.median(r[m] for r in rs)
-                                                      for m in rs[0]}
+                    results[f"vllm_{how}{suffix}"] = medians(rs)
 
             # 1. everything shares the machine's CPUs, as `harnessrl up` runs here.
             vllm_rounds("_shared")
@@ -283,19 +352,19 @@ def main() -> None:
             store.get_rollout("bench/0").attempts[0].num_calls
         store.close()
 
-        print(f"\n{'measurement':<18}{'p50 ms':>10}{'p99 ms':>10}{'calls/s':>11}"
+        print(f"\n{'measurement':<26}{'p50 ms':>10}{'p99 ms':>10}{'calls/s':>11}"
               f"{'gateway / store / redis CPU us per call':>42}")
         for name, r in results.items():
             if name.startswith("stream_") or name.endswith("_stream") or \
                     name.endswith("_stream_c1"):
-                print(f"{name:<18}{r['stream_p50_ms']:>10.2f}{'':>10}{r['streams_per_s']:>11.0f}"
+                print(f"{name:<26}{r['stream_p50_ms']:>10.2f}{'':>10}{r['streams_per_s']:>11.0f}"
                       f"   TTFT p50 {r['ttft_p50_ms']:.2f} ms, p99 {r['ttft_p99_ms']:.2f} ms")
                 continue
             cpu = "" if "gateway_cpu_us_per_call" not in r else (
                 f"{r['gateway_cpu_us_per_call']:>24.0f}" if "store_cpu_us_per_call" not in r
                 else f"{r['gateway_cpu_us_per_call']:>24.0f} / {r['store_cpu_us_per_call']:.0f}"
                      f" / {r['redis_cpu_us_per_call']:.0f}")
-            print(f"{name:<18}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['calls_per_s']:>11.0f}"
+            print(f"{name:<26}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['calls_per_s']:>11.0f}"
                   f"{cpu}")
         ref = "vllm" if vllm is not None else "stub"
         summary = {
@@ -329,10 +398,23 @@ def main() -> None:
                 "stream_throughput_ratio": round(results[f"{arm}_stream"]["streams_per_s"]
                                                  / results["stream_direct"]["streams_per_s"], 3),
             } for arm in results if arm.startswith("arm_") and arm.count("_") == 1},
+            "replicas1_throughput": round(results["replicas1"]["calls_per_s"]),
+            "replicas2_throughput": round(results["replicas2"]["calls_per_s"]),
+            "replicas_ratio": round(results["replicas2"]["calls_per_s"]
+                                    / results["replicas1"]["calls_per_s"], 3),
             "recorded_calls": recorded,
-            "connections": n, "duration_s": d, "quick": args.quick,
+            "connections": n, "duration_s": d, "rounds": rounds, "quick": args.quick,
             "results": {k: {m: round(v, 3) for m, v in r.items()} for k, r in results.items()},
         }
+        if base_ours:
+            base = summary["baseline"] = {
+                "ref": args.baseline,
+                "added_p50_ms_stub_c1": round(results["baseline_stub_gateway_c1"]["p50_ms"]
+                                              - results["stub_direct_c1"]["p50_ms"], 3),
+                "throughput_ratio": round(results["baseline_stub_gateway"]["calls_per_s"]
+                                          / results["stub_direct"]["calls_per_s"], 3)}
+            summary["vs_baseline"] = {m: round(summary[m] / base[m], 3)  # type: ignore[operator]
+                                      for m in ("added_p50_ms_stub_c1", "throughput_ratio")}
         if vllm is not None:
             summary["vllm_throughput_ratio"] = round(
                 results["vllm_gateway"]["calls_per_s"] / results["vllm_direct"]["calls_per_s"], 3)
@@ -348,6 +430,7 @@ def main() -> None:
     finally:
         for p in reversed(started):
             p.stop()
+        cleanup.close()  # the baseline's worktree
         shutil.rmtree(work, ignore_errors=True)
 
 

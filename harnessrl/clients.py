@@ -86,6 +86,14 @@ class StoreClient(_Client[store_pb2_grpc.StoreStub]):
         then `await s.read()` gives its AppendCallsResponse; batches answered in order."""
         return self.stub.RecordCalls()
 
+    def get_gateway_state(self, rollout_id: str, attempt: int, known_next_seq: int = -1,
+                          response_id: str = "", timeout: float | None = None
+                          ) -> spb.GatewayState:
+        return self.stub.GetGatewayState(
+            spb.GetGatewayStateRequest(rollout_id=rollout_id, attempt=attempt,
+                                       known_next_seq=known_next_seq, response_id=response_id),
+            timeout=timeout or self.timeout)
+
     def report_reward(self, rollout_id: str, attempt: int, reward: float) -> c.Rollout:
         return self.stub.ReportReward(
             spb.ReportRewardRequest(rollout_id=rollout_id, attempt=attempt, reward=reward),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,6 +102,37 @@ class GatewayService:
         self.http_port, self.grpc_port = info["http_port"], info["grpc_port"]
         self.base_url = f"http://127.0.0.1:{self.http_port}/v1"
         self.admin_address = f"127.0.0.1:{self.grpc_port}"
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class GatewayReplica:
+    """A gateway process on fixed ports (a restart keeps them), started again by `respawn`."""
+
+    def __init__(self, workdir: Path, store_address: str, engine: dict[str, object],
+                 *extra: str) -> None:
+        import json as _json
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.http_port, self.grpc_port = procs.free_port(), procs.free_port()
+        self.proc, _ = procs.start_service(
+            "gateway", "services.gateway",
+            ["--http-port", str(self.http_port), "--grpc-bind", f"127.0.0.1:{self.grpc_port}",
+             "--store-address", store_address, "--engines", _json.dumps([engine]), *extra],
+            workdir, env={"HARNESSRL_GATEWAY_SECRET": TEST_SECRET}, timeout=30)
+        self.admin_address = f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    def restart(self) -> float:
+        """kill -9, then the same command again: seconds until it is ready."""
+        self.proc.kill()
+        t0 = time.monotonic()
+        self.proc = self.proc.respawn()
+        self.proc.wait_ready(30)
+        return time.monotonic() - t0
 
     def stop(self) -> None:
         self.proc.stop()

@@ -100,13 +100,14 @@ def test_a_bench_answers_help_from_a_fresh_clone_with_every_flag_the_docs_give(
 def test_the_gateway_bench_runs_from_a_fresh_clone_and_prints_its_json_line(
         clone: Path) -> None:
     """The short run (`--quick`) of `python bench/gateway_overhead.py --no-vllm`, with one
-    HTTP-layer arm: the arms run as a bench helper in a child process of their own."""
+    HTTP-layer arm: the arms run as a bench helper in a child process of their own. (No
+    baseline: a clone without `.git` has no commit to check out.)"""
     r = subprocess.run([sys.executable, "bench/gateway_overhead.py", "--no-vllm", "--quick",
-                        "--arms", "uvicorn+builtin"], cwd=clone, env=clone_env(),
+                        "--arms", "uvicorn+builtin", "--baseline", ""], cwd=clone, env=clone_env(),
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(r.stdout.splitlines()[-1])
     assert summary["quick"] and summary["recorded_calls"] > 0
-    assert summary["throughput_ratio"] > 0
+    assert summary["throughput_ratio"] > 0 and summary["replicas_ratio"] > 0
     assert set(summary["arms"]) == {"uvicorn+builtin"}
     assert summary["arms"]["uvicorn+builtin"]["throughput_ratio"] > 0

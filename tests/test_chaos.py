@@ -1,7 +1,9 @@
 """Chaos on the real stack, bounded for CI: three training steps of the example (Redis with AOF,
 vLLM, store, gateway, controller, trainer) while the store, gateway, controller, Redis and the
 trainer are each killed with kill -9 once, in the phase each is meant to hit (harnesses in
-flight; groups delivered and not yet acknowledged), and restarted by the supervisor. Every
+flight; groups delivered and not yet acknowledged), and restarted by the supervisor; first, the
+two gateway replicas behind the stack's balancer are restarted one after the other (SIGTERM,
+as a rolling update does it), which may lose nothing. Every
 rollout the run should have made (derived from the seed and the task file, not read from the
 stack) must be in the store and trained once (acknowledged in Redis), or dropped with a kill
 that explains it (`harnessrl.testing.chaos_accounting`). The run is made once; the accounting is
@@ -26,6 +28,7 @@ from harnessrl.testing.chaos import KEY_PREFIX, KILL_ORDER, ChaosInputs, ChaosRe
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 STEPS = 3
+KILLS = ("gateways", *KILL_ORDER)  # "gateways": the rolling restart of both replicas
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,8 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChaosResul
     tmp = tmp_path_factory.mktemp("chaos")
     # the accounting, not learning, is under test: an un-warmed tiny model (built in seconds)
     model = build_tiny_model(tmp / "model", warmup_steps=0)
-    res = run_chaos(tmp, model, seed=11, steps=STEPS, timeout_s=600)
+    res = run_chaos(tmp, model, seed=11, steps=STEPS, timeout_s=600, kill_order=KILLS,
+                    gateway_replicas=2)
     print("chaos accounting:", json.dumps(res.line()))
     for e in res.events:
         print("  supervisor:", e)
@@ -49,13 +53,32 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChaosResul
 def test_kill_each_service_during_training_every_rollout_accounted(
         chaos: tuple[ChaosResult, str]) -> None:
     res, _ = chaos
-    assert [k.service for k in res.kills] == list(KILL_ORDER), \
+    assert [k.service for k in res.kills] == list(KILLS), \
         f"planned kills not done: {res.line()}"
     assert all(k.back is not None for k in res.kills), res.line()
     assert res.trainer_exit == 0, res.events
     assert res.steps == STEPS
     assert res.acc.problems == []
     assert all(d["kills"] for d in res.acc.drops), res.acc.drops
+
+
+def test_a_rolling_restart_of_both_gateways_loses_nothing(chaos: tuple[ChaosResult, str]
+                                                          ) -> None:
+    """The rolling restart excuses no drop (no kill window): every rollout whose attempts ran
+    through it was trained, unless a later kill explains its drop."""
+    res, _ = chaos
+    inputs = _inputs(res)
+    [rolling] = [k for k in res.kills if k.service == "gateways"]
+    assert rolling.back is not None and not rolling.excuses
+    assert "gateways" not in [w.service for w in inputs.windows]
+    ran = ca.read_harness_log(inputs.harness_log)
+    through = {rid for rid, attempts in ran.items() for a in attempts.values()
+               if a.start <= rolling.back and (a.end or inputs.run_end) >= rolling.at}
+    assert through, "no harness was in flight during the rolling restart"
+    trained = set(ca.read_claims(inputs.metrics_file).trained)
+    dropped = {d["rollout"] for d in res.acc.drops}
+    assert through <= trained | dropped and not (through & dropped - {
+        r for r in through if _in_a_kill_window(inputs, r)}), (through, res.acc.drops)
 
 
 def _inputs(res: ChaosResult) -> ChaosInputs:

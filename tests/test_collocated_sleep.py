@@ -12,6 +12,7 @@ tests/test_collocated_vllm.py.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -385,3 +386,41 @@ def test_the_gpu_collocated_bench_says_it_did_not_run_without_a_gpu() -> None:
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1])["ran"] is False
+
+
+class Launcher:
+    """Records the runs the trainer would create (nothing is launched)."""
+
+    def __init__(self) -> None:
+        self.created: list[str] = []
+
+    def start(self, run_id: str, spec: Any) -> None:
+        self.created.append(run_id)
+
+
+def test_a_judge_on_the_engine_the_hold_stops_is_refused_before_the_run_is_created(
+        tmp_path: Path, world: World, small_model: Path) -> None:  # noqa: F811
+    """Collocated, the built-in judge as group grader on the training engine (the combination
+    `harnessrl up --judge` refuses too, for a trainer configured by hand): the trainer stops
+    with the engine named before it creates its run. A judge on an engine of its own runs."""
+    base = world.engines[0].base_url
+    port = base.rsplit(":", 1)[1].split("/")[0]
+    for name, url, refused in (("same", f"{base}/v1", True),
+                               ("localhost", f"http://localhost:{port}/v1/", True),
+                               ("other", "http://127.0.0.1:9/v1", False)):
+        judge = [sys.executable, "-m", "harnessrl.graders.judge", f"--base-url={url}",
+                 "--model", "tiny"]
+        cfg = make_config(tmp_path, f"judge-{name}", small_model, 1,
+                          group_grader_command=judge, mode={"kind": "collocated"})
+        launcher = Launcher()
+        t = Trainer(cfg, launcher, None, RecordingSink(),  # type: ignore[arg-type]
+                    hold=GatewayHold(world.admin, 10))
+        if refused:
+            with pytest.raises(ValueError, match=r"the group grader calls engine e0 .*"
+                                                 r"Give the judge an engine of its own"):
+                t.open_pool()
+            assert launcher.created == [], "the run was created"
+        else:
+            t.open_pool()
+            assert launcher.created == [t.pool_run_id]
+        t.close()

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -121,14 +122,29 @@ def test_sleep_wake_push_cycles_keep_logprob_parity(stack: Stack, tiny_model_dir
         admin.close()
 
 
+def held_requests(stack: Stack) -> float:
+    """The gateway's count of requests it holds now (its Prometheus gauge)."""
+    text = httpx.get(stack.gateway_url.removesuffix("/v1") + "/metrics", timeout=10).text
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("harnessrl_gateway_held_requests{"))
+
+
 class ParityTrainer(Trainer):
     """The real trainer; after each collocated step (engines awake, calls released) it
-    measures engine vs trainer logprobs."""
+    measures engine vs trainer logprobs. Before releasing the first `wait_held` steps'
+    holds it waits (bounded) until the gateway holds a call: on a loaded machine the
+    harnesses started for the next groups may not call within a short step, and a step
+    whose hold held nothing would leave the held-call checks below with nothing to check."""
 
     stack: Stack
     diffs: list[float]
+    wait_held: int
 
     def release_calls(self, s: StepRecord) -> None:
+        if s.step <= self.wait_held:
+            deadline = time.monotonic() + 60
+            while held_requests(self.stack) == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
         super().release_calls(s)
         self.diffs.append(parity(self.stack, self.model))
 
@@ -152,7 +168,7 @@ def test_collocated_loop_with_sleep_trains_pushes_and_serves_held_calls_on_the_n
     t = ParityTrainer(cfg, ControllerRuns(controller, 600), store,
                       EngineWeights(admin, cfg.push, 1, 0.5), gauges=gauges, hold=hold,
                       admission=gauges, sleep=EngineSleep(admin, 1, 60))
-    t.stack, t.diffs = stack, []
+    t.stack, t.diffs, t.wait_held = stack, [], cfg.steps - 1  # the last step's are never taken
     try:
         train_async(t)
     finally:

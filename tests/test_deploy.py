@@ -4,7 +4,8 @@ No container runtime works on these machines, so what is checked is what can be 
 every kustomize overlay renders and validates against the Kubernetes API schemas (strict);
 docker-compose.yml passes a real Compose implementation's `config`; the Dockerfiles pass
 hadolint; every HARNESSRL_* variable the manifests set is a field of the service's config;
-and (the smoke test at the end) the compose file's CPU services run on this machine from what
+the gateway runs as 2 replicas (rolling update without a gap, a PodDisruptionBudget, each pod
+advertising its IP and name) that no NetworkPolicy cuts off from each other; and (the smoke test at the end) the compose file's CPU services run on this machine from what
 `docker-compose config` renders, and carry a rollouts-only run of the example.
 """
 
@@ -271,6 +272,175 @@ def test_manifest_env_names_are_config_fields(manifests) -> None:  # type: ignor
         for ct in containers(spec) if spec else []:
             check_env_names(set(env_of(ct)), f"{overlay} {doc['metadata']['name']}")
     check_env_names(set(find(docs, "ConfigMap", "harnessrl-run")["data"]), "harnessrl-run")
+
+
+# -- gateway replicas (docs/gateway-replicas.md) ---------------------------------------------
+
+def pod_labels(doc: dict[str, Any]) -> dict[str, str]:
+    return dict(doc["spec"]["template"]["metadata"]["labels"])
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels and matchExpressions) against pod labels; `{}`
+    selects every pod."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+def rule_allows(rule: dict[str, Any], peers_key: str, peer: dict[str, str], port: int,
+                port_name: str, namespace: str) -> bool:
+    """One ingress (`from`) or egress (`to`) rule lets `peer` (pod labels in `namespace`,
+    the policy's) through on TCP `port` (named `port_name` on the receiving container)."""
+    def port_matches(p: dict[str, Any]) -> bool:
+        if p.get("protocol", "TCP") != "TCP":
+            return False
+        if "port" not in p:  # every port
+            return True
+        if isinstance(p["port"], str):  # a named container port
+            return bool(p["port"] == port_name)
+        return bool(p["port"] <= port <= p.get("endPort", p["port"]))
+
+    if not any(port_matches(p) for p in rule.get("ports") or [{}]):
+        return False
+    peers = rule.get(peers_key)
+    if not peers:
+        return True
+    for p in peers:
+        if "ipBlock" in p:  # pod IPs in a CIDR: nothing to judge by; not counted as allowing
+            continue
+        ns = p.get("namespaceSelector")
+        if ns is not None and not selects(ns, {"kubernetes.io/metadata.name": namespace}):
+            continue
+        if selects(p.get("podSelector", {}), peer):
+            return True
+    return False
+
+
+def traffic_allowed(docs: list[dict[str, Any]], src: dict[str, str], dst: dict[str, str],
+                    port: int, port_name: str = "") -> bool:
+    """Whether the NetworkPolicies let a pod labelled `src` open a TCP connection to one
+    labelled `dst` on `port` (both in the overlay's namespace): the source's egress and the
+    destination's ingress, each isolated only by a policy that selects it for that
+    direction, and then open only where one of those policies' rules allows it."""
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    for direction, subject, peer, key in (("Egress", src, dst, "to"),
+                                          ("Ingress", dst, src, "from")):
+        isolating = []
+        for pol in policies:
+            spec = pol["spec"]
+            types = spec.get("policyTypes") or (
+                ["Ingress"] + (["Egress"] if "egress" in spec else []))
+            if direction in types and selects(spec["podSelector"], subject):
+                isolating.append(pol)
+        if isolating and not any(
+                rule_allows(rule, key, peer, port, port_name, pol["metadata"]["namespace"])
+                for pol in isolating for rule in pol["spec"].get(direction.lower(), [])):
+            return False
+    return True
+
+
+def test_gateway_runs_two_replicas_and_rolls_without_a_gap(manifests) -> None:  # type: ignore[no-untyped-def]
+    overlay, docs = manifests
+    gw = find(docs, "Deployment", "harnessrl-gateway")
+    assert gw["spec"]["replicas"] == 2, overlay
+    strategy = gw["spec"]["strategy"]
+    assert strategy["type"] == "RollingUpdate"
+    # the new pod is ready before an old one stops: never fewer ready replicas than asked for
+    assert strategy["rollingUpdate"]["maxUnavailable"] == 0
+    assert int(strategy["rollingUpdate"]["maxSurge"]) >= 1
+    pdb = find(docs, "PodDisruptionBudget", "harnessrl-gateway")
+    assert pdb["spec"]["minAvailable"] == 1 and "maxUnavailable" not in pdb["spec"]
+    assert selects(pdb["spec"]["selector"], pod_labels(gw))
+    assert pdb["spec"]["selector"] == gw["spec"]["selector"]
+    for doc in docs:  # only the gateway's pods: the budget does not count other pods
+        if pod_spec(doc) is not None and doc is not gw:
+            assert not selects(pdb["spec"]["selector"], pod_labels(doc)), doc["metadata"]
+    service = find(docs, "Service", "harnessrl-gateway")
+    assert selects({"matchLabels": service["spec"]["selector"]}, pod_labels(gw))
+
+
+def test_gateway_replicas_advertise_their_pod_ip_and_name(manifests) -> None:  # type: ignore[no-untyped-def]
+    from services.gateway.config import GatewayConfig
+
+    overlay, docs = manifests
+    pod = pod_spec(find(docs, "Deployment", "harnessrl-gateway"))
+    (ct,) = pod["containers"]  # type: ignore[index]
+    env = env_of(ct)
+    names = [e["name"] for e in ct["env"]]
+    check_env_names(set(names), f"{overlay} gateway")
+    for field in ("replica_name", "advertise_address"):
+        assert field in GatewayConfig.model_fields
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert names.index("POD_IP") < names.index("HARNESSRL_GATEWAY_ADVERTISE_ADDRESS")
+    host, port = env["HARNESSRL_GATEWAY_ADVERTISE_ADDRESS"].rsplit(":", 1)
+    assert host == "$(POD_IP)"
+    grpc_port = next(p["containerPort"] for p in ct["ports"] if p["name"] == "grpc")
+    assert int(port) == grpc_port == int(env["HARNESSRL_GATEWAY_GRPC_BIND"].rsplit(":", 1)[1])
+    # stable across container restarts in the pod; a new pod is a new replica
+    assert env["HARNESSRL_GATEWAY_REPLICA_NAME"] == {
+        "fieldRef": {"fieldPath": "metadata.name"}}
+
+
+def test_gateway_termination_grace_covers_its_shutdown(manifests) -> None:  # type: ignore[no-untyped-def]
+    """Pod deletion to SIGKILL: longer than the preStop sleep (the endpoints are removed
+    meanwhile), the gateway's drain (shutdown_grace_s) and its gRPC stop grace
+    (harnessrl.rpc.wait_for_termination)."""
+    import inspect
+
+    from harnessrl import rpc
+    from services.gateway.config import GatewayConfig
+
+    _, docs = manifests
+    pod = pod_spec(find(docs, "Deployment", "harnessrl-gateway"))
+    assert pod is not None
+    [gateway] = containers(pod)
+    pre_stop = gateway["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop >= 1
+    drain = float(GatewayConfig.model_fields["shutdown_grace_s"].default)
+    stop = inspect.signature(rpc.wait_for_termination).parameters["grace_s"].default
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + drain + stop
+    assert "HARNESSRL_GATEWAY_SHUTDOWN_GRACE_S" not in {e["name"] for e in gateway["env"]}
+
+
+def test_network_policies_let_gateway_replicas_reach_each_other(manifests) -> None:  # type: ignore[no-untyped-def]
+    """GatewayAdmin.Sync goes pod to pod on 50052: no policy may block it; nor the trainer's
+    GatewayAdmin calls, the controller's and the rollout pods' HTTP."""
+    _, docs = manifests
+    gw = pod_labels(find(docs, "Deployment", "harnessrl-gateway"))
+    trainer = pod_labels(find(docs, "Job", "harnessrl-trainer"))
+    controller = pod_labels(find(docs, "Deployment", "harnessrl-controller"))
+    rollout = job_template(docs)["spec"]["template"]["metadata"]["labels"]
+    assert traffic_allowed(docs, gw, gw, 50052, "grpc")
+    assert traffic_allowed(docs, trainer, gw, 50052, "grpc")
+    assert traffic_allowed(docs, controller, gw, 8080, "http")
+    assert traffic_allowed(docs, rollout, gw, 8080, "http")
+    # the check can fail: rollout pods reach the gateway's HTTP port only
+    assert not traffic_allowed(docs, rollout, gw, 50052, "grpc")
+
+
+def test_network_policy_check_sees_a_policy_that_blocks_the_replicas() -> None:
+    """traffic_allowed (above) fails for an ingress policy on the gateway that leaves out its
+    own pods, and passes once they are allowed on the GatewayAdmin port."""
+    docs = render("cpu")
+    gw = pod_labels(find(docs, "Deployment", "harnessrl-gateway"))
+    ns = find(docs, "Deployment", "harnessrl-gateway")["metadata"]["namespace"]
+    policy: dict[str, Any] = {
+        "kind": "NetworkPolicy", "metadata": {"name": "gw", "namespace": ns},
+        "spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "harnessrl-gateway"}},
+                 "ingress": [{"from": [{"podSelector": {"matchLabels": {
+                     "app.kubernetes.io/name": "harnessrl-trainer"}}}]}]}}
+    assert not traffic_allowed([*docs, policy], gw, gw, 50052, "grpc")
+    policy["spec"]["ingress"].append({"from": [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/component": "gateway"}}}], "ports": [{"port": 50052}]})
+    assert traffic_allowed([*docs, policy], gw, gw, 50052, "grpc")
+    assert not traffic_allowed([*docs, policy], gw, gw, 8080, "http")
 
 
 # -- docker-compose.yml ----------------------------------------------------------------------

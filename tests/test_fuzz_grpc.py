@@ -138,7 +138,12 @@ STORE_SEEDS: dict[str, object] = {
         completion_token_ids=[3], logprobs=[-0.5])]),
     "RecordCalls": spb.AppendCallsRequest(calls=[c.Call(
         rollout_id="fz/r1", attempt=1, seq=1, prompt_token_ids=[1],
-        completion_token_ids=[3], logprobs=[-0.5])]),
+        completion_token_ids=[3], logprobs=[-0.5])], states=[spb.GatewayCallState(
+            segment=True, n_messages=2, digest=b"d" * 16, settings=b"s" * 16, replaces_seq=0,
+            keep=4, response_id="resp_1", previous_response_id="resp_0",
+            messages_json=b'[{"role": "user", "content": "q"}]', keep_responses=8)]),
+    "GetGatewayState": spb.GetGatewayStateRequest(rollout_id="fz/r1", attempt=1,
+                                                  known_next_seq=-1, response_id="resp_1"),
     "ReportReward": spb.ReportRewardRequest(rollout_id="fz/r1", attempt=1, reward=0.5),
     "FinishAttempt": spb.FinishAttemptRequest(rollout_id="fz/r1", attempt=1,
                                               status=c.ROLLOUT_STATUS_SUCCEEDED, reward=1.0),
@@ -204,6 +209,8 @@ def test_fuzz_gateway_admin(tmp_path: Path, store_service: StoreService,
             "SetAdapter": gpb.SetAdapterRequest(engine="fz-e", name="fz-a", policy_version=1,
                                                 lora_name="fz-a-v1", lora_path="/a",
                                                 state=gpb.ENGINE_STATE_READY),
+            "Sync": gpb.SyncRequest(engines=["fz-e"], drain=True, drain_timeout_s=0.5,
+                                    origin="fz-peer"),
         }
         problems = fuzz("gateway-admin", gateway.admin_address,
                         _rpcs(gateway_pb2, "GatewayAdmin", seeds))

@@ -4,6 +4,7 @@ earlier life was given. Real store, Redis, gateway processes and the stub engine
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -11,6 +12,9 @@ from pathlib import Path
 from conftest import GatewayService, StoreService, StubEngineService
 from harnessrl.clients import GatewayAdminClient, StoreClient
 from harnessrl.v1 import gateway_pb2 as gpb
+from harnessrl.v1 import store_pb2 as spb
+from services.gateway.engines import EngineRegistry
+from services.gateway.registry_state import RegistryState
 from test_gateway import SIGNER, World, chat
 
 
@@ -64,7 +68,10 @@ def test_restarted_gateway_serves_at_once_with_its_registry(
         t = threading.Thread(target=lambda: done.append(
             admin.update_engine("e0", policy_version=8)))
         t.start()
-        time.sleep(1.5)
+        # past replica_ttl_s (5 s): the gateway's announcement expires, and the heartbeat that
+        # renews it once the store is back reads the registry again, while the change is
+        # still being saved: the change stays (the store's older record does not replace it)
+        time.sleep(6)
         assert not done, "answered before the store had it"
         store_service.start()  # same port
         t.join(30)
@@ -80,3 +87,49 @@ def test_restarted_gateway_serves_at_once_with_its_registry(
     finally:
         store.close()
         world.close()
+
+
+class SlowWriteStore:
+    """A test double of the store's state calls (AsyncStoreClient's put_state, delete_state,
+    list_state): it holds records in a dict, and a write waits until `release` is set (a store
+    that is down while the write retries)."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, bytes] = {}
+        self.release = asyncio.Event()
+
+    async def put_state(self, namespace: str, key: str, value: bytes) -> None:
+        await self.release.wait()
+        self.records[key] = value
+
+    async def delete_state(self, namespace: str, key: str) -> None:
+        await self.release.wait()
+        self.records.pop(key, None)
+
+    async def list_state(self, namespace: str) -> spb.ListStateResponse:
+        return spb.ListStateResponse(entries=[spb.StateEntry(key=k, value=v)
+                                              for k, v in self.records.items()])
+
+
+async def test_a_reload_while_a_change_is_being_saved_keeps_the_change() -> None:
+    """The race the test above can meet (a heartbeat that catches up, reading the registry,
+    while an UpdateEngine waits for the store): the engine being saved keeps its own state;
+    the others take the store's."""
+    registry = EngineRegistry()
+    for name in ("e0", "e1"):
+        registry.register(name, "http://127.0.0.1:9/v1", "tiny", 7)
+    store = SlowWriteStore()
+    state = RegistryState(store, "gateway-engines")  # type: ignore[arg-type]
+    for name, version in (("e0", 7), ("e1", 9)):  # e1: a peer's change
+        store.records[name] = gpb.Engine(name=name, base_url="http://127.0.0.1:9", model="tiny",
+                                         policy_version=version).SerializeToString()
+    saving = asyncio.create_task(state.save(registry.update("e0", 8, gpb.ENGINE_STATE_UNSPECIFIED, "")))
+    await asyncio.sleep(0)  # the save waits for the store
+    await state.reload(registry, [], 5)  # the catch-up reads the store's older e0
+    assert registry.engines["e0"].policy_version == 8, "the change in flight was undone"
+    assert registry.engines["e1"].policy_version == 9
+    store.release.set()
+    await saving
+    assert gpb.Engine.FromString(store.records["e0"]).policy_version == 8
+    await state.reload(registry, [], 5)  # saved: the store's record is this replica's again
+    assert registry.engines["e0"].policy_version == 8

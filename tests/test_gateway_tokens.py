@@ -205,9 +205,17 @@ def _turn(reuse: "TokenReuse", session: _Session, messages: list[dict[str, objec
     session.next_seq += 1
     reuse.check(plan, list(call.prompt_token_ids))
     reuse.fields(plan, call)
-    reuse.recorded(session, plan, call, {"role": "assistant", "content": "Hello, world!"},
-                   list(call.prompt_token_ids), HELLO)
+    _recorded(reuse, session, plan, call, {"role": "assistant", "content": "Hello, world!"},
+              list(call.prompt_token_ids), HELLO)
     return call
+
+
+def _recorded(reuse: "TokenReuse", session: _Session, plan: object, call: c.Call,
+              assistant: dict[str, object], prompt: list[int], completion: list[int]) -> None:
+    """What the gateway does once the store took the call with its state."""
+    state = reuse.state(plan, call, assistant)  # type: ignore[arg-type]
+    if state is not None:
+        reuse.recorded(session, plan, call, state, prompt, completion)  # type: ignore[arg-type]
 
 
 def test_segment_starts_side_conversations_and_eviction() -> None:
@@ -237,7 +245,7 @@ def test_segment_starts_side_conversations_and_eviction() -> None:
                                   "tiny", _toy_tokenize))
     first = c.Call(seq=0, prompt_token_ids=PROMPT_IDS, completion_token_ids=[7])
     reuse.fields(plan, first)
-    reuse.recorded(session, plan, first, tc, PROMPT_IDS, [7])
+    _recorded(reuse, session, plan, first, tc, PROMPT_IDS, [7])
     session.next_seq = 1
     resent = dict(tc, tool_calls=[{"id": "other", "type": "function",
                                    "function": {"name": "f", "arguments": '{"a":1}'}}])
@@ -270,7 +278,7 @@ def test_a_template_that_does_not_split_into_turns_is_rendered_by_the_engine() -
                                   odd_tokenize))
     first = c.Call(seq=0, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
     reuse.fields(plan, first)
-    reuse.recorded(session, plan, first, said, PROMPT_IDS, HELLO)
+    _recorded(reuse, session, plan, first, said, PROMPT_IDS, HELLO)
     session.next_seq = 1
     for turn in range(2):
         forward = {"model": "tiny", "messages": main + [said, {"role": "user", "content": "x"}]}

@@ -48,7 +48,9 @@ class StubJudge:
                     time.sleep(answer)
                     answer = valid(3)
                 payload = json.dumps({"choices": [{"message": {"role": "assistant",
-                                                               "content": answer}}]}).encode()
+                                                               "content": answer}}],
+                                      "usage": {"prompt_tokens": 100,  # as an endpoint counts
+                                                "completion_tokens": len(answer)}}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
@@ -104,6 +106,9 @@ def test_a_malformed_answer_is_asked_again(stub: StubJudge) -> None:
     stub.answers = ['{"scores": [', valid(3)]
     out = Judge(config(stub)).score(group())
     assert len(stub.requests) == 2 and out["judge"]["calls"] == 2
+    # the cost is both tries' (the stub counts an answer's characters as its tokens)
+    assert out["judge"]["prompt_tokens"] == 200
+    assert out["judge"]["completion_tokens"] == len('{"scores": [') + len(valid(3))
     assert len(out["judge"]["malformed"]) == 1 and "not JSON" in out["judge"]["malformed"][0]
 
 
@@ -131,6 +136,9 @@ def test_a_cache_hit_in_the_store_sends_no_call(stub: StubJudge, store_service: 
     again = Judge(config(stub), StoreCache(store, "run-j")).score(group())  # a re-run
     assert len(stub.requests) == 1, "the cached group was judged again"
     assert again["judge"]["cached"] is True and again["rewards"] == first["rewards"]
+    assert first["judge"]["prompt_tokens"] == 100 and first["judge"]["calls"] == 1
+    assert (again["judge"]["calls"], again["judge"]["prompt_tokens"],
+            again["judge"]["completion_tokens"]) == (0, 0, 0), "a cache hit costs nothing"
     stub.answers = [valid(3)]
     Judge(config(stub, rubric="Prefer short answers."), StoreCache(store, "run-j")).score(
         group())

@@ -24,32 +24,37 @@ def test_cite_recipe_trains_on_judge_rewards(tmp_path: Path, redis_url: str,
         [sys.executable, "-m", "harnessrl.local.cli", "up", "--harness",
          f"{sys.executable} {CITE / 'harness.py'}", "--tasks", str(CITE / "tasks.jsonl"),
          "--judge", "--judge-config", str(CITE / "judge.json"), "--steps", "2",
-         "--tasks-per-step", "2", "--group-size", "4", "--concurrency", "4",
+         "--tasks-per-step", "4", "--group-size", "4", "--concurrency", "8",
          "--state-dir", str(tmp_path / "state"), "--output-dir", str(out),
          "--redis-url", redis_url, "--key-prefix", key_prefix],
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2 and all(s["rollouts_failed"] == 0 for s in steps), steps
-    # a step with a group whose judge rewards differ is trained and pushed (the tiny judge
-    # samples at temperature 1: in the runs measured, 2 of 4 groups differed, but a run where
-    # all four tie is possible and is not a failure of the loop)
-    for s in steps:
-        assert s["trained"] == (s["groups_trained"] > 0), s
-        if s["groups_trained"]:
-            assert s["policy_version"] == s["step"] or s["policy_version"] >= 1, s
-    answers = list((tmp_path / "state" / "rollouts").glob("*/groups/*/try-1/output.json"))
-    assert len(answers) == 4  # one judge answer per group
-    for a in answers:
-        judged = json.loads(a.read_text())
+    answers = [json.loads(a.read_text()) for a in (tmp_path / "state" / "rollouts").glob(
+        "*/groups/*/try-1/output.json")]
+    assert len(answers) == 8  # one judge answer per group
+    for judged in answers:
         assert judged["judge"]["model"] == "tiny" and len(judged["rewards"]) == 4
         assert {"judge"} == set(judged["rewards"][0]["parts"])
         assert all(0.0 <= x["reward"] <= 1.0 for x in judged["rewards"])
+        assert judged["judge"]["prompt_tokens"] > 0 and judged["judge"]["completion_tokens"] > 0
+    print("JUDGE-COST " + json.dumps([{k: a["judge"][k] for k in (
+        "calls", "prompt_tokens", "completion_tokens", "seconds")} for a in answers]))
+    # a group whose judge rewards differ is trained and pushed. The tiny judge samples at
+    # temperature 1 and ties often (about half the groups measured: all four answers given
+    # the top score); of 8 groups at least one differs unless it ties 8 times in a row.
+    differ = [a for a in answers if len({x["reward"] for x in a["rewards"]}) > 1]
+    assert differ, "the judge tied every group: nothing to learn from (rerun: 1 in ~250)"
+    for s in steps:
+        assert s["trained"] == (s["groups_trained"] > 0), s
+    assert sum(s["groups_trained"] for s in steps) >= 1
+    assert steps[-1]["policy_version"] >= 1, "no push"
     # the store's recorded calls are the harnesses' alone: one call per rollout, no judge call
     r = redis.Redis.from_url(redis_url)
     rollouts = list(r.scan_iter(f"{key_prefix}ro:*"))
     calls = sum(r.hlen(k) for k in r.scan_iter(f"{key_prefix}calls:*"))
-    assert len(rollouts) == 16 and calls == 16
+    assert len(rollouts) == 32 and calls == 32
 
 
 def test_up_refuses_judge_combinations_it_cannot_run(tmp_path: Path) -> None:

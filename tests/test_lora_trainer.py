@@ -293,7 +293,8 @@ def test_export_adapter_and_merged(tmp_path: Path, tiny_model_dir: Path) -> None
     step = root / "step-000007"
     assert main(["export", str(step), "--out", str(tmp_path / "merged"), "--merge"]) == 0
     merged = load(tmp_path / "merged")
-    assert (logits(merged, IDS) - want).abs().max().item() < 1e-5
+    # float32: merging B @ A into W rounds differently from adding them per call (1.2e-5 seen)
+    assert (logits(merged, IDS) - want).abs().max().item() < 3e-5
     assert AutoTokenizer.from_pretrained(tmp_path / "merged").encode("2+2") == tok.encode("2+2")
     assert main(["export", str(step), "--out", str(tmp_path / "merged")]) == 1  # not empty
 

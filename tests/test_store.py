@@ -70,9 +70,11 @@ def test_rollout_lifecycle_and_idempotent_appends(client: StoreClient) -> None:
     client.start_attempt(rid, 1, workdir="/tmp/w")  # repeated start is harmless
     r = client.append_calls([call(rid, 1, 0), call(rid, 1, 1)])
     assert list(r.results) == [spb.APPEND_RESULT_STORED] * 2
-    changed = call(rid, 1, 1, base=500)  # same key, other content: first write wins
-    r = client.append_calls([changed, call(rid, 1, 2)])
+    r = client.append_calls([call(rid, 1, 1), call(rid, 1, 2)])  # a resend: duplicate
     assert list(r.results) == [spb.APPEND_RESULT_DUPLICATE, spb.APPEND_RESULT_STORED]
+    changed = call(rid, 1, 1, base=500)  # same key, other content: refused, first write kept
+    r = client.append_calls([changed])
+    assert list(r.results) == [spb.APPEND_RESULT_CONFLICT] and "another call" in r.reasons[0]
     got = client.get_rollout(rid, include_calls=True)
     assert [x.seq for x in got.calls] == [0, 1, 2]
     assert list(got.calls[1].completion_token_ids) == [10, 11, 12]
@@ -136,7 +138,7 @@ async def test_record_calls_stream_answers_batches_in_order(client: StoreClient,
     try:
         stream = aio.record_calls()
         batches = [[call(rid, 1, 0), call(rid, 1, 1)],
-                   [call(rid, 1, 1, base=900), call(rid, 1, 2)],  # seq 1 again: duplicate
+                   [call(rid, 1, 1), call(rid, 1, 2)],  # seq 1 again: duplicate
                    [call(rid, 1, 3), call(rid, 2, 0), call("nope", 1, 0)]]
         for b in batches:  # all written before any answer is read
             await stream.write(spb.AppendCallsRequest(calls=b))
@@ -151,7 +153,7 @@ async def test_record_calls_stream_answers_batches_in_order(client: StoreClient,
     assert "not running" in answers[2].reasons[1] and "unknown" in answers[2].reasons[2]
     got = client.get_rollout(rid, include_calls=True)
     assert [x.seq for x in got.calls] == [0, 1, 2, 3]
-    assert list(got.calls[1].completion_token_ids) == [10, 11, 12]  # first write won
+    assert list(got.calls[1].completion_token_ids) == [10, 11, 12]
 
 
 async def test_record_calls_stream_ends_unavailable_when_redis_is_down(tmp_path: Path) -> None:

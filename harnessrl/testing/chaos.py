@@ -17,6 +17,11 @@ The next kill is looked for `gap_s` (seeded) after the previous service serves a
 whose phase does not come before training ends does not happen: the result lists the kills
 done, and the caller checks that all planned ones were.
 
+"gateways" in the list is not a kill but a rolling restart, as a Deployment's rollout does it:
+with `gateway_replicas` >= 2 behind the stack's balancer, each replica in turn gets SIGTERM
+(it drains: not ready, no new connections, its calls in flight finish) and the next one only
+once it serves again. It excuses no drop: a rollout lost to it fails the accounting.
+
 The harness is `chaos_harness.py` around the example's own harness; it logs each attempt's
 start and end (wall clock) to `<workdir>/harness.jsonl`, outside the stack's state. Kill times
 are wall clock too. The trainer runs with `--no-trim-stream` (every acknowledgement stays
@@ -30,6 +35,7 @@ import argparse
 import io
 import json
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -58,6 +64,7 @@ class Kill:
     phase: str  # what was going on: "harness in flight", "groups pending"
     back: float | None = None  # time.time() serving again (None: did not come back)
     trainer_step: int | None = None
+    excuses: bool = True  # a drop it covers is explained (False: the rolling restart)
 
     @property
     def recovery_s(self) -> float | None:
@@ -138,8 +145,11 @@ def _serving(stack: Stack, name: str) -> bool:
         return procs.redis_alive(stack.redis_url)
     if name.startswith("engine"):
         return bool(proc.healthy())  # type: ignore[attr-defined]
-    addr = {"store": stack.store_address, "gateway": stack.gateway_admin_address,
-            "controller": stack.controller_address, "trainer": stack.trainer_address}[name]
+    if name.startswith("gateway"):  # this replica itself, not the balancer
+        addr = proc.argv[proc.argv.index("--grpc-bind") + 1]
+    else:
+        addr = {"store": stack.store_address, "controller": stack.controller_address,
+                "trainer": stack.trainer_address}[name]
     return health_check(addr, timeout=1)
 
 
@@ -162,9 +172,19 @@ def _pending(redis_url: str) -> int:
         return 0
 
 
+def _rolling_restart(stack: Stack, name: str, wait_until: Any) -> bool:
+    """SIGTERM one gateway replica (the supervisor starts it again); True once it serves."""
+    with stack.lock:
+        victim = stack.procs[name]
+    victim.signal(signal.SIGTERM)
+    return bool(wait_until(lambda: stack.procs[name] is not victim and _serving(stack, name),
+                           600))
+
+
 def run_chaos(workdir: Path, model_dir: Path, *, seed: int = 0, steps: int = 3,
               tasks_per_step: int = 2, group_size: int = 4,
               kill_order: tuple[str, ...] = KILL_ORDER, mode: str = "sync",
+              gateway_replicas: int = 1,
               gap_s: tuple[float, float] = (0.5, 2.0), jitter_s: float = 0.5,
               timeout_s: float = 900.0, log: Any = print) -> ChaosResult:
     """Trains `steps` steps of the example while killing each service of `kill_order` in turn
@@ -176,7 +196,10 @@ def run_chaos(workdir: Path, model_dir: Path, *, seed: int = 0, steps: int = 3,
     redis_port = procs.free_port()  # nothing there: the stack starts Redis (AOF) and owns it
     cfg = StackConfig(state_dir=workdir / "state", redis_url=f"redis://127.0.0.1:{redis_port}/0",
                       key_prefix=KEY_PREFIX, model_dir=model_dir, served_model_name="tiny",
-                      weight_transfer_backend="gloo", max_model_len=1024)
+                      weight_transfer_backend="gloo", max_model_len=1024,
+                      gateway_replicas=gateway_replicas)
+    if "gateways" in kill_order and gateway_replicas < 2:
+        raise ValueError("a rolling restart of the gateways needs gateway_replicas >= 2")
     harness_log = workdir / "harness.jsonl"
     tasks_file = EXAMPLE / "tasks.jsonl"
     harness = [sys.executable, str(Path(__file__).with_name("chaos_harness.py")),
@@ -228,6 +251,15 @@ def run_chaos(workdir: Path, model_dir: Path, *, seed: int = 0, steps: int = 3,
             metrics = out / "metrics.jsonl"
             k = Kill(name, time.time(), time.monotonic() - t0, phase, trainer_step=len(
                 metrics.read_text().splitlines()) if metrics.exists() else 0)
+            if name == "gateways":
+                k.excuses = False
+                log(f"chaos: rolling restart of the gateways at {k.at_s:.1f}s ({phase})")
+                if all(_rolling_restart(stack, f"gateway{i or ''}", wait_until)
+                       for i in range(gateway_replicas)):
+                    k.back = time.time()
+                log(f"chaos: gateways restarted in {k.recovery_s}s")
+                res.kills.append(k)
+                continue
             log(f"chaos: kill -9 {name} at {k.at_s:.1f}s ({phase}; trainer at step "
                 f"{k.trainer_step})")
             with stack.lock:
@@ -262,7 +294,8 @@ def run_chaos(workdir: Path, model_dir: Path, *, seed: int = 0, steps: int = 3,
         res.inputs = ChaosInputs(
             redis_dir=stack.state / "redis", redis_port=redis_port, run_prefix=prefix,
             expected=expected, harness_log=harness_log, metrics_file=out / "metrics.jsonl",
-            windows=[ca.KillWindow(k.service, k.at, k.back, k.label) for k in res.kills],
+            windows=[ca.KillWindow(k.service, k.at, k.back, k.label) for k in res.kills
+                     if k.excuses],
             run_end=run_end, mode=mode, trainer_deaths=deaths)
         res.inputs.save(workdir / "chaos.json")  # to account again later: ChaosInputs.load
         res.acc = res.inputs.account(stack.redis_url)

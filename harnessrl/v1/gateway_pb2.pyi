@@ -212,6 +212,104 @@ class Adapter(_message.Message):
 Global___Adapter: _TypeAlias = Adapter  # noqa: Y015
 
 @_typing.final
+class SyncRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINES_FIELD_NUMBER: _builtins.int
+    DRAIN_FIELD_NUMBER: _builtins.int
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    ORIGIN_FIELD_NUMBER: _builtins.int
+    drain: _builtins.bool
+    drain_timeout_s: _builtins.float
+    adapter: _builtins.str
+    """with drain: wait for this adapter's calls only"""
+    origin: _builtins.str
+    """the replica that made the change"""
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """changed engines (removed ones are dropped); empty: all"""
+
+    def __init__(
+        self,
+        *,
+        engines: _abc.Iterable[_builtins.str] | None = ...,
+        drain: _builtins.bool = ...,
+        drain_timeout_s: _builtins.float = ...,
+        adapter: _builtins.str = ...,
+        origin: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "drain", b"drain", "drain_timeout_s", b"drain_timeout_s", "engines", b"engines", "origin", b"origin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SyncRequest: _TypeAlias = SyncRequest  # noqa: Y015
+
+@_typing.final
+class SyncResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REPLICA_FIELD_NUMBER: _builtins.int
+    replica: _builtins.str
+    def __init__(
+        self,
+        *,
+        replica: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["replica", b"replica"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SyncResponse: _TypeAlias = SyncResponse  # noqa: Y015
+
+@_typing.final
+class GatewayReplica(_message.Message):
+    """A gateway replica's announcement, renewed every replica_heartbeat_s under the store's
+    `replica_namespace` (PutState, key: its name).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ADMIN_ADDRESS_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    RENEWED_AT_FIELD_NUMBER: _builtins.int
+    PEERS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    admin_address: _builtins.str
+    """host:port of its GatewayAdmin, as its peers reach it"""
+    started_at: _builtins.float
+    """unix seconds"""
+    renewed_at: _builtins.float
+    """unix seconds of this announcement"""
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The replicas it knew to be live when it wrote this: a replica that joins takes no calls
+        until every live peer lists it (they then check the store on every call).
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        admin_address: _builtins.str = ...,
+        started_at: _builtins.float = ...,
+        renewed_at: _builtins.float = ...,
+        peers: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_address", b"admin_address", "name", b"name", "peers", b"peers", "renewed_at", b"renewed_at", "started_at", b"started_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GatewayReplica: _TypeAlias = GatewayReplica  # noqa: Y015
+
+@_typing.final
 class RegisterEngineRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -69,6 +69,11 @@ class GatewayAdminStub:
                 request_serializer=harnessrl_dot_v1_dot_gateway__pb2.SetAdapterRequest.SerializeToString,
                 response_deserializer=harnessrl_dot_v1_dot_gateway__pb2.Adapter.FromString,
                 _registered_method=True)
+        self.Sync = channel.unary_unary(
+                '/harnessrl.v1.GatewayAdmin/Sync',
+                request_serializer=harnessrl_dot_v1_dot_gateway__pb2.SyncRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_gateway__pb2.SyncResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayAdminServicer:
@@ -121,6 +126,18 @@ class GatewayAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sync(self, request, context):
+        """Between replicas: another replica changed these engines (saved in the store): read them
+        from the store and, with drain, wait for this replica's calls on them (or on the adapter)
+        to finish. Every change made through one replica's GatewayAdmin reaches every live replica
+        this way before that RPC answers; a replica that cannot be reached is flagged stale in
+        the store and takes no calls until it has read the whole registry again
+        (docs/gateway-replicas.md).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +175,11 @@ def add_GatewayAdminServicer_to_server(servicer, server):
                     servicer.SetAdapter,
                     request_deserializer=harnessrl_dot_v1_dot_gateway__pb2.SetAdapterRequest.FromString,
                     response_serializer=harnessrl_dot_v1_dot_gateway__pb2.Adapter.SerializeToString,
+            ),
+            'Sync': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sync,
+                    request_deserializer=harnessrl_dot_v1_dot_gateway__pb2.SyncRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_gateway__pb2.SyncResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +371,33 @@ class GatewayAdmin:
             '/harnessrl.v1.GatewayAdmin/SetAdapter',
             harnessrl_dot_v1_dot_gateway__pb2.SetAdapterRequest.SerializeToString,
             harnessrl_dot_v1_dot_gateway__pb2.Adapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.GatewayAdmin/Sync',
+            harnessrl_dot_v1_dot_gateway__pb2.SyncRequest.SerializeToString,
+            harnessrl_dot_v1_dot_gateway__pb2.SyncResponse.FromString,
             options,
             channel_credentials,
             insecure,

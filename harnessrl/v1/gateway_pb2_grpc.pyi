@@ -45,6 +45,14 @@ class GatewayAdminStub:
     """Records the load of an adapter version on an engine (READY with policy_version, lora_name
     and lora_path: its calls go there from now on) or a failed one (MARKED with the reason).
     """
+    Sync: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SyncRequest, _gateway_pb2.SyncResponse]
+    """Between replicas: another replica changed these engines (saved in the store): read them
+    from the store and, with drain, wait for this replica's calls on them (or on the adapter)
+    to finish. Every change made through one replica's GatewayAdmin reaches every live replica
+    this way before that RPC answers; a replica that cannot be reached is flagged stale in
+    the store and takes no calls until it has read the whole registry again
+    (docs/gateway-replicas.md).
+    """
 
 @_typing.type_check_only
 class GatewayAdminAsyncStub(GatewayAdminStub):
@@ -62,6 +70,14 @@ class GatewayAdminAsyncStub(GatewayAdminStub):
     SetAdapter: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SetAdapterRequest, _gateway_pb2.Adapter]  # type: ignore[assignment]
     """Records the load of an adapter version on an engine (READY with policy_version, lora_name
     and lora_path: its calls go there from now on) or a failed one (MARKED with the reason).
+    """
+    Sync: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SyncRequest, _gateway_pb2.SyncResponse]  # type: ignore[assignment]
+    """Between replicas: another replica changed these engines (saved in the store): read them
+    from the store and, with drain, wait for this replica's calls on them (or on the adapter)
+    to finish. Every change made through one replica's GatewayAdmin reaches every live replica
+    this way before that RPC answers; a replica that cannot be reached is flagged stale in
+    the store and takes no calls until it has read the whole registry again
+    (docs/gateway-replicas.md).
     """
 
 class GatewayAdminServicer(metaclass=_abc_1.ABCMeta):
@@ -119,6 +135,20 @@ class GatewayAdminServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_gateway_pb2.Adapter, _abc.Awaitable[_gateway_pb2.Adapter]]:
         """Records the load of an adapter version on an engine (READY with policy_version, lora_name
         and lora_path: its calls go there from now on) or a failed one (MARKED with the reason).
+        """
+
+    @_abc_1.abstractmethod
+    def Sync(
+        self,
+        request: _gateway_pb2.SyncRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.SyncResponse, _abc.Awaitable[_gateway_pb2.SyncResponse]]:
+        """Between replicas: another replica changed these engines (saved in the store): read them
+        from the store and, with drain, wait for this replica's calls on them (or on the adapter)
+        to finish. Every change made through one replica's GatewayAdmin reaches every live replica
+        this way before that RPC answers; a replica that cannot be reached is flagged stale in
+        the store and takes no calls until it has read the whole registry again
+        (docs/gateway-replicas.md).
         """
 
 def add_GatewayAdminServicer_to_server(servicer: GatewayAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -36,6 +36,10 @@ class _AppendResultEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AppendRe
     """the call itself is malformed (see reason): the caller's bug"""
     APPEND_RESULT_FAILED: _AppendResult.ValueType  # 5
     """RecordCalls: the store's own error (see reason); resend is safe"""
+    APPEND_RESULT_CONFLICT: _AppendResult.ValueType  # 6
+    """Another call with the same (rollout, attempt, seq) was stored (two gateway replicas
+    serving one attempt at once): nothing stored; send it again with a new seq.
+    """
 
 class AppendResult(_AppendResult, metaclass=_AppendResultEnumTypeWrapper): ...
 
@@ -49,6 +53,10 @@ APPEND_RESULT_INVALID: AppendResult.ValueType  # 4
 """the call itself is malformed (see reason): the caller's bug"""
 APPEND_RESULT_FAILED: AppendResult.ValueType  # 5
 """RecordCalls: the store's own error (see reason); resend is safe"""
+APPEND_RESULT_CONFLICT: AppendResult.ValueType  # 6
+"""Another call with the same (rollout, attempt, seq) was stored (two gateway replicas
+serving one attempt at once): nothing stored; send it again with a new seq.
+"""
 Global___AppendResult: _TypeAlias = AppendResult  # noqa: Y015
 
 @_typing.final
@@ -183,20 +191,200 @@ class AppendCallsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CALLS_FIELD_NUMBER: _builtins.int
+    STATES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def calls(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Call]: ...
+    @_builtins.property
+    def states(self) -> _containers.RepeatedCompositeFieldContainer[Global___GatewayCallState]:
+        """The gateway's state of each call (empty, or one per call in order): what a later call of
+        the attempt needs from it, kept with the attempt and served by GetGatewayState.
+        """
+
     def __init__(
         self,
         *,
         calls: _abc.Iterable[_common_pb2.Call] | None = ...,
+        states: _abc.Iterable[Global___GatewayCallState] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "states", b"states"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AppendCallsRequest: _TypeAlias = AppendCallsRequest  # noqa: Y015
+
+@_typing.final
+class GatewayCallState(_message.Message):
+    """What a gateway keeps of a recorded call so that any replica, or a restarted gateway, serves
+    the attempt's next call as the one that recorded it would (docs/gateway-replicas.md).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    N_MESSAGES_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    REPLACES_SEQ_FIELD_NUMBER: _builtins.int
+    KEEP_FIELD_NUMBER: _builtins.int
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    PREVIOUS_RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    MESSAGES_JSON_FIELD_NUMBER: _builtins.int
+    KEEP_RESPONSES_FIELD_NUMBER: _builtins.int
+    segment: _builtins.bool
+    """Token in, token out: the call may be extended by a later turn. Its token ids are the
+    call's prompt + completion ids; these say which messages they stand for.
+    """
+    n_messages: _builtins.int
+    """its messages + the assistant message returned"""
+    digest: _builtins.bytes
+    """digest of those messages, canonical (services/gateway/tokens.py)"""
+    settings: _builtins.bytes
+    """digest of its tools and chat template settings"""
+    replaces_seq: _builtins.int
+    """the state this call extended (dropped: it is newer)"""
+    keep: _builtins.int
+    """states kept per attempt, most recent first (the gateway's"""
+    response_id: _builtins.str
+    """tokens_per_rollout)
+    Responses: the response this call answered, the one it followed, and the chat messages it
+    adds to that one's (its input items + the assistant message), as a JSON list.
+    """
+    previous_response_id: _builtins.str
+    messages_json: _builtins.bytes
+    keep_responses: _builtins.int
+    """responses kept per attempt (oldest dropped first)"""
+    def __init__(
+        self,
+        *,
+        segment: _builtins.bool = ...,
+        n_messages: _builtins.int = ...,
+        digest: _builtins.bytes = ...,
+        settings: _builtins.bytes = ...,
+        replaces_seq: _builtins.int | None = ...,
+        keep: _builtins.int = ...,
+        response_id: _builtins.str = ...,
+        previous_response_id: _builtins.str = ...,
+        messages_json: _builtins.bytes = ...,
+        keep_responses: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_replaces_seq", b"_replaces_seq", "replaces_seq", b"replaces_seq"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_replaces_seq", b"_replaces_seq", "digest", b"digest", "keep", b"keep", "keep_responses", b"keep_responses", "messages_json", b"messages_json", "n_messages", b"n_messages", "previous_response_id", b"previous_response_id", "replaces_seq", b"replaces_seq", "response_id", b"response_id", "segment", b"segment", "settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__replaces_seq: _TypeAlias = _typing.Literal["replaces_seq"]  # noqa: Y015
+    _WhichOneofArgType__replaces_seq: _TypeAlias = _typing.Literal["_replaces_seq", b"_replaces_seq"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__replaces_seq) -> _WhichOneofReturnType__replaces_seq | None: ...
+
+Global___GatewayCallState: _TypeAlias = GatewayCallState  # noqa: Y015
+
+@_typing.final
+class SegmentRecord(_message.Message):
+    """A recorded call a later turn may extend (tokens.SegmentState)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    IDS_FIELD_NUMBER: _builtins.int
+    N_MESSAGES_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    segment: _builtins.int
+    seq: _builtins.int
+    ids: _builtins.bytes
+    """prompt + completion ids, int32 little-endian"""
+    n_messages: _builtins.int
+    digest: _builtins.bytes
+    settings: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        segment: _builtins.int = ...,
+        seq: _builtins.int = ...,
+        ids: _builtins.bytes = ...,
+        n_messages: _builtins.int = ...,
+        digest: _builtins.bytes = ...,
+        settings: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "ids", b"ids", "n_messages", b"n_messages", "segment", b"segment", "seq", b"seq", "settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SegmentRecord: _TypeAlias = SegmentRecord  # noqa: Y015
+
+@_typing.final
+class GetGatewayStateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLLOUT_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    KNOWN_NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    RESPONSE_ID_FIELD_NUMBER: _builtins.int
+    rollout_id: _builtins.str
+    attempt: _builtins.int
+    known_next_seq: _builtins.int
+    """The segments are sent only when the attempt's next seq is past this one: -1 always,
+    2^31-1 never (the gateway asks for the next seq, then for the segments when it shows
+    calls another replica made).
+    """
+    response_id: _builtins.str
+    """also resolve this response's chain ("" none)"""
+    def __init__(
+        self,
+        *,
+        rollout_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        known_next_seq: _builtins.int = ...,
+        response_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "known_next_seq", b"known_next_seq", "response_id", b"response_id", "rollout_id", b"rollout_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetGatewayStateRequest: _TypeAlias = GetGatewayStateRequest  # noqa: Y015
+
+@_typing.final
+class GatewayState(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    SEGMENTS_SENT_FIELD_NUMBER: _builtins.int
+    SEGMENTS_FIELD_NUMBER: _builtins.int
+    RESPONSE_FOUND_FIELD_NUMBER: _builtins.int
+    MESSAGES_JSON_FIELD_NUMBER: _builtins.int
+    next_seq: _builtins.int
+    """1 + the highest recorded seq (0 when none)"""
+    segments_sent: _builtins.bool
+    """false: next_seq <= known_next_seq, the caller's copy is current"""
+    response_found: _builtins.bool
+    messages_json: _builtins.bytes
+    """the chat messages up to and including that response, JSON"""
+    @_builtins.property
+    def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___SegmentRecord]:
+        """most recent first"""
+
+    def __init__(
+        self,
+        *,
+        next_seq: _builtins.int = ...,
+        segments_sent: _builtins.bool = ...,
+        segments: _abc.Iterable[Global___SegmentRecord] | None = ...,
+        response_found: _builtins.bool = ...,
+        messages_json: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages_json", b"messages_json", "next_seq", b"next_seq", "response_found", b"response_found", "segments", b"segments", "segments_sent", b"segments_sent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GatewayState: _TypeAlias = GatewayState  # noqa: Y015
 
 @_typing.final
 class AppendCallsResponse(_message.Message):

@@ -75,6 +75,11 @@ class StoreStub:
                 request_serializer=harnessrl_dot_v1_dot_store__pb2.ReportRewardRequest.SerializeToString,
                 response_deserializer=harnessrl_dot_v1_dot_common__pb2.Rollout.FromString,
                 _registered_method=True)
+        self.GetGatewayState = channel.unary_unary(
+                '/harnessrl.v1.Store/GetGatewayState',
+                request_serializer=harnessrl_dot_v1_dot_store__pb2.GetGatewayStateRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_store__pb2.GatewayState.FromString,
+                _registered_method=True)
         self.FinishAttempt = channel.unary_unary(
                 '/harnessrl.v1.Store/FinishAttempt',
                 request_serializer=harnessrl_dot_v1_dot_store__pb2.FinishAttemptRequest.SerializeToString,
@@ -200,6 +205,14 @@ class StoreServicer:
 
     def ReportReward(self, request, context):
         """Records a reward reported by the harness for a running attempt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetGatewayState(self, request, context):
+        """What the gateway recorded with an attempt's calls (AppendCallsRequest.states): its next
+        seq, the calls a later turn may extend, a Responses chain. Kept until the attempt ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -344,6 +357,11 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.ReportReward,
                     request_deserializer=harnessrl_dot_v1_dot_store__pb2.ReportRewardRequest.FromString,
                     response_serializer=harnessrl_dot_v1_dot_common__pb2.Rollout.SerializeToString,
+            ),
+            'GetGatewayState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetGatewayState,
+                    request_deserializer=harnessrl_dot_v1_dot_store__pb2.GetGatewayStateRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_store__pb2.GatewayState.SerializeToString,
             ),
             'FinishAttempt': grpc.unary_unary_rpc_method_handler(
                     servicer.FinishAttempt,
@@ -627,6 +645,33 @@ class Store:
             '/harnessrl.v1.Store/ReportReward',
             harnessrl_dot_v1_dot_store__pb2.ReportRewardRequest.SerializeToString,
             harnessrl_dot_v1_dot_common__pb2.Rollout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetGatewayState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Store/GetGatewayState',
+            harnessrl_dot_v1_dot_store__pb2.GetGatewayStateRequest.SerializeToString,
+            harnessrl_dot_v1_dot_store__pb2.GatewayState.FromString,
             options,
             channel_credentials,
             insecure,

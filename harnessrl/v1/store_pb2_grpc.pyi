@@ -53,6 +53,10 @@ class StoreStub:
     """
     ReportReward: _grpc.UnaryUnaryMultiCallable[_store_pb2.ReportRewardRequest, _common_pb2.Rollout]
     """Records a reward reported by the harness for a running attempt."""
+    GetGatewayState: _grpc.UnaryUnaryMultiCallable[_store_pb2.GetGatewayStateRequest, _store_pb2.GatewayState]
+    """What the gateway recorded with an attempt's calls (AppendCallsRequest.states): its next
+    seq, the calls a later turn may extend, a Responses chain. Kept until the attempt ends.
+    """
     FinishAttempt: _grpc.UnaryUnaryMultiCallable[_store_pb2.FinishAttemptRequest, _common_pb2.Rollout]
     """Ends an attempt. Idempotent. When every rollout of a group is terminal the group is
     published to the rollout's stream exactly once.
@@ -116,6 +120,10 @@ class StoreAsyncStub(StoreStub):
     """
     ReportReward: _aio.UnaryUnaryMultiCallable[_store_pb2.ReportRewardRequest, _common_pb2.Rollout]  # type: ignore[assignment]
     """Records a reward reported by the harness for a running attempt."""
+    GetGatewayState: _aio.UnaryUnaryMultiCallable[_store_pb2.GetGatewayStateRequest, _store_pb2.GatewayState]  # type: ignore[assignment]
+    """What the gateway recorded with an attempt's calls (AppendCallsRequest.states): its next
+    seq, the calls a later turn may extend, a Responses chain. Kept until the attempt ends.
+    """
     FinishAttempt: _aio.UnaryUnaryMultiCallable[_store_pb2.FinishAttemptRequest, _common_pb2.Rollout]  # type: ignore[assignment]
     """Ends an attempt. Idempotent. When every rollout of a group is terminal the group is
     published to the rollout's stream exactly once.
@@ -224,6 +232,16 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_common_pb2.Rollout, _abc.Awaitable[_common_pb2.Rollout]]:
         """Records a reward reported by the harness for a running attempt."""
+
+    @_abc_1.abstractmethod
+    def GetGatewayState(
+        self,
+        request: _store_pb2.GetGatewayStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.GatewayState, _abc.Awaitable[_store_pb2.GatewayState]]:
+        """What the gateway recorded with an attempt's calls (AppendCallsRequest.states): its next
+        seq, the calls a later turn may extend, a Responses chain. Kept until the attempt ends.
+        """
 
     @_abc_1.abstractmethod
     def FinishAttempt(

@@ -41,11 +41,12 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.metrics import exposition
 from services.gateway import anthropic, responses, sampling, schemas
 from services.gateway.config import GatewayConfig
-from services.gateway.engines import EngineRegistry, EngineState, Lease
+from services.gateway.engines import EngineRegistry, Lease
 from services.gateway.http_server import TextBody
 from services.gateway.metrics import HELD_RECORDS, RouteMetrics
 from services.gateway.health import GatewayReadiness
 from services.gateway.recorder import CallRecorder, RecordError, RecordRejected
+from services.gateway.recording import Recording
 from services.gateway.sessions import Session, Sessions
 from services.gateway.streaming import DONE, Generated, SSEDecoder, strip_chunk
 from services.gateway.tokens import Plan, TemplateError, TokenReuse
@@ -120,6 +121,8 @@ class Exchange:
     override: bytes = b""  # the run's sampling policy as applied (Call.sampling_override_json)
     plan: Plan | None = None  # how a chat prompt's tokens were made (token in, token out)
     generated: Generated | None = None  # what the engine generated (set with `plan`)
+    synced: bool = False  # its session's caches were read from the store for it already
+    chain: responses.Chain | None = None  # Responses: what its response adds to the chain
 
     def __post_init__(self) -> None:
         """Imposes the run's sampling policy on the engine request."""
@@ -151,6 +154,8 @@ class GatewayApp:
         self.readiness: GatewayReadiness | None = None  # /health answers 503 while not ready
         self.chains = responses.Chains()
         self.tokens = TokenReuse(cfg.tokens_max_rollouts, cfg.tokens_per_rollout)
+        sessions.tokens = self.tokens  # it loads the segments it reads from the store
+        self.recording = Recording(recorder, sessions, self.tokens)
         # (method, path) -> (handler, error style)
         self.routes: dict[tuple[str, str], tuple[Route, str]] = {
             ("POST", "/v1/chat/completions"): (self.chat_completions, "openai"),
@@ -325,6 +330,8 @@ class GatewayApp:
     async def _plan_tokens(self, ex: Exchange) -> None:
         """Token in, token out (`tokens.py`): a chat turn that extends the attempt's earlier
         one is sent as the earlier tokens + the new messages' tokens."""
+        if not ex.synced:  # the attempt's caches, when the store may know more (sessions.py)
+            await self.sessions.refresh(ex.session)
         if not ex.chat:
             return
 
@@ -343,8 +350,12 @@ class GatewayApp:
         model = self.check_model(request.get("model"), session)
         rollout_id = session.cred.rollout_id
         history: list[dict[str, Any]] = []
+        synced = False
         if previous := request.get("previous_response_id"):
             found = self.chains.get(str(previous), rollout_id)
+            if found is None:  # another replica's, or this gateway's before it restarted
+                raw, synced = await self.sessions.refresh(session, str(previous)), True
+                found = orjson.loads(raw) if raw is not None else None
             if found is None:
                 raise HTTPError(404, f"Response with id '{previous}' not found (the gateway "
                                      "keeps the responses of this rollout only)",
@@ -361,7 +372,9 @@ class GatewayApp:
             self.chains.put(builder.id, rollout_id,
                             conversation + [responses.assistant_message(gen)])
 
-        ex = Exchange(session, "responses", request["model"], model, body, True, forward)
+        ex = Exchange(session, "responses", request["model"], model, body, True, forward,
+                      synced=synced, chain=responses.Chain(builder.id, str(previous or ""),
+                                                           conversation[len(history):]))
         if request.get("stream"):
             return 200, await self.stream(ex, responses.ResponsesEvents(builder, remember))
         _, gen = await self.generate(ex)
@@ -402,7 +415,7 @@ class GatewayApp:
                             "engine_error") from err
         if problem := gen.problem():
             raise HTTPError(502, problem, "server_error", "engine_error")
-        await self.record(ex, self._call(ex, gen, engine, version, latency))
+        await self.record(ex, self.recording.call(ex, gen, engine, version, latency))
         return response, gen
 
     async def stream(self, ex: Exchange, events: "EventRenderer") -> "StreamedCall":
@@ -476,32 +489,12 @@ class GatewayApp:
                 self.registry.release(lease, served)
             return lease, version, t0, result
 
-    def _call(self, ex: Exchange, gen: Generated, engine: EngineState, version: int,
-              latency: float, aborted: bool = False) -> c.Call:
-        call = gen.call(ex.api, ex.asked, ex.request_json, aborted)
-        call.sampling_override_json = ex.override
-        call.rollout_id = ex.session.cred.rollout_id
-        call.attempt = ex.session.cred.attempt
-        call.policy_version = version
-        call.engine = engine.name
-        call.started_at = ex.started
-        call.latency_s = latency
-        call.seq = ex.session.take_seq()
-        if ex.plan is not None:
-            self.tokens.check(ex.plan, gen.prompt_ids)
-            self.tokens.fields(ex.plan, call)
-            ex.generated = gen
-        return call
-
     async def record(self, ex: Exchange, call: c.Call) -> None:
-        """Returns once the store has `call`; otherwise HTTPError with the status of the
-        `RecordError` (401 attempt over, 500, 502 store error, 503 held too long)."""
+        """Returns once the store has `call` with what a later call needs of it
+        (`recording.py`); otherwise HTTPError with the status of the `RecordError` (401
+        attempt over, 500, 502 store error, 503 held too long)."""
         try:
-            await self.recorder.record(call)
-            if ex.plan is not None and ex.generated is not None and not call.aborted:
-                gen = ex.generated
-                self.tokens.recorded(ex.session, ex.plan, call, gen.message(),
-                                     gen.prompt_ids or [], gen.ids)
+            await self.recording.record(ex, call)
         except RecordError as err:
             if isinstance(err, RecordRejected):
                 self.sessions.close(ex.session, f"rollout {call.rollout_id} attempt "
@@ -597,7 +590,7 @@ class StreamedCall:
         if problem := gen.problem():
             yield events.error(HTTPError(502, problem, "server_error", "engine_error"))
             return
-        call = self.app._call(self.ex, gen, self.engine, self.version,
+        call = self.app.recording.call(self.ex, gen, self.engine, self.version,
                               time.perf_counter() - self.t0)
         self.call = call
         try:
@@ -624,7 +617,7 @@ class StreamedCall:
                 # its seq, so the store holds one version of it.
                 call = self.call
                 if call is None:
-                    aborted = self.app._call(self.ex, self.gen, self.engine, self.version,
+                    aborted = self.app.recording.call(self.ex, self.gen, self.engine, self.version,
                                              time.perf_counter() - self.t0, aborted=True)
                 else:
                     aborted = c.Call()

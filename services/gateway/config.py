@@ -90,4 +90,24 @@ class GatewayConfig(ServiceConfig):
         "HTTP /health say NOT_SERVING/503 with no engine registered or the store down for "
         "longer than hold_timeout_s")
     ready_file: str = Field("", description="write {pid, http_port, grpc_port} once serving")
+    replica_name: str = Field(
+        "", description="this gateway's name among the replicas sharing one store (docs/"
+        "gateway-replicas.md); empty: <hostname>:<GatewayAdmin port>, the same across restarts")
+    advertise_address: str = Field(
+        "", description="host:port at which the other replicas reach this one's GatewayAdmin "
+        "(they forward every engine change to it); empty: grpc_bind, a wildcard host replaced "
+        "by the hostname (Kubernetes: the pod IP, from the downward API)")
+    replica_namespace: str = Field(
+        "gateway-replicas", description="store namespace (PutState) where replicas announce "
+        "themselves")
+    replica_heartbeat_s: float = Field(
+        1.0, gt=0, description="how often a replica renews its announcement and reads the "
+        "others'")
+    replica_ttl_s: float = Field(
+        5.0, gt=0, description="a replica not renewed for this long is gone (its peers stop "
+        "forwarding to it and, once they are alone, stop checking the store on every call)")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="on SIGTERM: the gateway reports not ready, stops accepting "
+        "connections, and gives the requests in flight this long to finish (a rolling restart "
+        "loses none of them; Kubernetes: keep terminationGracePeriodSeconds above it)")
     log_level: str = Field("INFO", description="logging level")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import time
@@ -95,6 +96,10 @@ class Lease:
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
+def _rendezvous(rollout_id: str, engine: str) -> bytes:
+    return hashlib.blake2b(f"{rollout_id}\0{engine}".encode(), digest_size=8).digest()
+
+
 def normalize_base_url(base_url: str) -> str:
     """The engine's server root: no trailing slash, no /v1."""
     base_url = base_url.rstrip("/")
@@ -113,6 +118,9 @@ class EngineRegistry:
         self._tasks: set[asyncio.Task[None]] = set()  # adapter unloads/reloads in flight
         self._held: set[str] = set()  # adapters held on every engine (Pause with adapter)
         self._reloading: set[str] = set()  # engines whose adapters are being loaded again
+        # With other gateway replicas (replicas.py): a rollout's engine is the one its id
+        # hashes highest with (rendezvous), so every replica picks the same one.
+        self.hash_routing = False
 
     def _notify(self) -> None:
         self._models = sorted({e.model for e in self.engines.values() if e.model})
@@ -307,6 +315,9 @@ class EngineRegistry:
         return Lease(eng, name or eng.model or model, eng.policy_version)
 
     def _choose(self, rollout_id: str, model: str, adapter: str = "") -> EngineState | None:
+        if self.hash_routing:
+            serving = [e for e in self.engines.values() if e.serves(model, adapter)]
+            return max(serving, key=lambda e: _rendezvous(rollout_id, e.name), default=None)
         name = self._sticky.get(rollout_id)
         eng = self.engines.get(name) if name else None
         if eng is not None and eng.serves(model, adapter):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
@@ -81,8 +82,11 @@ class _HeadTooLarge(Exception):
 
 class _Connection(asyncio.Protocol):
     def __init__(self, handler: Handler, max_body_bytes: int, idle_timeout_s: float,
-                 read_timeout_s: float, max_head_bytes: int = MAX_HEAD_BYTES) -> None:
+                 read_timeout_s: float, live: set["_Connection"],
+                 max_head_bytes: int = MAX_HEAD_BYTES) -> None:
         self.handler = handler
+        self.live = live  # the server's open connections (HttpServer.drain)
+        self.draining = False  # answer what is asked, then close
         self.max_body = max_body_bytes
         self.max_head = max_head_bytes
         self._head_size = 0
@@ -104,6 +108,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.loop = asyncio.get_running_loop()
+        self.live.add(self)
         self._arm(self.idle_timeout_s)
 
     # timeouts: an idle keep-alive connection, or a request whose head and body do not arrive
@@ -137,6 +142,7 @@ class _Connection(asyncio.Protocol):
                          % msg.encode())
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.live.discard(self)
         if self._timer is not None:
             self._timer.cancel()
         if self.worker is not None:
@@ -208,6 +214,7 @@ class _Connection(asyncio.Protocol):
     async def _serve(self) -> None:
         while self.queue and self.transport is not None and not self.transport.is_closing():
             method, path, headers, body, keep_alive = self.queue.popleft()
+            keep_alive = keep_alive and not self.draining
             try:
                 status, payload = await self.handler(method, path, headers, body)
             except Exception:  # noqa: BLE001 - the handler maps its errors; this is a bug
@@ -231,11 +238,23 @@ class _Connection(asyncio.Protocol):
                 self.transport.write(response)
             if self.transport.is_closing():
                 return
-            if not keep_alive:
+            if not keep_alive or self.draining:
                 self.transport.close()
                 return
         if not self._reading and not self.queue and self.transport is not None:
             self._arm(self.idle_timeout_s)
+
+    @property
+    def busy(self) -> bool:
+        """A request is being read, queued or answered."""
+        return self._reading or bool(self.queue) or (self.worker is not None and
+                                                      not self.worker.done())
+
+    def drain(self) -> None:
+        """Closes the connection now if idle, else once its current response is sent."""
+        self.draining = True
+        if not self.busy and self.transport is not None:
+            self.transport.close()
 
     async def _send_stream(self, status: int, body: StreamBody, keep_alive: bool) -> None:
         transport = self.transport
@@ -262,11 +281,36 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+class HttpServer:
+    """The listening server and its open connections."""
+
+    def __init__(self, server: asyncio.AbstractServer, live: set[_Connection]) -> None:
+        self.server, self.live = server, live
+
+    async def drain(self, grace_s: float) -> int:
+        """Stops accepting connections, closes the idle ones, lets each busy one finish its
+        response (then closes it), and after `grace_s` closes what is left. Returns how many
+        were cut off that way."""
+        self.server.close()
+        for conn in list(self.live):
+            conn.drain()
+        deadline = time.monotonic() + grace_s
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        cut = list(self.live)
+        for conn in cut:
+            if conn.transport is not None:
+                conn.transport.close()
+        return len(cut)
+
+
 async def serve_http(handler: Handler, sock: socket.socket, max_body_bytes: int,
                      idle_timeout_s: float = 75.0, read_timeout_s: float = 30.0
-                     ) -> asyncio.AbstractServer:
+                     ) -> HttpServer:
     """Serves `handler` on an already bound socket; returns the started server."""
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: _Connection(handler, max_body_bytes,
-                                                        idle_timeout_s, read_timeout_s),
-                                    sock=sock, backlog=2048)
+    live: set[_Connection] = set()
+    server = await loop.create_server(lambda: _Connection(handler, max_body_bytes,
+                                                          idle_timeout_s, read_timeout_s, live),
+                                      sock=sock, backlog=2048)
+    return HttpServer(server, live)

@@ -13,6 +13,8 @@ answer is an `AppendCallsResponse` on the stream, and only that. Per call:
   the key no longer authorizes calls, as the gateway answers it at authentication once it
   knows. (Not 409: the OpenAI and Anthropic SDKs retry 409, and the retry would get 401.)
 - INVALID (the call is malformed: the gateway's or its engine's fault): `RecordFailed`, 500.
+- CONFLICT (another replica stored a call under its seq): `SeqConflict`; the app gives the call
+  a new seq and records it again.
 - FAILED (the store's own error storing it), an unknown result, or a response with the wrong
   number of results: `StoreFailed`, 502, with the store's reason.
 
@@ -51,6 +53,7 @@ from harnessrl.v1 import store_pb2 as spb
 log = logging.getLogger("harnessrl.gateway.recorder")
 
 _RECORDED = (spb.APPEND_RESULT_STORED, spb.APPEND_RESULT_DUPLICATE)
+_NO_STATE = spb.GatewayCallState()
 
 
 class RecordError(Exception):
@@ -69,6 +72,12 @@ class RecordFailed(RecordError):
     """The gateway could not record the call: the store found it malformed, or a bug."""
 
 
+class SeqConflict(RecordError):
+    """Another call holds its seq (two replicas served the attempt at once): nothing stored."""
+
+    code = "seq_conflict"
+
+
 class StoreFailed(RecordError):
     """The store answered that it failed to store the call (its own error)."""
 
@@ -82,12 +91,14 @@ class HoldTimeout(RecordError):
 
 
 _ERRORS: dict[int, type[RecordError]] = {spb.APPEND_RESULT_REJECTED: RecordRejected,
-                                         spb.APPEND_RESULT_INVALID: RecordFailed}
+                                         spb.APPEND_RESULT_INVALID: RecordFailed,
+                                         spb.APPEND_RESULT_CONFLICT: SeqConflict}
 
 
 @dataclass(slots=True)
 class _Item:
     call: c.Call
+    state: spb.GatewayCallState | None  # what the store keeps for the attempt's later calls
     deadline: float
     future: asyncio.Future[None]
 
@@ -110,8 +121,10 @@ class CallRecorder:
         self.held = 0  # calls waiting now (gauge)
         self.store_down_since: float | None = None
 
-    async def record(self, call: c.Call) -> None:
-        item = _Item(call, time.monotonic() + self.hold_timeout_s, self._loop.create_future())
+    async def record(self, call: c.Call, state: spb.GatewayCallState | None = None) -> None:
+        """Returns once the store has `call` (and `state`, written with it)."""
+        item = _Item(call, state, time.monotonic() + self.hold_timeout_s,
+                     self._loop.create_future())
         self._queue.append(item)
         self._ready.set()
         self.held += 1
@@ -169,7 +182,7 @@ class CallRecorder:
                 return
             wait = min(self.batch_timeout_s, min(i.deadline for i in live) - now)
             try:
-                resp = await stream.exchange([i.call for i in live], wait)
+                resp = await stream.exchange(live, wait)
             except (grpc.aio.AioRpcError, _StreamEnded, asyncio.TimeoutError,
                     asyncio.InvalidStateError) as err:
                 stream.close()
@@ -223,15 +236,18 @@ class _RecordStream:
         self.store = store
         self.call: Any = None
 
-    async def exchange(self, calls: list[c.Call], timeout: float) -> spb.AppendCallsResponse:
+    async def exchange(self, items: list[_Item], timeout: float) -> spb.AppendCallsResponse:
         """Writes one batch and reads its answer, within `timeout` (a store that hangs counts
         as down)."""
         if self.call is None:
             self.call = self.store.record_calls()
         call = self.call
+        request = spb.AppendCallsRequest(calls=[i.call for i in items])
+        if any(i.state is not None for i in items):
+            request.states.extend(i.state or _NO_STATE for i in items)
 
         async def send_and_read() -> Any:
-            await call.write(spb.AppendCallsRequest(calls=calls))
+            await call.write(request)
             return await call.read()
         resp = await asyncio.wait_for(send_and_read(), max(timeout, 0.001))
         if resp is grpc.aio.EOF:

@@ -14,10 +14,11 @@ start-up configuration (`--engines`) with the same name and base_url keeps its s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import grpc
 
@@ -40,6 +41,10 @@ class RegistryState:
         self.store = store
         self.namespace = namespace
         self.write_timeout_s = write_timeout_s
+        # engines with a write in flight: their state here is newer than the store's, so a
+        # reload (a peer's change, or this replica catching up after its announcement
+        # expired, say while the store restarts) leaves them as they are
+        self._writing: dict[str, int] = {}
 
     async def _write(self, what: str, fn: Callable[[], Awaitable[object]]) -> None:
         """Runs one store write, retrying a store that is unavailable for `write_timeout_s`."""
@@ -56,19 +61,33 @@ class RegistryState:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
+    @contextlib.contextmanager
+    def _in_flight(self, names: list[str]) -> Iterator[None]:
+        for n in names:
+            self._writing[n] = self._writing.get(n, 0) + 1
+        try:
+            yield
+        finally:
+            for n in names:
+                self._writing[n] -= 1
+                if not self._writing[n]:
+                    del self._writing[n]
+
     async def save(self, *engines: EngineState) -> None:
-        for eng in engines:
-            record = eng.to_proto()
-            record.inflight = record.served_calls = 0
-            if eng.marked:
-                record.reason = eng.reason
-            data = record.SerializeToString()
-            await self._write(f"saving engine {eng.name}", functools.partial(
-                self.store.put_state, self.namespace, eng.name, data))
+        with self._in_flight([eng.name for eng in engines]):
+            for eng in engines:
+                record = eng.to_proto()
+                record.inflight = record.served_calls = 0
+                if eng.marked:
+                    record.reason = eng.reason
+                data = record.SerializeToString()
+                await self._write(f"saving engine {eng.name}", functools.partial(
+                    self.store.put_state, self.namespace, eng.name, data))
 
     async def delete(self, name: str) -> None:
-        await self._write(f"removing engine {name}",
-                          lambda: self.store.delete_state(self.namespace, name))
+        with self._in_flight([name]):
+            await self._write(f"removing engine {name}",
+                              lambda: self.store.delete_state(self.namespace, name))
 
     async def load(self, timeout_s: float) -> list[gpb.Engine]:
         """The stored engines; retries a store that is unavailable for up to `timeout_s`."""
@@ -90,12 +109,7 @@ class RegistryState:
                       timeout_s: float) -> None:
         """Fills `registry`: the stored engines, then the configured ones (see the module)."""
         for rec in await self.load(timeout_s):
-            eng = registry.register(rec.name, rec.base_url, rec.model, rec.policy_version,
-                                    rec.lora if rec.HasField("lora") else None)
-            registry.update(rec.name, None, rec.state, rec.reason)
-            eng.adapters = {a.name: AdapterState.from_proto(a) for a in rec.adapters}
-            if rec.paused:
-                registry.pause([rec.name])
+            eng = apply(registry, rec)
             log.info("engine %s restored from the store: version %d%s%s", rec.name,
                      rec.policy_version, ", MARKED" if eng.marked else "",
                      ", paused" if eng.paused else "")
@@ -108,3 +122,38 @@ class RegistryState:
             eng = registry.register(spec.name, spec.base_url, spec.model, spec.policy_version,
                                     spec.lora_support())
             await self.save(eng)
+
+    async def reload(self, registry: EngineRegistry, names: list[str], timeout_s: float
+                     ) -> None:
+        """Another replica changed these engines (all when empty): `registry` takes the
+        stored records, and drops the named ones the store no longer has; an engine this
+        replica is saving keeps its own state (the newer)."""
+        stored = {rec.name: rec for rec in await self.load(timeout_s)}
+        for name in names or list(set(stored) | set(registry.engines)):
+            if name in self._writing:
+                continue
+            if name in stored:
+                apply(registry, stored[name])
+            elif name in registry.engines:
+                registry.remove(name)
+
+
+def apply(registry: EngineRegistry, rec: gpb.Engine) -> EngineState:
+    """Makes `registry`'s engine `rec.name` what the stored record says."""
+    known = registry.engines.get(rec.name)
+    if known is not None and known.base_url != normalize_base_url(rec.base_url):
+        registry.remove(rec.name)
+    eng = registry.register(rec.name, rec.base_url, rec.model, rec.policy_version,
+                            rec.lora if rec.HasField("lora") else None)
+    registry.update(rec.name, None, rec.state, rec.reason)
+    if known is None:
+        eng.adapters = {a.name: AdapterState.from_proto(a) for a in rec.adapters}
+    else:
+        for a in rec.adapters:
+            if a.state not in (gpb.ENGINE_STATE_READY, gpb.ENGINE_STATE_MARKED):
+                continue
+            registry.set_adapter(rec.name, a.name, a.policy_version, a.lora_name, a.lora_path,
+                                 a.state, a.reason)
+            eng.adapters[a.name].paused = a.paused
+    (registry.pause if rec.paused else registry.resume)([rec.name])
+    return eng

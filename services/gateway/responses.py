@@ -7,7 +7,8 @@ streamed chunk. So the gateway translates: `instructions` + `input` items (messa
 `function_call`, `function_call_output`) become chat messages, function tools become chat
 tools, and the answer is translated back to a Response, whole or as `response.*` events
 (`response.completed` only once the call is recorded). `previous_response_id` resolves
-against `Chains`, the conversations this gateway answered, each visible only to its rollout.
+against `Chains`, the conversations this gateway answered, each visible only to its rollout,
+and else against the store, where each response's `Chain` entry is recorded with its call.
 """
 
 from __future__ import annotations
@@ -15,16 +16,40 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from harnessrl.v1 import store_pb2 as spb
 from services.gateway.schemas import Invalid, Loc
 from services.gateway.streaming import Generated
 
 
+@dataclass(slots=True)
+class Chain:
+    """What one response adds to its chain, recorded in the store with its call (so another
+    replica, or this gateway restarted, resolves `previous_response_id` to it)."""
+
+    response_id: str
+    previous_id: str  # "" when it starts a chain
+    messages: list[dict[str, Any]]  # its input items as chat messages
+
+    def state(self, state: spb.GatewayCallState | None, gen: Generated
+              ) -> spb.GatewayCallState:
+        out = state if state is not None else spb.GatewayCallState()
+        out.response_id, out.previous_response_id = self.response_id, self.previous_id
+        out.messages_json = orjson.dumps(self.messages + [assistant_message(gen)])
+        out.keep_responses = KEEP_RESPONSES
+        return out
+
+
+KEEP_RESPONSES = 1024  # per attempt, in the store (a chain is resolved from its entries)
+
+
 class Chains:
-    """Response id -> (rollout, chat messages up to and including that response), bounded."""
+    """Response id -> (rollout, chat messages up to and including that response), bounded:
+    this gateway's cache of the chains in the store."""
 
     def __init__(self, max_responses: int = 50_000) -> None:
         self.max_responses = max_responses

@@ -21,6 +21,7 @@ from services.gateway.health import GatewayReadiness
 from services.gateway.http_server import serve_http
 from services.gateway.recorder import CallRecorder
 from services.gateway.registry_state import RegistryState
+from services.gateway.replicas import ReplicaSet, advertised, default_name
 from services.gateway.sessions import Sessions
 from services.gateway.weightcheck import WeightCheck
 
@@ -53,14 +54,25 @@ async def serve(cfg: GatewayConfig) -> None:
     weights = WeightCheck(registry, http)
     recorder = CallRecorder(store, cfg.hold_timeout_s, cfg.record_batch_max,
                             cfg.record_writers, cfg.record_batch_timeout_s)
-    app = GatewayApp(cfg, registry, Sessions(signer, store), recorder, store)
-    app.readiness = readiness
-
+    admin = GatewayAdminServicer(registry, weights, state, None, cfg.state_load_timeout_s)
     grpc_server, grpc_port, _ = await rpc.start_server(cfg.grpc_bind, [
-        (gateway_pb2_grpc.add_GatewayAdminServicer_to_server,
-         GatewayAdminServicer(registry, weights, state),
+        (gateway_pb2_grpc.add_GatewayAdminServicer_to_server, admin,
          gateway_pb2.DESCRIPTOR.services_by_name["GatewayAdmin"].full_name),
     ], ready=readiness.check, ready_interval_s=cfg.health_interval_s)
+
+    def on_peers(alone: bool) -> None:
+        registry.hash_routing = not alone
+
+    replicas = ReplicaSet(
+        store, cfg.replica_namespace, cfg.replica_name or default_name(grpc_port),
+        cfg.advertise_address or advertised(cfg.grpc_bind, grpc_port), cfg.replica_heartbeat_s,
+        cfg.replica_ttl_s, lambda: state.reload(registry, [], cfg.state_load_timeout_s),
+        on_peers)
+    await replicas.beat()  # the peers, before any call (a store down: the gateway exits)
+    admin.replicas = readiness.replicas = replicas
+    sessions = Sessions(signer, store, replicas=replicas, hold_timeout_s=cfg.hold_timeout_s)
+    app = GatewayApp(cfg, registry, sessions, recorder, store)
+    app.readiness = readiness
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((cfg.http_host, cfg.http_port))
@@ -70,15 +82,24 @@ async def serve(cfg: GatewayConfig) -> None:
     probe = asyncio.create_task(_probe_engines(registry, http, cfg.engine_probe_interval_s,
                                                weights))
     weight_watch = asyncio.create_task(weights.watch(cfg.engine_probe_interval_s))
-    log.info("gateway serving HTTP on %s:%d, GatewayAdmin on port %d, store %s",
+    heartbeat = asyncio.create_task(replicas.run())
+    log.info("gateway %s serving HTTP on %s:%d, GatewayAdmin on port %d, store %s", replicas.name,
              cfg.http_host, http_port, grpc_port, cfg.store_address)
     rpc.write_ready_file(cfg.ready_file, http_port=http_port, grpc_port=grpc_port)
 
-    async def shutdown() -> None:
-        http_server.close()
+    async def shutdown() -> None:  # still a replica (pauses reach it) until its calls are done
+        readiness.stopping = True
+        cut = await http_server.drain(cfg.shutdown_grace_s)
+        log.info("stopped serving HTTP%s", f"; {cut} connections cut after "
+                 f"{cfg.shutdown_grace_s:g}s" if cut else "")
         probe.cancel()
         weight_watch.cancel()
+        if app._background:  # aborted calls being recorded (their clients went away)
+            await asyncio.wait(list(app._background), timeout=10)
         await recorder.close()
+        heartbeat.cancel()
+        await asyncio.gather(heartbeat, return_exceptions=True)  # no announcement after leave
+        await replicas.leave()
         await http.aclose()
         await store.close()
 

@@ -5,6 +5,11 @@ first time the gateway sees an attempt it asks the store whether that attempt is
 which call sequence number comes next; later calls use that cached session. The store remains
 the final judge: it refuses calls for an attempt that has finished, and the gateway then
 closes the session, so the key stops working at once.
+
+What a gateway caches of an attempt (next seq, token segments) is also in the store, written
+with each call, so `refresh` reads it back when the cache may be behind: after a restart or an
+eviction, after the set of replicas changed, and before every call while other replicas serve
+too (`replicas.py`).
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ from harnessrl.credentials import CredentialSigner, RolloutCredential
 from harnessrl.errors import Unauthenticated, Unavailable
 from harnessrl.sampling import unmatched
 from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import store_pb2 as spb
+
+
+NO_SEGMENTS = 2**31 - 1  # GetGatewayState's known_next_seq for the next seq alone
 
 
 class Session:
     __slots__ = ("cred", "next_seq", "closed", "run_model", "sampling", "sampling_problem",
-                 "tokens", "adapter")
+                 "tokens", "adapter", "epoch")
 
     def __init__(self, cred: RolloutCredential, next_seq: int) -> None:
         self.cred = cred
@@ -35,6 +44,7 @@ class Session:
         self.sampling_problem = ""  # why the trainer cannot match it ("" when it can)
         self.tokens: list[Any] | None = None  # tokens.SegmentState of its latest calls
         self.adapter = ""  # RunSpec.adapter: the LoRA adapter serving its calls (adapters.py)
+        self.epoch = 0  # the replica set's epoch its caches were last read from the store at
 
     def take_seq(self) -> int:
         seq = self.next_seq
@@ -44,11 +54,14 @@ class Session:
 
 class Sessions:
     def __init__(self, signer: CredentialSigner, store: AsyncStoreClient,
-                 max_sessions: int = 100_000
-                 ) -> None:
+                 max_sessions: int = 100_000, tokens: Any = None, replicas: Any = None,
+                 hold_timeout_s: float = 120.0) -> None:
         self.signer = signer
         self.store = store
         self.max_sessions = max_sessions
+        self.tokens = tokens  # tokens.TokenReuse: loads segments read from the store
+        self.replicas = replicas  # replicas.ReplicaSet (None: this gateway is the only one)
+        self.hold_timeout_s = hold_timeout_s
         self._sessions: dict[tuple[str, int], Session] = {}
         self._verified: dict[str, RolloutCredential] = {}
         self._loading: dict[tuple[str, int], asyncio.Future[Session]] = {}
@@ -101,6 +114,7 @@ class Sessions:
                 session.closed = f"rollout {cred.rollout_id} attempt {cred.attempt} has finished"
             else:
                 session.next_seq = att.next_seq
+                session.epoch = self.replicas.epoch if self.replicas is not None else 0
                 await self._load_run(session, ro.run_id)
             if len(self._sessions) >= self.max_sessions:
                 self._evict()
@@ -126,6 +140,42 @@ class Sessions:
         if run.spec.HasField("sampling") and run.spec.sampling.ListFields():
             session.sampling = run.spec.sampling
             session.sampling_problem = unmatched(run.spec.sampling, run.spec.stream)
+
+    async def refresh(self, session: Session, response_id: str = "", force: bool = False
+                      ) -> bytes | None:
+        """Brings the session's caches up to the store's when they may be behind (see the
+        module); with `response_id`, also resolves that Responses chain: its messages (JSON)
+        or None when the store has no such response of this attempt."""
+        replicas = self.replicas
+        if replicas is not None:
+            await replicas.wait_ready(time.monotonic() + self.hold_timeout_s)
+        behind = force or session.tokens is None and session.next_seq > 0 or \
+            replicas is not None and (not replicas.alone or session.epoch != replicas.epoch)
+        if not behind and not response_id:
+            return None
+        epoch = replicas.epoch if replicas is not None else 0
+        cached = session.tokens is not None and not force
+        st = await self._state(session, NO_SEGMENTS if cached else -1, response_id)
+        # A store whose next seq is past the seqs this replica has given out (now: its calls in
+        # flight meanwhile are counted) has calls it did not make, another replica's; below
+        # it, the calls are its own (another's call on one of those seqs makes one of the two
+        # a CONFLICT, read again with force). Only then are the segments read.
+        if cached and st.next_seq > session.next_seq:
+            segments = await self._state(session, -1, "")
+            st.segments_sent, st.next_seq = True, max(st.next_seq, segments.next_seq)
+            st.segments.extend(segments.segments)
+        if st.segments_sent and self.tokens is not None:
+            self.tokens.load(session, st.segments)
+        session.next_seq = max(session.next_seq, st.next_seq)
+        session.epoch = epoch
+        return st.messages_json if st.response_found else None
+
+    async def _state(self, session: Session, known: int, response_id: str) -> spb.GatewayState:
+        try:
+            return await self.store.get_gateway_state(
+                session.cred.rollout_id, session.cred.attempt, known, response_id)
+        except grpc.aio.AioRpcError as err:
+            raise Unavailable(f"store unavailable: {err.details()}") from err
 
     def close(self, session: Session, why: str) -> None:
         session.closed = why

@@ -30,7 +30,11 @@ messages' `tools`); the prompt ids it answers with are checked against what was 
 Anything else starts a new segment, recorded on the call (`Call.segment_start`): the first
 call, edited or truncated history, changed tools or template settings, requests the engine
 must render itself (completions API, `echo`, `continue_final_message`, non-text content),
-state the gateway does not hold (restart, eviction).
+state the gateway does not hold.
+
+The states are recorded in the store with their calls (`state`, `AppendCallsRequest.states`),
+so a restarted gateway, an evicted attempt and another replica read them back (`load`,
+`Sessions.refresh`) and the next turn continues its segment.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 import orjson
 
 from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import store_pb2 as spb
 
 
 class NotText(ValueError):
@@ -266,17 +271,28 @@ class TokenReuse:
         else:
             call.segment = call.seq
 
-    def recorded(self, session: Any, plan: Plan, call: c.Call, assistant: dict[str, Any],
-                 prompt_ids: list[int], completion_ids: list[int]) -> None:
-        """The call is in the store (and complete): a later turn may extend it. The attempt
-        keeps its `per_rollout` most recent calls' states (a harness may interleave side
-        conversations, or branch), the one this call extended replaced."""
+    def state(self, plan: Plan, call: c.Call, assistant: dict[str, Any]
+              ) -> spb.GatewayCallState | None:
+        """What the store keeps of this call for a later turn (recorded with it), or None
+        when no turn can extend it (untracked, non-text answer)."""
         if call.segment_start == c.SEGMENT_START_UNTRACKED:
-            return
+            return None
         try:
             canon = plan.canon + [canonical(assistant)]
         except NotText:
-            return
+            return None
+        out = spb.GatewayCallState(segment=True, n_messages=len(canon), digest=digest(canon),
+                                   settings=plan.settings, keep=self.per_rollout)
+        if plan.state is not None:
+            out.replaces_seq = plan.state.seq
+        return out
+
+    def recorded(self, session: Any, plan: Plan, call: c.Call, state: spb.GatewayCallState,
+                 prompt_ids: list[int], completion_ids: list[int]) -> None:
+        """The call is in the store (and complete) with `state`: a later turn may extend it.
+        The attempt keeps its `per_rollout` most recent calls' states (a harness may
+        interleave side conversations, or branch), the one this call extended replaced, as
+        the store does."""
         reused = plan.state.ids if plan.state is not None and not plan.engine_rendered \
             else None
         if reused is not None:  # only the tokens added since are converted
@@ -284,16 +300,25 @@ class TokenReuse:
         else:
             ids = array("i", prompt_ids)  # == the call's (lists: faster than the proto's)
         ids.extend(completion_ids)
-        new = SegmentState(call.segment, call.seq, ids, len(canon), digest(canon),
-                           plan.settings)
+        new = SegmentState(call.segment, call.seq, ids, state.n_messages, state.digest,
+                           state.settings)
         states = [s for s in session.tokens or () if s is not plan.state]
-        session.tokens = [new] + states[:self.per_rollout - 1]
+        self._hold(session, [new] + states[:self.per_rollout - 1])
+
+    def load(self, session: Any, records: Any) -> None:
+        """The attempt's states as the store holds them (`SegmentRecord`s, most recent first):
+        a restarted gateway, or another replica's calls."""
+        self._hold(session, [SegmentState(r.segment, r.seq, array("i", r.ids), r.n_messages,
+                                          r.digest, r.settings) for r in records])
+
+    def _hold(self, session: Any, states: list[SegmentState]) -> None:
+        session.tokens = states
         key = id(session)
         self._holders[key] = session
         self._holders.move_to_end(key)
         while len(self._holders) > self.max_rollouts:
             _, old = self._holders.popitem(last=False)
-            old.tokens = None
+            old.tokens = None  # read again from the store on its next turn
 
 
 def _extended(states: list[SegmentState], canon: list[dict[str, Any]], settings: bytes

@@ -38,6 +38,7 @@ _BY_RESULT: dict[int, PromCounter] = {
     spb.APPEND_RESULT_REJECTED: APPENDED.labels("rejected"),
     spb.APPEND_RESULT_INVALID: APPENDED.labels("invalid"),
     spb.APPEND_RESULT_FAILED: APPENDED.labels("failed"),
+    spb.APPEND_RESULT_CONFLICT: APPENDED.labels("conflict"),
     spb.APPEND_RESULT_UNSPECIFIED: APPENDED.labels("unspecified")}
 
 

@@ -7,7 +7,8 @@ Keys (all under the configured prefix P):
 - `P st:{rollout_id}` the rollout's write state, read by the call-append script:
   `P` pending, `R{k}` attempt k running, `F{k}` attempt k failed (another may start),
   `T` terminal. Updated in the same transaction as the record.
-- `P calls:{rollout_id}:{k}` HASH seq -> `Call` bytes of attempt k (HSETNX: idempotent).
+- `P calls:{rollout_id}:{k}` HASH seq -> `Call` bytes of attempt k, and `P gw*:{rollout_id}:{k}`
+  the gateway's state of them (`call_log`: appended with them, dropped when the attempt ends).
 - `P runro:{run_id}` / `P grp:{group_id}` LISTs of rollout ids, in creation order.
 - `P gdone:{group_id}` SET of terminal rollouts; `P gpub:{group_id}` published flag (a group
   held for its group grader is published by `group_rewards.py`).
@@ -40,32 +41,8 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 from services.store import group_rewards
 from services.store.group_rewards import NO_STREAM
+from services.store.call_log import CallLog
 from services.store.state_space import StateSpace, require as _require
-
-_APPEND_LUA = """
--- For each call i: KEYS[2i-1] its attempt's state key, KEYS[2i] its calls hash;
--- ARGV[3i-2] attempt, ARGV[3i-1] seq, ARGV[3i] call bytes.
--- Result per call: 1 stored, 0 duplicate, -1 unknown rollout, -2 attempt not running.
-local out = {}
-for i = 1, #KEYS / 2 do
-  local st_key, calls_key = KEYS[2 * i - 1], KEYS[2 * i]
-  local attempt, seq = ARGV[3 * i - 2], ARGV[3 * i - 1]
-  if redis.call('HEXISTS', calls_key, seq) == 1 then
-    out[i] = 0
-  else
-    local st = redis.call('GET', st_key)
-    if not st then
-      out[i] = -1
-    elseif st ~= ('R' .. attempt) then
-      out[i] = -2
-    else
-      redis.call('HSET', calls_key, seq, ARGV[3 * i])
-      out[i] = 1
-    end
-  end
-end
-return out
-"""
 
 _CREATE_LUA = """
 -- KEYS: ro, st, runro, grp; ARGV: rollout bytes, rollout id
@@ -126,18 +103,18 @@ class RolloutStore:
     def __init__(self, redis: aioredis.Redis, prefix: str = "hrl:") -> None:
         self.r = redis
         self.p = prefix
-        self._append = redis.register_script(_APPEND_LUA)
         self._create = redis.register_script(_CREATE_LUA)
         self._publish = redis.register_script(_PUBLISH_LUA)
         self._dead_letter = redis.register_script(_DEAD_LETTER_LUA)
         self.state = StateSpace(redis, prefix)  # services' own state (PutState and friends)
+        self.calls = CallLog(redis, prefix)  # calls and the gateway's state of them
 
     # keys -----------------------------------------------------------------------------------
     def _k(self, *parts: str) -> str:
         return self.p + ":".join(parts)
 
     def _calls_key(self, rollout_id: str, attempt: int) -> str:
-        return self._k("calls", rollout_id, str(attempt))
+        return self.calls.calls_key(rollout_id, attempt)
 
     def _stream_key(self, stream: str) -> str:
         return self._k("stream", stream or "train")
@@ -321,6 +298,9 @@ class RolloutStore:
             return ro, "T"
 
         ro = await self._update(req.rollout_id, change)
+        att = next((a for a in ro.attempts if a.attempt == req.attempt), None)
+        if att is not None and att.status != c.ROLLOUT_STATUS_RUNNING:
+            await self.calls.drop(req.rollout_id, req.attempt)
         if ro.status in TERMINAL:
             await self._mark_done_and_publish(ro)
         return ro
@@ -377,35 +357,32 @@ class RolloutStore:
         return rollouts
 
     # calls ----------------------------------------------------------------------------------
-    async def append_calls(self, calls: Sequence[c.Call]) -> tuple[list[int], list[str]]:
+    async def append_calls(self, calls: Sequence[c.Call],
+                           states: Sequence[spb.GatewayCallState] = ()
+                           ) -> tuple[list[int], list[str]]:
+        """Appends calls with the gateway's state of them (`call_log`): per-call results."""
         results: list[int] = [spb.APPEND_RESULT_UNSPECIFIED] * len(calls)
         reasons = [""] * len(calls)
-        todo: list[int] = []
+        todo = []
         for i, call in enumerate(calls):
-            problem = _call_problem(call)
-            if problem:
+            if problem := _call_problem(call):
                 results[i], reasons[i] = spb.APPEND_RESULT_INVALID, problem
             else:
                 todo.append(i)
         if todo:
-            keys: list[str] = []
-            args: list[object] = []
-            for i in todo:
-                call = calls[i]
-                keys += [self._k("st", call.rollout_id),
-                         self._calls_key(call.rollout_id, call.attempt)]
-                args += [call.attempt, call.seq, call.SerializeToString()]
-            outcomes = await self._append(keys=keys, args=args)  # one round trip per batch
+            outcomes = await self.calls.append(  # one round trip per batch
+                [calls[i] for i in todo],
+                [states[i] for i in todo] if len(states) == len(calls) else ())
             for i, out in zip(todo, outcomes):
-                if out == 1:
-                    results[i] = spb.APPEND_RESULT_STORED
-                elif out == 0:
-                    results[i] = spb.APPEND_RESULT_DUPLICATE
-                else:
-                    results[i] = spb.APPEND_RESULT_REJECTED
-                    reasons[i] = (f"unknown rollout {calls[i].rollout_id!r}" if out == -1 else
-                                  f"attempt {calls[i].attempt} of rollout "
-                                  f"{calls[i].rollout_id} is not running")
+                results[i], reasons[i] = _APPENDED[out], ""
+                if out == -1:
+                    reasons[i] = f"unknown rollout {calls[i].rollout_id!r}"
+                elif out == -2:
+                    reasons[i] = (f"attempt {calls[i].attempt} of rollout {calls[i].rollout_id} "
+                                  "is not running")
+                elif out == -3:
+                    reasons[i] = (f"seq {calls[i].seq} of rollout {calls[i].rollout_id} attempt "
+                                  f"{calls[i].attempt} holds another call")
         return results, reasons
 
     # the completed-group stream -------------------------------------------------------------
@@ -579,6 +556,11 @@ def _entries(resp: list) -> list[tuple[str, dict[str, str]]]:  # type: ignore[ty
                 out.append((entry_id.decode(),
                             {k.decode(): v.decode() for k, v in fields.items()}))
     return out
+
+
+_APPENDED = {1: spb.APPEND_RESULT_STORED, 0: spb.APPEND_RESULT_DUPLICATE,
+             -1: spb.APPEND_RESULT_REJECTED, -2: spb.APPEND_RESULT_REJECTED,
+             -3: spb.APPEND_RESULT_CONFLICT}
 
 
 def _call_problem(call: c.Call) -> str:

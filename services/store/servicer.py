@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -19,6 +19,7 @@ from harnessrl.v1 import store_pb2 as spb
 from harnessrl.v1 import store_pb2_grpc
 from services.store.metrics import count_appended
 from services.store.redis_store import RolloutStore
+from services.store.state_space import require as _require
 
 log = logging.getLogger("harnessrl.store")
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
@@ -72,7 +73,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     @_redis_unavailable
     async def AppendCalls(self, request: spb.AppendCallsRequest,
                           context: grpc.aio.ServicerContext) -> spb.AppendCallsResponse:
-        results, reasons = await self.store.append_calls(request.calls)
+        results, reasons = await self.store.append_calls(request.calls, request.states)
         count_appended(results)
         return spb.AppendCallsResponse(results=results,  # type: ignore[arg-type]
                                        reasons=reasons)
@@ -88,24 +89,28 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         async for request in request_iterator:
             try:
                 try:
-                    results, reasons = await self.store.append_calls(request.calls)
+                    results, reasons = await self.store.append_calls(request.calls,
+                                                                     request.states)
                 except _REDIS_DOWN:
                     raise
                 except Exception:  # noqa: BLE001 - answered per call below
                     log.exception("appending a batch of %d calls failed; appending them one by "
                                   "one", len(request.calls))
-                    results, reasons = await self._one_by_one(request.calls)
+                    results, reasons = await self._one_by_one(request)
             except _REDIS_DOWN as exc:
                 raise Unavailable(f"redis unavailable: {exc}") from exc
             count_appended(results)
             yield spb.AppendCallsResponse(results=results,  # type: ignore[arg-type]
                                           reasons=reasons)
 
-    async def _one_by_one(self, calls: Sequence[c.Call]) -> tuple[list[int], list[str]]:
+    async def _one_by_one(self, request: spb.AppendCallsRequest
+                          ) -> tuple[list[int], list[str]]:
         results, reasons = [], []
-        for call in calls:
+        states = list(request.states)
+        for i, call in enumerate(request.calls):
             try:
-                (result,), (reason,) = await self.store.append_calls([call])
+                (result,), (reason,) = await self.store.append_calls(
+                    [call], states[i:i + 1] if len(states) == len(request.calls) else ())
             except _REDIS_DOWN:
                 raise
             except Exception as exc:  # noqa: BLE001 - the store's error, answered as FAILED
@@ -114,6 +119,12 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             results.append(result)
             reasons.append(reason)
         return results, reasons
+
+    @_redis_unavailable
+    async def GetGatewayState(self, request: spb.GetGatewayStateRequest,
+                              context: grpc.aio.ServicerContext) -> spb.GatewayState:
+        _require(request.rollout_id, "rollout_id")
+        return await self.store.calls.gateway_state(request)
 
     @_redis_unavailable
     async def ReportReward(self, request: spb.ReportRewardRequest,

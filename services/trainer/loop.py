@@ -101,8 +101,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harnessrl.clients import StoreClient
-from harnessrl.v1 import common_pb2 as c
-from harnessrl.v1 import trainer_pb2 as tpb
+from harnessrl.v1 import common_pb2 as c, trainer_pb2 as tpb
 
 from . import checkpoint as ckpt
 from . import evaluation, lora
@@ -380,12 +379,13 @@ class Trainer:
     def open_pool(self) -> None:
         """Rank 0: creates (or re-attaches to) the one controller run of async mode, without
         waiting for it; the controller admits its groups as the trainer consumes them."""
-        m = self.cfg.mode
         if not self.dist.is_main:
             return
         assert self.launcher is not None
-        self.pool_run_id = f"{self.state.run_prefix}-{m.kind}"
+        self.pool_run_id = f"{self.state.run_prefix}-{self.cfg.mode.kind}"
         spec = pool_spec(self.cfg, self.tasks)
+        if self.hold is not None:  # collocated: refused before the run is created
+            self.hold.refuse_judges(spec.group_grader_command)
         self.launcher.start(self.pool_run_id, spec)
         self._report_consumed()
 

@@ -1,0 +1,66 @@
+"""A generated call made into a `Call` and recorded with what the attempt's later calls need of
+it: its token segment (`tokens.py`) and its Responses chain entry, written to the store in the
+same RecordCalls batch, so a restarted gateway or another replica continues from them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from harnessrl.v1 import common_pb2 as c
+from services.gateway.engines import EngineState
+from services.gateway.recorder import CallRecorder, SeqConflict
+from services.gateway.sessions import Sessions
+from services.gateway.streaming import Generated
+from services.gateway.tokens import TokenReuse
+
+if TYPE_CHECKING:
+    from services.gateway.app import Exchange
+
+MAX_CONFLICTS = 3  # seqs taken by other replicas meanwhile, before the call fails
+
+
+class Recording:
+    def __init__(self, recorder: CallRecorder, sessions: Sessions, tokens: TokenReuse) -> None:
+        self.recorder = recorder
+        self.sessions = sessions
+        self.tokens = tokens
+
+    def call(self, ex: Exchange, gen: Generated, engine: EngineState, version: int,
+             latency: float, aborted: bool = False) -> c.Call:
+        call = gen.call(ex.api, ex.asked, ex.request_json, aborted)
+        call.sampling_override_json = ex.override
+        call.rollout_id = ex.session.cred.rollout_id
+        call.attempt = ex.session.cred.attempt
+        call.policy_version = version
+        call.engine = engine.name
+        call.started_at = ex.started
+        call.latency_s = latency
+        call.seq = ex.session.take_seq()
+        if ex.plan is not None:
+            self.tokens.check(ex.plan, gen.prompt_ids)
+            self.tokens.fields(ex.plan, call)
+            ex.generated = gen
+        return call
+
+    async def record(self, ex: Exchange, call: c.Call) -> None:
+        """Returns once the store has `call` and its state (RecordError otherwise). A seq that
+        another replica gave to another call meanwhile (CONFLICT): the session is read again
+        and the call recorded with the next free seq."""
+        gen, state = ex.generated, None
+        if ex.plan is not None and gen is not None and not call.aborted:
+            state = self.tokens.state(ex.plan, call, gen.message())
+            if ex.chain is not None:
+                state = ex.chain.state(state, gen)
+        for conflicts in range(MAX_CONFLICTS + 1):
+            try:
+                await self.recorder.record(call, state)
+                break
+            except SeqConflict:
+                if conflicts == MAX_CONFLICTS:
+                    raise
+                await self.sessions.refresh(ex.session, force=True)
+                call.seq = ex.session.take_seq()
+                if ex.plan is not None:
+                    self.tokens.fields(ex.plan, call)
+        if state is not None and state.segment and ex.plan is not None and gen is not None:
+            self.tokens.recorded(ex.session, ex.plan, call, state, gen.prompt_ids or [], gen.ids)

@@ -1,0 +1,143 @@
+"""The gateway's per-attempt state in the store (services/store/call_log.py), through a real
+store process and Redis: written with the calls, read by GetGatewayState, bounded, dropped
+when the attempt ends."""
+
+from __future__ import annotations
+
+from array import array
+
+import orjson
+import pytest
+
+from harnessrl.clients import StoreClient
+from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import store_pb2 as spb
+from test_store import call, finish, make_group
+
+
+@pytest.fixture
+def client(store_service) -> StoreClient:  # type: ignore[no-untyped-def]
+    cl = StoreClient.connect(store_service.address, timeout=10)
+    yield cl
+    cl.close()
+
+
+def _started(client: StoreClient, run: str, max_attempts: int = 1) -> str:
+    ros = make_group(run, "t", 1, max_attempts=max_attempts)
+    client.create_rollouts(ros)
+    client.start_attempt(ros[0].rollout_id, 1)
+    return ros[0].rollout_id
+
+
+def _seg(n: int, replaces: int | None = None, keep: int = 2) -> spb.GatewayCallState:
+    st = spb.GatewayCallState(segment=True, n_messages=n, digest=bytes([n]) * 16,
+                              settings=b"s" * 16, keep=keep)
+    if replaces is not None:
+        st.replaces_seq = replaces
+    return st
+
+
+def _append(client: StoreClient, calls: list[c.Call], states: list[spb.GatewayCallState]
+            ) -> list[int]:
+    resp = client.stub.AppendCalls(spb.AppendCallsRequest(calls=calls, states=states))
+    return list(resp.results)
+
+
+def test_segments_are_kept_most_recent_first_replaced_and_bounded(client: StoreClient) -> None:
+    rid = _started(client, "gs1")
+    assert client.get_gateway_state(rid, 1).next_seq == 0
+    # seq 0 starts a segment, seq 1 extends it (replaces it), seq 2 is a side conversation,
+    # seq 3 is untracked (no state), seq 4 another: keep=2 drops the oldest
+    assert _append(client, [call(rid, 1, 0)], [_seg(2)]) == [spb.APPEND_RESULT_STORED]
+    got = client.get_gateway_state(rid, 1)
+    assert got.next_seq == 1 and got.segments_sent
+    [s0] = got.segments
+    assert (s0.seq, s0.n_messages) == (0, 2)
+    assert array("i", s0.ids).tolist() == [1, 2, 3, 0, 1, 2]  # prompt + completion ids
+    _append(client, [call(rid, 1, 1), call(rid, 1, 2), call(rid, 1, 3)],
+            [_seg(4, replaces=0), _seg(2), spb.GatewayCallState()])
+    got = client.get_gateway_state(rid, 1)
+    assert got.next_seq == 4
+    assert [s.seq for s in got.segments] == [2, 1]
+    _append(client, [call(rid, 1, 4)], [_seg(6, replaces=1)])
+    assert [s.seq for s in client.get_gateway_state(rid, 1).segments] == [4, 2]
+    _append(client, [call(rid, 1, 5)], [_seg(2)])
+    assert [s.seq for s in client.get_gateway_state(rid, 1).segments] == [5, 4]  # bounded
+    # a caller whose copy is current gets no segments
+    same = client.get_gateway_state(rid, 1, known_next_seq=6)
+    assert same.next_seq == 6 and not same.segments_sent and not same.segments
+
+
+def test_a_resend_is_a_duplicate_and_another_call_on_a_taken_seq_a_conflict(
+        client: StoreClient) -> None:
+    rid = _started(client, "gs2")
+    first = call(rid, 1, 0)
+    assert _append(client, [first], [_seg(2)]) == [spb.APPEND_RESULT_STORED]
+    assert _append(client, [first], [_seg(2)]) == [spb.APPEND_RESULT_DUPLICATE]
+    other = call(rid, 1, 0, base=700)  # another replica's call with the same seq
+    assert _append(client, [other], [_seg(4)]) == [spb.APPEND_RESULT_CONFLICT]
+    # the gateway's aborted copy of a call stored complete (its client went away meanwhile)
+    copy = c.Call()
+    copy.CopyFrom(first)
+    copy.aborted = True
+    assert _append(client, [copy], [spb.GatewayCallState()]) == [spb.APPEND_RESULT_DUPLICATE]
+    other.aborted = True  # an aborted call that is not a copy of the stored one
+    assert _append(client, [other], [spb.GatewayCallState()]) == [spb.APPEND_RESULT_CONFLICT]
+    got = client.get_rollout(rid, include_calls=True)
+    assert [list(x.completion_token_ids) for x in got.calls] == [[0, 1, 2]]
+    assert not got.calls[0].aborted
+    assert [s.n_messages for s in client.get_gateway_state(rid, 1).segments] == [2]
+
+
+def _resp(rid: str, prev: str, messages: list[dict[str, str]], keep: int = 1024
+          ) -> spb.GatewayCallState:
+    return spb.GatewayCallState(response_id=rid, previous_response_id=prev,
+                                messages_json=orjson.dumps(messages), keep_responses=keep)
+
+
+def test_a_responses_chain_resolves_from_its_entries(client: StoreClient) -> None:
+    rid = _started(client, "gs3")
+    m = [{"role": "user", "content": f"u{i}"} for i in range(3)]
+    a = [{"role": "assistant", "content": f"a{i}"} for i in range(3)]
+    _append(client, [call(rid, 1, 0), call(rid, 1, 1), call(rid, 1, 2)],
+            [_resp("resp_0", "", [m[0], a[0]]), _resp("resp_1", "resp_0", [m[1], a[1]]),
+             _resp("resp_2", "resp_1", [m[2], a[2]])])
+    got = client.get_gateway_state(rid, 1, response_id="resp_2")
+    assert got.response_found
+    assert orjson.loads(got.messages_json) == [m[0], a[0], m[1], a[1], m[2], a[2]]
+    mid = client.get_gateway_state(rid, 1, response_id="resp_1")
+    assert orjson.loads(mid.messages_json) == [m[0], a[0], m[1], a[1]]
+    assert not client.get_gateway_state(rid, 1, response_id="resp_nope").response_found
+    # another rollout's responses are not visible
+    other = _started(client, "gs3b")
+    assert not client.get_gateway_state(other, 1, response_id="resp_2").response_found
+
+
+def test_responses_kept_per_attempt_are_bounded(client: StoreClient) -> None:
+    rid = _started(client, "gs4")
+    prev = ""
+    for i in range(4):
+        _append(client, [call(rid, 1, i)],
+                [_resp(f"resp_{i}", prev, [{"role": "user", "content": str(i)}], keep=2)])
+        prev = f"resp_{i}"
+    assert client.get_gateway_state(rid, 1, response_id="resp_1").response_found is False
+    # resp_3 follows resp_2, whose predecessor was dropped: the chain is broken, not partial
+    assert not client.get_gateway_state(rid, 1, response_id="resp_3").response_found
+
+
+def test_the_state_goes_when_the_attempt_ends(client: StoreClient, store_service) -> None:  # type: ignore[no-untyped-def]
+    import redis
+
+    rid = _started(client, "gs5", max_attempts=2)
+    _append(client, [call(rid, 1, 0)], [_seg(2)])
+    _append(client, [call(rid, 1, 1)], [_resp("resp_x", "", [{"role": "user", "content": "q"}])])
+    r = redis.Redis.from_url(store_service.redis_url)
+    gw_keys = lambda: [k for k in r.keys(f"{store_service.key_prefix}gw*:{rid}:*")]  # noqa: E731
+    assert len(gw_keys()) == 3 and all(r.ttl(k) > 0 for k in gw_keys())
+    finish(client, rid, 1, status=c.ROLLOUT_STATUS_FAILED, will_retry=True, error="boom")
+    assert gw_keys() == []
+    got = client.get_gateway_state(rid, 1, response_id="resp_x")
+    assert not got.segments and not got.response_found
+    assert got.next_seq == 2  # the calls stay
+    client.start_attempt(rid, 2)
+    assert client.get_gateway_state(rid, 2).next_seq == 0
