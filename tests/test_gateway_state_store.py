@@ -141,3 +141,57 @@ def test_the_state_goes_when_the_attempt_ends(client: StoreClient, store_service
     assert got.next_seq == 2  # the calls stay
     client.start_attempt(rid, 2)
     assert client.get_gateway_state(rid, 2).next_seq == 0
+
+
+async def test_a_seq_a_replica_lost_and_a_peer_then_recorded_is_read(store_service) -> None:  # type: ignore[no-untyped-def]
+    """Replica A takes seq 1 and fails to record it (the store keeps seq 1 free); peer B then
+    records its call on seq 1 with no conflict. The store's next seq (2) is not past A's (2),
+    yet A's next refresh reads B's segment, because A lost a seq the store has since filled."""
+    from types import SimpleNamespace
+
+    from harnessrl.credentials import CredentialSigner, RolloutCredential
+    from services.gateway.recorder import StoreFailed
+    from services.gateway.recording import Recording
+    from services.gateway.sessions import Session, Sessions
+
+    sync = StoreClient.connect(store_service.address, timeout=10)
+    rid = _started(sync, "gs-lost")
+    assert _append(sync, [call(rid, 1, 0)], [_seg(2)]) == [spb.APPEND_RESULT_STORED]
+
+    class FailingRecorder:  # test double of CallRecorder: the store failed to store the call
+        async def record(self, call: c.Call, state: spb.GatewayCallState | None) -> None:
+            raise StoreFailed("store error")
+
+    class Segments:  # test double of TokenReuse.load: what the refresh read
+        loaded: list[list[int]] = []
+
+        def load(self, session: Session, segments: list[spb.SegmentRecord]) -> None:
+            self.loaded.append([s.seq for s in segments])
+
+    class Peers:  # another replica serves too (replicas.ReplicaSet's view)
+        alone, epoch = False, 1
+
+        async def wait_ready(self, deadline: float) -> None:
+            return None
+
+    store = StoreClient.connect_async(store_service.address, timeout=10)
+    tokens = Segments()
+    sessions = Sessions(CredentialSigner(b"k" * 32), store, tokens=tokens, replicas=Peers())
+    a = Session(RolloutCredential(rid, 1, 0.0), 1)
+    a.tokens, a.epoch = [], 1  # A's cache holds its own seq 0
+    await sessions.refresh(a)
+    assert tokens.loaded == []  # nothing new in the store: no segment read
+    recording = Recording(FailingRecorder(), sessions, tokens)  # type: ignore[arg-type]
+    lost = c.Call(rollout_id=rid, attempt=1, seq=a.take_seq())
+    with pytest.raises(StoreFailed):
+        await recording.record(SimpleNamespace(generated=None, plan=None, chain=None,
+                                               session=a), lost)  # type: ignore[arg-type]
+    await sessions.refresh(a)
+    assert tokens.loaded == []  # seq 1 still free: nothing to read
+    assert _append(sync, [call(rid, 1, 1)], [_seg(4, replaces=0)]) == [spb.APPEND_RESULT_STORED]
+    await sessions.refresh(a)
+    assert tokens.loaded == [[1]] and a.next_seq == 2  # B's seq 1 read; A goes on at seq 2
+    await sessions.refresh(a)
+    assert tokens.loaded == [[1]]  # read once: the store is no further than A has seen
+    await store.close()
+    sync.close()

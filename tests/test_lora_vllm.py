@@ -115,6 +115,26 @@ class ParityTrainer(Trainer):
         return pushed
 
 
+class HoldSeeingOthers(GatewayHold):
+    """The real hold by adapter; its first hold waits (up to 120 s) until another run's adapter
+    on the engine has a call answered, so the test can check that the hold held only its own
+    run (without the wait the other run may sit in its own train step during every hold)."""
+
+    other = ""  # the other run's adapter name, set once both trainers exist
+
+    def served(self) -> int:
+        return sum(a.served_calls for e in self.admin.list_engines().engines
+                   for a in e.adapters if a.name == self.other)
+
+    def hold(self) -> None:
+        super().hold()
+        if self.windows:
+            return
+        start, deadline = self.served(), time.monotonic() + 120
+        while self.served() == start and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
 def make_trainer(tmp: Path, stack: Stack, tiny_model_dir: Path, name: str, seed: int,
                  mode: str = "sync") -> ParityTrainer:
     cfg = TrainerConfig(
@@ -129,7 +149,7 @@ def make_trainer(tmp: Path, stack: Stack, tiny_model_dir: Path, name: str, seed:
     controller = ControllerClient.connect(stack.controller_address)
     adapter = name_of(cfg)
     gauges = Gauges(GatewayAdminClient.connect(stack.gateway_admin_address), controller, 0.2)
-    hold = GatewayHold(admin, 60, adapter) if mode == "collocated" else None
+    hold = HoldSeeingOthers(admin, 60, adapter) if mode == "collocated" else None
     t = ParityTrainer(cfg, ControllerRuns(controller, 600, adapter),
                       StoreClient.connect(stack.store_address), make_sink(admin, cfg),
                       gauges=gauges, hold=hold, admission=gauges)
@@ -163,6 +183,9 @@ def test_two_lora_runs_on_one_engine_keep_parity_and_isolation(
 
     trainers = [make_trainer(tmp_path, lora_stack, tiny_model_dir, n, seed, mode)
                 for n, seed, mode in (("la", 1, modes[0]), ("lb", 2, modes[1]))]
+    for t, other in (trainers, trainers[::-1]):
+        if isinstance(t.hold, HoldSeeingOthers):
+            t.hold.other = name_of(other.cfg)
     errors: list[BaseException] = []
 
     def run(t: ParityTrainer) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from harnessrl.v1 import common_pb2 as c
 from services.gateway.engines import EngineState
-from services.gateway.recorder import CallRecorder, SeqConflict
+from services.gateway.recorder import CallRecorder, RecordError, SeqConflict
 from services.gateway.sessions import Sessions
 from services.gateway.streaming import Generated
 from services.gateway.tokens import TokenReuse
@@ -54,10 +54,15 @@ class Recording:
         for conflicts in range(MAX_CONFLICTS + 1):
             try:
                 await self.recorder.record(call, state)
+                ex.session.seen_next = max(ex.session.seen_next, call.seq + 1)
                 break
             except SeqConflict:
                 if conflicts == MAX_CONFLICTS:
+                    ex.session.lost = True
                     raise
+            except RecordError:
+                ex.session.lost = True  # the seq stays free in the store (sessions.refresh)
+                raise
                 await self.sessions.refresh(ex.session, force=True)
                 call.seq = ex.session.take_seq()
                 if ex.plan is not None:

@@ -33,7 +33,7 @@ NO_SEGMENTS = 2**31 - 1  # GetGatewayState's known_next_seq for the next seq alo
 
 class Session:
     __slots__ = ("cred", "next_seq", "closed", "run_model", "sampling", "sampling_problem",
-                 "tokens", "adapter", "epoch")
+                 "tokens", "adapter", "epoch", "seen_next", "lost")
 
     def __init__(self, cred: RolloutCredential, next_seq: int) -> None:
         self.cred = cred
@@ -45,6 +45,8 @@ class Session:
         self.tokens: list[Any] | None = None  # tokens.SegmentState of its latest calls
         self.adapter = ""  # RunSpec.adapter: the LoRA adapter serving its calls (adapters.py)
         self.epoch = 0  # the replica set's epoch its caches were last read from the store at
+        self.seen_next = next_seq  # the store's next seq as far as this replica has seen it
+        self.lost = False  # a seq it took was never stored (another replica may record it)
 
     def take_seq(self) -> int:
         seq = self.next_seq
@@ -113,7 +115,7 @@ class Sessions:
             elif att.status != c.ROLLOUT_STATUS_RUNNING:
                 session.closed = f"rollout {cred.rollout_id} attempt {cred.attempt} has finished"
             else:
-                session.next_seq = att.next_seq
+                session.next_seq = session.seen_next = att.next_seq
                 session.epoch = self.replicas.epoch if self.replicas is not None else 0
                 await self._load_run(session, ro.run_id)
             if len(self._sessions) >= self.max_sessions:
@@ -159,14 +161,19 @@ class Sessions:
         # A store whose next seq is past the seqs this replica has given out (now: its calls in
         # flight meanwhile are counted) has calls it did not make, another replica's; below
         # it, the calls are its own (another's call on one of those seqs makes one of the two
-        # a CONFLICT, read again with force). Only then are the segments read.
-        if cached and st.next_seq > session.next_seq:
+        # a CONFLICT, read again with force). Only then are the segments read, or when a seq
+        # this replica took was lost (its record failed) and the store is past what it has seen:
+        # another replica may have recorded that seq since.
+        if cached and (st.next_seq > session.next_seq
+                       or session.lost and st.next_seq > session.seen_next):
             segments = await self._state(session, -1, "")
             st.segments_sent, st.next_seq = True, max(st.next_seq, segments.next_seq)
             st.segments.extend(segments.segments)
         if st.segments_sent and self.tokens is not None:
             self.tokens.load(session, st.segments)
         session.next_seq = max(session.next_seq, st.next_seq)
+        if st.segments_sent:
+            session.seen_next = max(session.seen_next, st.next_seq)
         session.epoch = epoch
         return st.messages_json if st.response_found else None
 
