@@ -92,15 +92,20 @@ def test_restarted_gateway_serves_at_once_with_its_registry(
 class SlowWriteStore:
     """A test double of the store's state calls (AsyncStoreClient's put_state, delete_state,
     list_state): it holds records in a dict, and a write waits until `release` is set (a store
-    that is down while the write retries)."""
+    that is down while the write retries); `then_put` (key, value) lands just after a write
+    (a peer's write of the same key that reaches the store later)."""
 
     def __init__(self) -> None:
         self.records: dict[str, bytes] = {}
         self.release = asyncio.Event()
+        self.then_put: tuple[str, bytes] | None = None
 
     async def put_state(self, namespace: str, key: str, value: bytes) -> None:
         await self.release.wait()
         self.records[key] = value
+        if self.then_put is not None:
+            k, v = self.then_put
+            self.records[k], self.then_put = v, None
 
     async def delete_state(self, namespace: str, key: str) -> None:
         await self.release.wait()
@@ -133,3 +138,22 @@ async def test_a_reload_while_a_change_is_being_saved_keeps_the_change() -> None
     assert gpb.Engine.FromString(store.records["e0"]).policy_version == 8
     await state.reload(registry, [], 5)  # saved: the store's record is this replica's again
     assert registry.engines["e0"].policy_version == 8
+
+
+async def test_a_peers_change_saved_after_this_replicas_is_taken_once_the_save_is_done() -> None:
+    """A reload skips e0 while this replica saves version 8; a peer's version 9 of e0 then
+    reaches the store after this replica's write. When the save is done, e0 is read again:
+    this replica serves the store's (the peer's) version, not its own."""
+    registry = EngineRegistry()
+    registry.register("e0", "http://127.0.0.1:9/v1", "tiny", 7)
+    store = SlowWriteStore()
+    state = RegistryState(store, "gateway-engines")  # type: ignore[arg-type]
+    saving = asyncio.create_task(state.save(registry.update("e0", 8, gpb.ENGINE_STATE_UNSPECIFIED, "")))
+    await asyncio.sleep(0)  # the save waits for the store
+    await state.reload(registry, ["e0"], 5)  # the peer's notice: e0 is being saved, skipped
+    assert registry.engines["e0"].policy_version == 8
+    peer = gpb.Engine(name="e0", base_url="http://127.0.0.1:9", model="tiny", policy_version=9)
+    store.then_put = ("e0", peer.SerializeToString())  # the peer's write lands after ours
+    store.release.set()
+    await saving
+    assert registry.engines["e0"].policy_version == 9, "the peer's later change was dropped"

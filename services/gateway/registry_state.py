@@ -45,6 +45,10 @@ class RegistryState:
         # reload (a peer's change, or this replica catching up after its announcement
         # expired, say while the store restarts) leaves them as they are
         self._writing: dict[str, int] = {}
+        # engines a reload left as they were: read again once their writes are done (a peer's
+        # write may have reached the store after this replica's)
+        self._skipped: set[str] = set()
+        self._registry: EngineRegistry | None = None
 
     async def _write(self, what: str, fn: Callable[[], Awaitable[object]]) -> None:
         """Runs one store write, retrying a store that is unavailable for `write_timeout_s`."""
@@ -83,11 +87,25 @@ class RegistryState:
                 data = record.SerializeToString()
                 await self._write(f"saving engine {eng.name}", functools.partial(
                     self.store.put_state, self.namespace, eng.name, data))
+        await self._read_skipped([eng.name for eng in engines])
 
     async def delete(self, name: str) -> None:
         with self._in_flight([name]):
             await self._write(f"removing engine {name}",
                               lambda: self.store.delete_state(self.namespace, name))
+        await self._read_skipped([name])
+
+    async def _read_skipped(self, names: list[str]) -> None:
+        """Reads again the engines among `names` a reload skipped while they were written and
+        now have no write in flight: the store holds whichever write came last."""
+        due = [n for n in names if n in self._skipped and n not in self._writing]
+        if due and self._registry is not None:
+            self._skipped.difference_update(due)
+            try:
+                await self.reload(self._registry, due, self.write_timeout_s)
+            except grpc.aio.AioRpcError as err:  # saved all the same; the next reload reads it
+                self._skipped.update(due)
+                log.warning("reading %s again after saving it failed: %s", due, err.code().name)
 
     async def load(self, timeout_s: float) -> list[gpb.Engine]:
         """The stored engines; retries a store that is unavailable for up to `timeout_s`."""
@@ -127,10 +145,13 @@ class RegistryState:
                      ) -> None:
         """Another replica changed these engines (all when empty): `registry` takes the
         stored records, and drops the named ones the store no longer has; an engine this
-        replica is saving keeps its own state (the newer)."""
+        replica is saving keeps its own state (the newer) until the save is done, then is read
+        again."""
         stored = {rec.name: rec for rec in await self.load(timeout_s)}
+        self._registry = registry
         for name in names or list(set(stored) | set(registry.engines)):
             if name in self._writing:
+                self._skipped.add(name)
                 continue
             if name in stored:
                 apply(registry, stored[name])
