@@ -5,12 +5,15 @@ Keys (under the store's prefix P; k is the attempt):
 - `P calls:{rollout_id}:{k}` HASH seq -> `Call` bytes.
 - `P gw:{rollout_id}:{k}` HASH: `next` (1 + the highest seq stored), `s:{seq}` ->
   `SegmentRecord` bytes without its ids (calls a later turn may extend; the ids are the call's
-  own prompt and completion ids, read from the call when the state is read), `r:{response_id}`
-  -> the Responses chain entry (the previous response id, a newline, the JSON list of messages
-  it adds).
-- `P gws:{rollout_id}:{k}` / `P gwr:{rollout_id}:{k}` LISTs of those seqs / response ids, most
-  recent first, trimmed to the gateway's `keep` / `keep_responses`: the state of an attempt is
-  bounded as it is in a gateway's memory.
+  own prompt and completion ids, read from the call when the state is read), `o` (those seqs,
+  most recent first, comma-separated, at most the gateway's `keep`), `r:{response_id}` -> the
+  Responses chain entry (the previous response id, a newline, the JSON list of messages it
+  adds).
+- `P gwr:{rollout_id}:{k}` LIST of those response ids, most recent first, trimmed to the
+  gateway's `keep_responses`: the state of an attempt is bounded as it is in a gateway's memory.
+
+A call that starts or extends a segment costs five Redis commands (GET, HSETNX, HMGET, HSET,
+HDEL), all in the one script.
 
 A call and its state are written together or not at all, only while the attempt runs (the
 rollout's `st:` key, kept by `redis_store`), and the gateway keys go when the attempt ends
@@ -34,62 +37,55 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 
 _APPEND_LUA = """
--- Per call i: KEYS[5i-4..5i] = its rollout's state key, calls hash, gw hash, segment list,
--- response list; ARGV[10i-9..10i] = attempt, seq, call bytes, segment record ('' none),
--- replaced seq ('' none), keep, response id ('' none), chain entry, keep_responses, the
--- bytes of the call not aborted (an aborted one; else '').
--- ARGV[#ARGV] = ttl seconds of the gw keys.
+-- Per call i: KEYS[4i-3..4i] = its rollout's state key, calls hash, gw hash, response list;
+-- ARGV[10i-9..10i] = attempt, seq, call bytes, segment record ('' none), replaced seq ('' none),
+-- keep, response id ('' none), chain entry, keep_responses, the bytes of the call not aborted
+-- (an aborted one; else ''). ARGV[#ARGV] = ttl seconds of the gw keys.
 -- Result per call: 1 stored, 0 duplicate, -1 unknown rollout, -2 attempt not running,
 -- -3 conflict (its seq holds another call).
 local out = {}
 local ttl = tonumber(ARGV[#ARGV])
-for i = 1, #KEYS / 5 do
-  local st_key, calls_key, gw, segs, resps = KEYS[5*i-4], KEYS[5*i-3], KEYS[5*i-2],
-                                              KEYS[5*i-1], KEYS[5*i]
+for i = 1, #KEYS / 4 do
+  local st_key, calls_key, gw, resps = KEYS[4*i-3], KEYS[4*i-2], KEYS[4*i-1], KEYS[4*i]
   local a = 10 * (i - 1)
   local attempt, seq, data = ARGV[a+1], ARGV[a+2], ARGV[a+3]
-  local have = redis.call('HGET', calls_key, seq)
-  if have then
-    if have == data or (ARGV[a+10] ~= '' and have == ARGV[a+10]) then
-      out[i] = 0
-    else
-      out[i] = -3
-    end
+  local st = redis.call('GET', st_key)
+  if st ~= ('R' .. attempt) or redis.call('HSETNX', calls_key, seq, data) == 0 then
+    local have = redis.call('HGET', calls_key, seq)
+    if have then
+      if have == data or (ARGV[a+10] ~= '' and have == ARGV[a+10]) then out[i] = 0
+      else out[i] = -3 end
+    elseif not st then out[i] = -1
+    else out[i] = -2 end
   else
-    local st = redis.call('GET', st_key)
-    if not st then
-      out[i] = -1
-    elseif st ~= ('R' .. attempt) then
-      out[i] = -2
-    else
-      redis.call('HSET', calls_key, seq, data)
-      local nxt = redis.call('HGET', gw, 'next')
-      if not nxt or tonumber(seq) + 1 > tonumber(nxt) then
-        redis.call('HSET', gw, 'next', tonumber(seq) + 1)
-        if not nxt then redis.call('EXPIRE', gw, ttl) end
-      end
-      if ARGV[a+4] ~= '' then
-        if ARGV[a+5] ~= '' then
-          redis.call('LREM', segs, 0, ARGV[a+5])
-          redis.call('HDEL', gw, 's:' .. ARGV[a+5])
-        end
-        local n = redis.call('LPUSH', segs, seq)
-        redis.call('HSET', gw, 's:' .. seq, ARGV[a+4])
-        if n == 1 then redis.call('EXPIRE', segs, ttl) end
-        for _ = 1, n - tonumber(ARGV[a+6]) do
-          redis.call('HDEL', gw, 's:' .. redis.call('RPOP', segs))
-        end
-      end
-      if ARGV[a+7] ~= '' then
-        redis.call('HSET', gw, 'r:' .. ARGV[a+7], ARGV[a+8])
-        local n = redis.call('LPUSH', resps, ARGV[a+7])
-        if n == 1 then redis.call('EXPIRE', resps, ttl) end
-        for _ = 1, n - tonumber(ARGV[a+9]) do
-          redis.call('HDEL', gw, 'r:' .. redis.call('RPOP', resps))
-        end
-      end
-      out[i] = 1
+    local got = redis.call('HMGET', gw, 'next', 'o')
+    local set, drop = {}, {}
+    if not got[1] or tonumber(seq) + 1 > tonumber(got[1]) then
+      set[#set + 1], set[#set + 2] = 'next', tonumber(seq) + 1
     end
+    if ARGV[a+4] ~= '' then
+      local replaced, keep, order = ARGV[a+5], tonumber(ARGV[a+6]), {seq}
+      if replaced ~= '' then drop[#drop + 1] = 's:' .. replaced end
+      for s in string.gmatch(got[2] or '', '[^,]+') do
+        if s ~= replaced then
+          if #order < keep then order[#order + 1] = s else drop[#drop + 1] = 's:' .. s end
+        end
+      end
+      set[#set + 1], set[#set + 2] = 'o', table.concat(order, ',')
+      set[#set + 1], set[#set + 2] = 's:' .. seq, ARGV[a+4]
+    end
+    if #set > 0 then redis.call('HSET', gw, unpack(set)) end
+    if #drop > 0 then redis.call('HDEL', gw, unpack(drop)) end
+    if not got[1] then redis.call('EXPIRE', gw, ttl) end
+    if ARGV[a+7] ~= '' then
+      redis.call('HSET', gw, 'r:' .. ARGV[a+7], ARGV[a+8])
+      local n = redis.call('LPUSH', resps, ARGV[a+7])
+      if n == 1 then redis.call('EXPIRE', resps, ttl) end
+      for _ = 1, n - tonumber(ARGV[a+9]) do
+        redis.call('HDEL', gw, 'r:' .. redis.call('RPOP', resps))
+      end
+    end
+    out[i] = 1
   end
 end
 return out
@@ -152,9 +148,9 @@ class CallLog:
     def calls_key(self, rollout_id: str, attempt: int) -> str:
         return f"{self.p}calls:{rollout_id}:{attempt}"
 
-    def _gw_keys(self, rollout_id: str, attempt: int) -> tuple[str, str, str]:
+    def _gw_keys(self, rollout_id: str, attempt: int) -> tuple[str, str]:
         tail = f"{rollout_id}:{attempt}"
-        return f"{self.p}gw:{tail}", f"{self.p}gws:{tail}", f"{self.p}gwr:{tail}"
+        return f"{self.p}gw:{tail}", f"{self.p}gwr:{tail}"
 
     async def append(self, calls: Sequence[c.Call], states: Sequence[spb.GatewayCallState]
                      ) -> list[int]:
@@ -182,20 +178,16 @@ class CallLog:
         args.append(self.ttl_s)
         return [int(x) for x in await self._append(keys=keys, args=args)]
 
-    async def next_seq(self, rollout_id: str, attempt: int) -> int:
-        gw = self._gw_keys(rollout_id, attempt)[0]
-        nxt = await self.r.hget(gw, "next")
-        if nxt is not None:
-            return int(nxt)
-        seqs = await self.r.hkeys(self.calls_key(rollout_id, attempt))  # older stores' calls
-        return max(int(s) for s in seqs) + 1 if seqs else 0
-
     async def gateway_state(self, req: spb.GetGatewayStateRequest) -> spb.GatewayState:
-        gw, segs, _ = self._gw_keys(req.rollout_id, req.attempt)
-        out = spb.GatewayState(next_seq=await self.next_seq(req.rollout_id, req.attempt))
+        gw = self._gw_keys(req.rollout_id, req.attempt)[0]
+        nxt, segs = await self.r.hmget(gw, ["next", "o"])
+        if nxt is None:  # no call stored with its state: older stores' calls, or none
+            seqs = await self.r.hkeys(self.calls_key(req.rollout_id, req.attempt))
+            nxt = max(int(s) for s in seqs) + 1 if seqs else 0
+        out = spb.GatewayState(next_seq=int(nxt))
         if req.known_next_seq < 0 or out.next_seq > req.known_next_seq:
             out.segments_sent = True
-            order = [_raw(s).decode() for s in await self.r.lrange(segs, 0, -1)]
+            order = _raw(segs).decode().split(",") if segs else []
             if order:
                 async with self.r.pipeline(transaction=False) as pipe:
                     pipe.hmget(gw, [f"s:{s}" for s in order])
