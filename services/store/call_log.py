@@ -180,11 +180,13 @@ class CallLog:
 
     async def gateway_state(self, req: spb.GetGatewayStateRequest) -> spb.GatewayState:
         gw = self._gw_keys(req.rollout_id, req.attempt)[0]
-        nxt, segs = await self.r.hmget(gw, ["next", "o"])
-        if nxt is None:  # no call stored with its state: older stores' calls, or none
+        stored_next, segs = await self.r.hmget(gw, ["next", "o"])
+        if stored_next is not None:
+            nxt = int(stored_next)
+        else:  # no call stored with its state: older stores' calls, or none
             seqs = await self.r.hkeys(self.calls_key(req.rollout_id, req.attempt))
             nxt = max(int(s) for s in seqs) + 1 if seqs else 0
-        out = spb.GatewayState(next_seq=int(nxt))
+        out = spb.GatewayState(next_seq=nxt)
         if req.known_next_seq < 0 or out.next_seq > req.known_next_seq:
             out.segments_sent = True
             order = _raw(segs).decode().split(",") if segs else []
