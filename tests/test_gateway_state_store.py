@@ -143,49 +143,70 @@ def test_the_state_goes_when_the_attempt_ends(client: StoreClient, store_service
     assert client.get_gateway_state(rid, 2).next_seq == 0
 
 
-async def test_a_seq_a_replica_lost_and_a_peer_then_recorded_is_read(store_service) -> None:  # type: ignore[no-untyped-def]
-    """Replica A takes seq 1 and fails to record it (the store keeps seq 1 free); peer B then
-    records its call on seq 1 with no conflict. The store's next seq (2) is not past A's (2),
-    yet A's next refresh reads B's segment, because A lost a seq the store has since filled."""
+class ScriptedRecorder:
+    """A test double of CallRecorder: raises the errors given, one a call, then records (the
+    seqs it was asked to record are kept)."""
+
+    def __init__(self, *errors: Exception) -> None:
+        self.errors, self.seqs = list(errors), []  # type: ignore[var-annotated]
+
+    async def record(self, call: c.Call, state: spb.GatewayCallState | None) -> None:
+        self.seqs.append(call.seq)
+        if self.errors:
+            raise self.errors.pop(0)
+
+
+class Segments:
+    """A test double of TokenReuse: what the refreshes read (seqs of the segments loaded)."""
+
+    def __init__(self) -> None:
+        self.loaded: list[list[int]] = []
+
+    def load(self, session: object, segments: list[spb.SegmentRecord]) -> None:
+        self.loaded.append([s.seq for s in segments])
+
+
+class Peers:
+    """replicas.ReplicaSet's view when another replica serves too."""
+
+    alone, epoch = False, 1
+
+    async def wait_ready(self, deadline: float) -> None:
+        return None
+
+
+def _replica(store_service, rid: str, recorder: ScriptedRecorder, next_seq: int):  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
     from harnessrl.credentials import CredentialSigner, RolloutCredential
-    from services.gateway.recorder import StoreFailed
     from services.gateway.recording import Recording
     from services.gateway.sessions import Session, Sessions
-
-    sync = StoreClient.connect(store_service.address, timeout=10)
-    rid = _started(sync, "gs-lost")
-    assert _append(sync, [call(rid, 1, 0)], [_seg(2)]) == [spb.APPEND_RESULT_STORED]
-
-    class FailingRecorder:  # test double of CallRecorder: the store failed to store the call
-        async def record(self, call: c.Call, state: spb.GatewayCallState | None) -> None:
-            raise StoreFailed("store error")
-
-    class Segments:  # test double of TokenReuse.load: what the refresh read
-        loaded: list[list[int]] = []
-
-        def load(self, session: Session, segments: list[spb.SegmentRecord]) -> None:
-            self.loaded.append([s.seq for s in segments])
-
-    class Peers:  # another replica serves too (replicas.ReplicaSet's view)
-        alone, epoch = False, 1
-
-        async def wait_ready(self, deadline: float) -> None:
-            return None
 
     store = StoreClient.connect_async(store_service.address, timeout=10)
     tokens = Segments()
     sessions = Sessions(CredentialSigner(b"k" * 32), store, tokens=tokens, replicas=Peers())
-    a = Session(RolloutCredential(rid, 1, 0.0), 1)
-    a.tokens, a.epoch = [], 1  # A's cache holds its own seq 0
+    session = Session(RolloutCredential(rid, 1, 0.0), next_seq)
+    session.tokens, session.epoch = [], 1  # its cache holds its own calls so far
+    recording = Recording(recorder, sessions, tokens)  # type: ignore[arg-type]
+    ex = SimpleNamespace(generated=None, plan=None, chain=None, session=session)
+    return store, sessions, session, tokens, recording, ex
+
+
+async def test_a_seq_a_replica_lost_and_a_peer_then_recorded_is_read(store_service) -> None:  # type: ignore[no-untyped-def]
+    """Replica A takes seq 1 and fails to record it (the store keeps seq 1 free); peer B then
+    records its call on seq 1 with no conflict. The store's next seq (2) is not past A's (2),
+    yet A's next refresh reads B's segment, because A lost a seq the store has since filled."""
+    from services.gateway.recorder import StoreFailed
+
+    sync = StoreClient.connect(store_service.address, timeout=10)
+    rid = _started(sync, "gs-lost")
+    assert _append(sync, [call(rid, 1, 0)], [_seg(2)]) == [spb.APPEND_RESULT_STORED]
+    store, sessions, a, tokens, recording, ex = _replica(
+        store_service, rid, ScriptedRecorder(StoreFailed("store error")), 1)
     await sessions.refresh(a)
     assert tokens.loaded == []  # nothing new in the store: no segment read
-    recording = Recording(FailingRecorder(), sessions, tokens)  # type: ignore[arg-type]
-    lost = c.Call(rollout_id=rid, attempt=1, seq=a.take_seq())
     with pytest.raises(StoreFailed):
-        await recording.record(SimpleNamespace(generated=None, plan=None, chain=None,
-                                               session=a), lost)  # type: ignore[arg-type]
+        await recording.record(ex, c.Call(rollout_id=rid, attempt=1, seq=a.take_seq()))
     await sessions.refresh(a)
     assert tokens.loaded == []  # seq 1 still free: nothing to read
     assert _append(sync, [call(rid, 1, 1)], [_seg(4, replaces=0)]) == [spb.APPEND_RESULT_STORED]
@@ -193,5 +214,26 @@ async def test_a_seq_a_replica_lost_and_a_peer_then_recorded_is_read(store_servi
     assert tokens.loaded == [[1]] and a.next_seq == 2  # B's seq 1 read; A goes on at seq 2
     await sessions.refresh(a)
     assert tokens.loaded == [[1]]  # read once: the store is no further than A has seen
+    await store.close()
+    sync.close()
+
+
+async def test_a_call_whose_seq_a_peer_took_is_recorded_under_the_next_free_one(
+        store_service) -> None:  # type: ignore[no-untyped-def]
+    """The store answers CONFLICT (a peer's call holds the seq): the replica reads the attempt
+    again and records the call under the next free seq, and no seq counts as lost."""
+    from services.gateway.recorder import SeqConflict
+
+    sync = StoreClient.connect(store_service.address, timeout=10)
+    rid = _started(sync, "gs-conflict")
+    assert _append(sync, [call(rid, 1, 0), call(rid, 1, 1)], [_seg(2), _seg(4, replaces=0)]) \
+        == [spb.APPEND_RESULT_STORED] * 2  # seq 1 is the peer's, which this replica missed
+    recorder = ScriptedRecorder(SeqConflict("seq 1 holds another call"))
+    store, sessions, a, tokens, recording, ex = _replica(store_service, rid, recorder, 1)
+    mine = c.Call(rollout_id=rid, attempt=1, seq=a.take_seq())
+    await recording.record(ex, mine)
+    assert recorder.seqs == [1, 2] and mine.seq == 2  # read again: seq 2 is the next free
+    assert tokens.loaded == [[1]]  # the peer's segment came with the forced read
+    assert a.next_seq == 3 and a.seen_next == 3 and not a.lost
     await store.close()
     sync.close()

@@ -60,12 +60,12 @@ class Recording:
                 if conflicts == MAX_CONFLICTS:
                     ex.session.lost = True
                     raise
-            except RecordError:
-                ex.session.lost = True  # the seq stays free in the store (sessions.refresh)
-                raise
                 await self.sessions.refresh(ex.session, force=True)
                 call.seq = ex.session.take_seq()
                 if ex.plan is not None:
                     self.tokens.fields(ex.plan, call)
+            except RecordError:
+                ex.session.lost = True  # the seq stays free in the store (sessions.refresh)
+                raise
         if state is not None and state.segment and ex.plan is not None and gen is not None:
             self.tokens.recorded(ex.session, ex.plan, call, state, gen.prompt_ids or [], gen.ids)
