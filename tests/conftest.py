@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from harnessrl import procs
+from harnessrl.clients import StoreClient
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,6 +75,20 @@ def store_service(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[S
 
 
 TEST_SECRET = "test-secret-0123456789abcdef0123456789"
+
+
+def running_rollout(store: StoreClient) -> tuple[str, str]:
+    """A new one-rollout group with its first attempt started, and that attempt's key (signed
+    with TEST_SECRET, 10 minutes)."""
+    from harnessrl.credentials import CredentialSigner
+    from harnessrl.v1 import common_pb2 as c
+
+    rid = f"run/{uuid.uuid4().hex[:8]}/0"
+    store.create_rollouts([c.Rollout(rollout_id=rid, run_id="run", task_id="t",
+                                     group_id=rid[:-2], group_size=1, max_attempts=1,
+                                     stream="-")])
+    store.start_attempt(rid, 1)
+    return rid, CredentialSigner(TEST_SECRET.encode()).mint(rid, 1, 600)
 
 
 class StubEngineService:

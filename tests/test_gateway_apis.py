@@ -18,7 +18,7 @@ import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from conftest import TEST_SECRET, GatewayService, StoreService
+from conftest import GatewayService, StoreService, TEST_SECRET, running_rollout
 from harnessrl.clients import StoreClient
 from harnessrl.credentials import CredentialSigner
 from harnessrl.v1 import common_pb2 as c
@@ -44,12 +44,7 @@ class Env:
     tok: PreTrainedTokenizerFast
 
     def key(self) -> tuple[str, str]:
-        rid = f"run/{uuid.uuid4().hex[:8]}/0"
-        self.store.create_rollouts([c.Rollout(rollout_id=rid, run_id="run", task_id="t",
-                                              group_id=rid[:-2], group_size=1, max_attempts=1,
-                                              stream="-")])
-        self.store.start_attempt(rid, 1)
-        return rid, SIGNER.mint(rid, 1, 600)
+        return running_rollout(self.store)
 
     def openai(self, key: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.gateway.base_url, api_key=key, max_retries=0,

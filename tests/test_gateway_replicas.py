@@ -9,7 +9,6 @@ from __future__ import annotations
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import TEST_SECRET, GatewayReplica, StoreService, StubEngineService
+from conftest import GatewayReplica, StoreService, StubEngineService, TEST_SECRET, running_rollout
 from harnessrl.clients import GatewayAdminClient, StoreClient
 from harnessrl.credentials import CredentialSigner
-from harnessrl.v1 import common_pb2 as c
 
 SIGNER = CredentialSigner(TEST_SECRET.encode())
 
@@ -33,12 +31,7 @@ class Pair:
     stub: StubEngineService
 
     def key(self) -> tuple[str, str]:
-        rid = f"run/{uuid.uuid4().hex[:8]}/0"
-        self.store.create_rollouts([c.Rollout(rollout_id=rid, run_id="run", task_id="t",
-                                              group_id=rid[:-2], group_size=1, max_attempts=1,
-                                              stream="-")])
-        self.store.start_attempt(rid, 1)
-        return rid, SIGNER.mint(rid, 1, 600)
+        return running_rollout(self.store)
 
     def completions_seen(self) -> list[float]:
         log = httpx.get(f"{self.stub.base_url}/stub/log").json()
