@@ -100,6 +100,59 @@ def test_fix_move_writes_every_operator(tmp_path: Path) -> None:
                                                               "pkg"]
 
 
+def test_rl_forms_mean_what_the_task_means() -> None:
+    """Each form of a correct comparison is true exactly when it is, and the form's broken
+    comparison (its inner comparison flipped) exactly when the task's broken one is."""
+    import itertools
+
+    from examples.swe import rl_forms
+
+    values: list[object] = [-1, 0, 1, 2]
+    for op in rl_forms.NEG:
+        grid = (itertools.product(values, [[0, 1], [2], []]) if "in" in op
+                else itertools.product(values + [None], values + [None]) if "is" in op
+                else itertools.product(values, values))
+        original, broken = f"a {op} b", f"a {rl_forms.FLIP[op]} b"
+        for a, b in grid:
+            for name, (text, offset, inner) in rl_forms.correct_forms(original).items():
+                left, iop, right = rl_forms.split_compare(inner)
+                form_broken = text[:offset] + f"{left} {rl_forms.FLIP[iop]} {right}" + \
+                    text[offset + len(inner):]
+                env = {"a": a, "b": b}
+                assert eval(text, env) == eval(original, env), (name, text, a, b)
+                assert eval(form_broken, env) == eval(broken, env), (name, form_broken, a, b)
+    assert set(rl_forms.correct_forms("x.end < y.start")) == {"neg", "mirror", "mirror_neg"}
+    assert set(rl_forms.correct_forms("v is not None")) == {"neg"}
+
+
+def test_rl_form_task_is_checked_on_its_workspace(tmp_path: Path, monkeypatch) -> None:
+    """A form of a slice task is a task of its own (snapshot, mutation, gold patch) that the
+    list move pins and the policy's right fix solves; a rewrite that changes the meaning is
+    dropped by the same check."""
+    from examples.swe import rl_forms
+    from examples.swe.swe_tasks import SweTask
+    from examples.swe.workspace import apply_patch, prepare_workspace
+    from examples.swe import grader
+
+    t = next(t for t in _tasks() if t["instance_id"] == PINNED)
+    templates = policy.mini_templates(MINI)
+    form = rl_forms.form_task(t, "neg", tmp_path / "forms")
+    shown, info = policy.in_slice(t), policy.in_slice(form)
+    assert shown is not None and info is not None
+    correct = rl_forms.FLIP[shown.op]  # `x not in s` -> `not (x in s)`, broken `not (x not in s)`
+    assert info.op == rl_forms.FLIP[rl_forms.NEG[correct]]
+    assert form["FAIL_TO_PASS"] == t["FAIL_TO_PASS"] and form["base_commit"] != t["base_commit"]
+    assert rl_forms.checked(form, tmp_path / "ws", templates) is None
+    gold = tmp_path / "gold"
+    prepare_workspace(form, gold)
+    apply_patch(gold, form["patch"])
+    assert grader.grade(SweTask.model_validate(form), gold).reward == 1.0
+    monkeypatch.setitem(rl_forms.NEG, correct, correct)  # `not (x not in s)`: not the same
+    bad = rl_forms.form_task(t, "neg", tmp_path / "bad")
+    assert rl_forms.checked(bad, tmp_path / "ws2", templates) == \
+        "the broken workspace does not grade 0"
+
+
 def test_rename_map_and_listing_pins() -> None:
     import random
 

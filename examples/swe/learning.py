@@ -158,6 +158,13 @@ def split_slice(a: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
 
 def phase_slice(a: argparse.Namespace) -> dict[str, Any]:
     held, rl = split_slice(a)
+    forms: dict[str, Any] = {}
+    if a.rl_forms:  # the RL tasks also in their equivalent forms (examples/swe/rl_forms.py)
+        from examples.swe.rl_forms import make_forms
+
+        kept, dropped = make_forms(rl, a.out / "forms", a.mini_config)
+        rl = rl + kept
+        forms = {"rl_form_tasks": len(kept), "rl_forms_dropped": dropped}
     write_slice(held, a.out, "heldout")
     write_slice(rl, a.out, "rl-train")
     write_slice(held + rl, a.out, "all")  # full records for the harness and the grader
@@ -168,7 +175,8 @@ def phase_slice(a: argparse.Namespace) -> dict[str, Any]:
             "heldout_from_val_split": sum(t["split"] == "val" for t in held),
             "rl_train_tasks": len(rl), "rl_train_functions": len(fns_train),
             "moved_functions": json.loads((a.out / "slice-split.json").read_text())["moved"],
-            "dir": str(a.out)}
+            "rl_operators": sorted({policy.in_slice(t).op for t in rl}),  # type: ignore[union-attr]
+            **forms, "dir": str(a.out)}
 
 
 def harness_cmd(a: argparse.Namespace, full: Path) -> str:
@@ -413,6 +421,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("phase", choices=("tasks", "verify", "warmup", "slice", "eval", "train", "all"))
     ap.add_argument("--verify-tasks", type=int, default=3)
     ap.add_argument("--heldout-min", type=int, default=30)
+    ap.add_argument("--rl-forms", action="store_true",
+                    help="slice: the RL tasks also in equivalent forms that show other "
+                         "operators (examples/swe/rl_forms.py)")
     ap.add_argument("--repos", type=Path, default=HERE / "repos",
                     help="tasks: the libraries (examples/swe/repos)")
     ap.add_argument("--tasks-dir", type=Path, default=HERE / "tasks")
