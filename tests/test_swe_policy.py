@@ -153,6 +153,23 @@ def test_rl_form_task_is_checked_on_its_workspace(tmp_path: Path, monkeypatch) -
         "the broken workspace does not grade 0"
 
 
+def test_fix_kind_reads_the_fix_move_from_recorded_calls() -> None:
+    from types import SimpleNamespace
+
+    from examples.swe.run_record import fix_kind
+
+    def call(command: str | None) -> SimpleNamespace:
+        calls = [{"function": {"name": "bash", "arguments": json.dumps({"command": command})}}]
+        return SimpleNamespace(response_message_json=json.dumps(
+            {"role": "assistant", "content": "", "tool_calls": calls if command else None}))
+
+    listed = [call("suspects")]
+    assert fix_kind([*listed, call("fix '<='"), call(policy.SUBMIT)], ">=") == "right"
+    assert fix_kind([*listed, call("fix '>='")], ">=") == "copied"
+    assert fix_kind([*listed, call("fix '<'")], ">=") == "other"
+    assert fix_kind([*listed, call(None), call(policy.SUBMIT)], ">=") == "none"
+
+
 def test_rename_map_and_listing_pins() -> None:
     import random
 

@@ -40,6 +40,7 @@ if __package__ in (None, ""):
 
 from examples.swe import dialogues as dialogues_mod  # noqa: E402
 from examples.swe import policy  # noqa: E402
+from examples.swe.run_record import segment_share  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -213,59 +214,8 @@ def phase_eval(a: argparse.Namespace, model: str, name: str) -> dict[str, Any]:
     res = json.loads(result.read_text())
     return {"phase": "eval", "name": name, "model": str(model), "k": a.k,
             "tasks": len(res["tasks"]), "metrics": res["metrics"], "seconds": round(seconds),
-            "segments": segment_share(res, a.out / f"state-eval-{name}"),
+            "segments": segment_share(res, a.out / f"state-eval-{name}", full),
             "result": str(result)}
-
-
-def segment_share(res: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    """From the store's record of the eval run (a store started on its Redis and key prefix):
-    the share of mini's calls that continue a token segment, of all calls and of the calls
-    that follow a call whose reply was a valid tool call (mini's history only appends then),
-    and the prompt length (tokens) per turn."""
-    import json as _json
-
-    from harnessrl import procs
-    from harnessrl.clients import StoreClient
-    from harnessrl.v1 import common_pb2 as c
-
-    proc, info = procs.start_service(
-        "store-readback", "services.store",
-        ["--bind", "127.0.0.1:0", "--redis-url", res["store"]["redis_url"], "--key-prefix",
-         res["store"]["key_prefix"]], workdir)
-    try:
-        store = StoreClient.connect(f"127.0.0.1:{info['grpc_port']}")
-        rollouts = store.list_rollouts(res["run_id"], include_calls=True).rollouts
-        store.close()
-    finally:
-        proc.stop()
-    total = continued = after_valid = continued_after_valid = 0
-    prompt_by_turn: dict[int, list[int]] = {}
-    for ro in rollouts:
-        calls = sorted(ro.calls, key=lambda x: x.seq)
-        prev_valid = False
-        for turn, call in enumerate(calls):
-            total += 1
-            cont = call.segment_start == c.SEGMENT_START_CONTINUED
-            continued += cont
-            if turn and prev_valid:
-                after_valid += 1
-                continued_after_valid += cont
-            prompt_by_turn.setdefault(turn, []).append(len(call.prompt_token_ids))
-            try:
-                msg = _json.loads(call.response_message_json)
-                prev_valid = bool(msg.get("tool_calls")) and all(
-                    "command" in _json.loads(t["function"]["arguments"])
-                    for t in msg["tool_calls"])
-            except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-                prev_valid = False
-    return {"calls": total, "continued": continued,
-            "share_continued": round(continued / total, 3) if total else None,
-            "calls_after_valid_tool_call": after_valid,
-            "share_continued_after_valid": round(continued_after_valid / after_valid, 3)
-            if after_valid else None,
-            "prompt_tokens_by_turn": {t: {"min": min(v), "median": sorted(v)[len(v) // 2],
-                                          "max": max(v), "n": len(v)}
-                                      for t, v in sorted(prompt_by_turn.items())}}
 
 
 def phase_tasks(a: argparse.Namespace) -> dict[str, Any]:
@@ -389,7 +339,8 @@ def phase_train(a: argparse.Namespace, seed: int) -> dict[str, Any]:
             res = json.loads(Path(ev["result"]).read_text())
             res.setdefault("store", {"redis_url": "redis://127.0.0.1:6379/0",
                                      "key_prefix": prefix})
-            seg[ev["step"]] = segment_share(res, a.out / f"state-train-{seed}")
+            seg[ev["step"]] = segment_share(res, a.out / f"state-train-{seed}",
+                                            a.out / "heldout.jsonl")
         except Exception as exc:  # noqa: BLE001 - a figure, not the run
             seg[ev["step"]] = {"error": repr(exc)}
     return {"phase": "train", "seed": seed, "rc": p.returncode, "seconds": round(seconds),
