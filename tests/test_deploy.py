@@ -28,7 +28,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate 1.37.0 carries
-OVERLAYS = ("cpu", "gpu", "gpu-node")
+OVERLAYS = ("cpu", "gpu", "gpu-node", "cpu-lora")
 DOCKERFILES = sorted([*REPO.glob("services/*/Dockerfile"), REPO / "examples/calc/Dockerfile"])
 ROLLOUT_LABELS = {"app.kubernetes.io/component": "rollout", "harnessrl.dev/role": "rollout"}
 # Controller settings of the Kubernetes job backend being added in parallel (not in
@@ -150,9 +150,10 @@ def test_gpu_requests_only_in_the_gpu_overlay(manifests) -> None:  # type: ignor
     overlay, docs = manifests
     engine = find(docs, "Deployment", "harnessrl-engine")
     trainer = find(docs, "Job", "harnessrl-trainer")
-    accel = "cpu" if overlay == "cpu" else "gpu"
+    accel = "cpu" if overlay.startswith("cpu") else "gpu"
     # gpu-node: the trainer on a whole 8-GPU node, one process per GPU (--nproc)
-    want = {"cpu": (None, None), "gpu": ("1", "1"), "gpu-node": ("1", "8")}[overlay]
+    want = {"cpu": (None, None), "gpu": ("1", "1"), "gpu-node": ("1", "8"),
+            "cpu-lora": (None, None)}[overlay]
     for doc, name, gpus_wanted in ((engine, "engine", want[0]), (trainer, "trainer", want[1])):
         ct = next(c for c in pod_spec(doc)["containers"] if c["name"] == name)  # type: ignore[index]
         gpus = ct["resources"]["limits"].get("nvidia.com/gpu")
@@ -172,6 +173,38 @@ def test_gpu_requests_only_in_the_gpu_overlay(manifests) -> None:  # type: ignor
     assert trainer_env["HARNESSRL_TRAINER_PUSH__BACKEND"] == backend.split('"')[3]
     mounts = {m["mountPath"] for m in pod_spec(trainer)["containers"][0]["volumeMounts"]}  # type: ignore[index]
     assert {"/checkpoints", "/models"} <= mounts
+
+
+def k8s_mounts(pod: dict[str, Any], container: dict[str, Any], writable: bool
+               ) -> dict[str, str]:
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+              if "persistentVolumeClaim" in v}
+    return {m["mountPath"]: claims[m["name"]] for m in container["volumeMounts"]
+            if m["name"] in claims and not (writable and m.get("readOnly"))}
+
+
+def test_lora_overlay_shares_the_adapter_volume() -> None:
+    """k8s/overlays/cpu-lora (k8s/components/lora): the same agreement as the compose file's
+    (`check_lora_wiring`), on one claim; the zero adapter's writer runs after the model's."""
+    docs = render("cpu-lora")
+    engine = pod_spec(find(docs, "Deployment", "harnessrl-engine"))
+    trainer = pod_spec(find(docs, "Job", "harnessrl-trainer"))
+    gateway = pod_spec(find(docs, "Deployment", "harnessrl-gateway"))
+    assert engine and trainer and gateway
+    eng, tr = engine["containers"][0], trainer["containers"][0]
+    assert [c["name"] for c in engine["initContainers"]] == ["model", "lora-zero"]
+    zero = engine["initContainers"][1]
+    assert env_of(eng)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "/adapters" not in k8s_mounts(engine, eng, writable=True)
+    check_lora_wiring([*eng["command"], *eng["args"]], k8s_mounts(engine, eng, False),
+                      env_of(tr), k8s_mounts(trainer, tr, True),
+                      env_of(gateway["containers"][0])["HARNESSRL_GATEWAY_ENGINES"],
+                      zero["command"], k8s_mounts(engine, zero, True))
+    claim = find(docs, "PersistentVolumeClaim", "harnessrl-adapters")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]  # one node, like the models'
+    [comp] = [d for d in yaml.safe_load_all(
+        (REPO / "k8s/components/lora/adapters-volume.yaml").read_text()) if d]
+    assert comp["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 def test_controller_role_is_the_one_the_backend_is_tested_with(manifests) -> None:  # type: ignore[no-untyped-def]
@@ -534,6 +567,74 @@ def test_compose_one_gpu_override_collocates_engine_and_trainer_on_one_device(
     cfg = TrainerConfig(harness_command=["h"], grader_command=["g"], device="cuda",
                         mode={"kind": "collocated", "sleep_level": 1}, push={"backend": "ipc"})
     assert cfg.push.backend == "ipc"
+
+
+def check_lora_wiring(engine_args: list[str], engine_mounts: dict[str, str],
+                      trainer_env: dict[str, Any], trainer_mounts: dict[str, str],
+                      gateway_engines: str, zero_writer: list[str],
+                      zero_mounts: dict[str, str]) -> None:
+    """The LoRA deployment's parts agree (docs/lora.md): the trainer's adapter_dir is a volume
+    the engine mounts at the same path (read-only) and the trainer read-write; the engine
+    serves the zero adapter, written there first, under the gateway's base adapter name; the
+    gateway knows the engine as LoRA with its --max-loras; the trainer's rank fits
+    --max-lora-rank. `*_mounts`: mount path -> volume (or claim) name."""
+    from services.gateway.config import GatewayConfig
+    from services.trainer.config import TrainerConfig
+
+    cfg = TrainerConfig(harness_command=["h"], grader_command=["g"],
+                        lora=json.loads(trainer_env["HARNESSRL_TRAINER_LORA"]))
+    assert cfg.lora is not None and cfg.lora.adapter_dir and not cfg.lora.engine_adapter_dir
+    shared = cfg.lora.adapter_dir
+    assert trainer_mounts[shared] == engine_mounts[shared] == zero_mounts[shared]
+    assert "--enable-lora" in engine_args
+    assert cfg.lora.rank <= int(engine_args[engine_args.index("--max-lora-rank") + 1])
+    name, path = engine_args[engine_args.index("--lora-modules") + 1].split("=", 1)
+    assert Path(path).parent == Path(shared)
+    assert zero_writer[:4] == ["python", "-m", "services.trainer.lora", "zero-adapter"]
+    assert zero_writer[zero_writer.index("--out") + 1] == path
+    (spec,) = GatewayConfig(engines=json.loads(gateway_engines)).engines
+    assert spec.lora and spec.lora_base_adapter == name
+    assert spec.max_loras == int(engine_args[engine_args.index("--max-loras") + 1])
+    # slots: the zero adapter plus a sync run's version and one still finishing its calls
+    assert spec.max_loras >= 1 + (cfg.mode.max_staleness + 1) + 1
+
+
+def compose_mounts(svc: dict[str, Any], writable: bool) -> dict[str, str]:
+    out = {}
+    for v in svc["volumes"]:
+        v = v if isinstance(v, dict) else dict(zip(("source", "target", "mode"), v.split(":")))
+        if v.get("read_only") or v.get("mode") == "ro":
+            if writable:
+                continue
+        out[v["target"]] = v["source"]
+    return out
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_compose_lora_override_shares_the_adapter_volume(tmp_path: Path, profile: str) -> None:
+    """docker-compose.lora.yml, either profile: the adapters volume, the zero adapter written
+    before the engine starts, the engine's LoRA flags and the gateway's view of them agree."""
+    sfx = "-cpu" if profile == "cpu" else ""
+    services = compose_config(tmp_path, {"LORA_RANK": "16"},
+                              ("docker-compose.lora.yml",))["services"]
+    engine, trainer = services[f"engine{sfx}"], services[f"trainer{sfx}"]
+    zero = services[f"lora-zero{sfx}"]
+    assert engine["depends_on"][f"lora-zero{sfx}"] == {
+        "condition": "service_completed_successfully"}
+    assert zero["depends_on"][f"model{sfx}"] == {"condition": "service_completed_successfully"}
+    assert zero["image"] == trainer["image"] and zero["profiles"] == [profile]
+    assert engine["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "VLLM_SERVER_DEV_MODE" in engine["environment"]
+    check_env_names(set(trainer["environment"]), f"compose lora trainer ({profile})")
+    adapters = compose_mounts(trainer, writable=True)
+    assert adapters == {**adapters, **compose_mounts(zero, writable=True)}
+    assert "/adapters" not in compose_mounts(engine, writable=True)  # the engine only reads
+    check_lora_wiring(engine["command"], compose_mounts(engine, writable=False),
+                      trainer["environment"], adapters,
+                      services["gateway"]["environment"]["HARNESSRL_GATEWAY_ENGINES"],
+                      zero["command"], compose_mounts(zero, writable=True))
+    base = compose_config(tmp_path)["services"][f"engine{sfx}"]["command"]
+    assert engine["command"][:len(base)] == base  # the base file's flags, LoRA's after them
 
 
 def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:

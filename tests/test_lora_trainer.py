@@ -159,6 +159,34 @@ def test_zero_adapter_gives_the_base_logits_exactly(tiny_model_dir: Path,
     assert torch.equal(logits(served, IDS), logits(load(tiny_model_dir), IDS))
 
 
+def test_zero_adapter_command_writes_what_the_deploy_files_serve(tmp_path: Path) -> None:
+    """`python -m services.trainer.lora zero-adapter` (docker-compose.lora.yml and
+    k8s/components/lora run it before the engine): a zero PEFT adapter of the given rank for the
+    model's config (no weights needed); a folder without a config is refused, clearly."""
+    import json
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import Qwen3Config
+
+    model = tmp_path / "model"
+    Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=16).save_pretrained(model)
+    cmd = [sys.executable, "-m", "services.trainer.lora", "zero-adapter", "--model", str(model),
+           "--rank", "4", "--out", str(tmp_path / "adapters" / "zero")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = Path(json.loads(p.stdout.splitlines()[-1])["zero_adapter"])
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    assert len(tensors) == 14 and all(not t.any() for t in tensors.values())  # 7 pairs, 1 layer
+    assert sorted(p.name for p in out.parent.iterdir()) == ["zero"]  # no temporary left
+    bad = subprocess.run([*cmd[:5], str(tmp_path / "nothing"), *cmd[6:]], capture_output=True,
+                         text=True, timeout=300)
+    assert bad.returncode == 2 and "no config.json" in bad.stderr
+
+
 def test_merge_parity_and_peft_logprobs_equal_the_merged_models(tiny_model_dir: Path,
                                                                 tmp_path: Path) -> None:
     """The loss's logprobs come from the PeftModel's forward: they must be the merged model's

@@ -326,3 +326,27 @@ def merge_adapter(base_dir: Path, adapter_dir: Path, out: Path,
     AutoTokenizer.from_pretrained(tokenizer_dir or base_dir).save_pretrained(tmp)
     replace_folder(tmp, out)
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m services.trainer.lora zero-adapter --model DIR --out DIR [--rank R]`: writes
+    `write_zero_adapter`'s folder, what a LoRA engine's `--lora-modules base=DIR` serves base
+    calls through (docker-compose.lora.yml and k8s/components/lora run it before the engine)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m services.trainer.lora", description=main.__doc__)
+    p.add_argument("command", choices=["zero-adapter"])
+    p.add_argument("--model", type=Path, required=True, help="the base model's folder")
+    p.add_argument("--out", type=Path, required=True, help="the adapter folder to write")
+    p.add_argument("--rank", type=int, default=LoraConfig.model_fields["rank"].default,
+                   help="its rank (at most the engine's --max-lora-rank)")
+    a = p.parse_args(argv)
+    if not (a.model / "config.json").is_file():
+        p.error(f"--model {a.model}: no config.json there (build or copy the model first)")
+    out = write_zero_adapter(a.model, LoraConfig(rank=a.rank), a.out)
+    print(json.dumps({"zero_adapter": str(out), "rank": a.rank}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
