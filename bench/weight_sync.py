@@ -38,6 +38,7 @@ each push: `engine_ms`).
 
     python bench/weight_sync.py                       # 10M and 100M parameters
     python bench/weight_sync.py --sizes 10m --pushes 3
+    python bench/weight_sync.py --sizes 100m --lora   # + the LoRA arm (bench/_lora_arm.py)
 """
 
 from __future__ import annotations
@@ -324,6 +325,11 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--start-timeout", type=float, default=900.0,
                         help="seconds to wait for vLLM to serve (a loaded machine is slow)")
+    parser.add_argument("--lora", action="store_true",
+                        help="on the largest size also the LoRA arm (bench/_lora_arm.py): "
+                        "adapter push time against the full push, trainer peak memory LoRA "
+                        "against full fine-tuning")
+    parser.add_argument("--lora-rank", type=int, default=8)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
@@ -332,6 +338,12 @@ def main() -> None:
         root = args.workdir or Path(tmp)
         for name in sizes:
             results[name] = bench_size(name, root, args)
+            if args.lora and name == sizes[-1]:
+                from bench._lora_arm import bench_lora
+
+                results[name]["lora"] = bench_lora(
+                    root / name, root / f"{name}-lora", results[name]["transfer_ms"],
+                    args.lora_rank, args.pushes, args.start_timeout)
     largest = results[sizes[-1]]
     summary = {
         "push_gbps": largest["push_gbps"], "raw_gbps": largest["raw_gbps"],
@@ -345,6 +357,8 @@ def main() -> None:
         "bucket_mb": args.bucket_mb, "solo_mb": args.solo_mb, "num_buffers": args.num_buffers,
         "allocator": args.allocator,
         "by_num_buffers": largest["by_num_buffers"],
+        **({"lora": {k: v for k, v in largest["lora"].items() if k != "memory_arms"}}
+           if "lora" in largest else {}),
         "sizes": results,
     }
     print(json.dumps(summary), flush=True)
