@@ -130,6 +130,17 @@ GRPC_SERVICES = {"harnessrl-store": 50051, "harnessrl-gateway": 50052,
                  "harnessrl-controller": 50053}
 
 
+def test_every_image_has_a_tag(manifests) -> None:  # type: ignore[no-untyped-def]
+    """No container runs an untagged (latest) image: an overlay's `images` tags only what
+    exists when it runs, so a component's added container needs its own."""
+    overlay, docs = manifests
+    for doc in docs:
+        spec = pod_spec(doc)
+        for ct in containers(spec) if spec else []:
+            assert ":" in ct["image"].rsplit("/", 1)[-1], (overlay, doc["metadata"]["name"],
+                                                           ct["name"], ct["image"])
+
+
 def test_grpc_services_use_native_grpc_probes(manifests) -> None:  # type: ignore[no-untyped-def]
     _, docs = manifests
     for name, port in GRPC_SERVICES.items():
@@ -194,6 +205,7 @@ def test_lora_overlay_shares_the_adapter_volume() -> None:
     eng, tr = engine["containers"][0], trainer["containers"][0]
     assert [c["name"] for c in engine["initContainers"]] == ["model", "lora-zero"]
     zero = engine["initContainers"][1]
+    assert zero["image"] == tr["image"]  # the trainer's image, with the overlay's tag
     assert env_of(eng)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert "/adapters" not in k8s_mounts(engine, eng, writable=True)
     check_lora_wiring([*eng["command"], *eng["args"]], k8s_mounts(engine, eng, False),
