@@ -205,8 +205,8 @@ def _up(args: argparse.Namespace, state: Path) -> int:
     from harnessrl.local.train_job import lora_engine
 
     daemon = args.daemon
-    if daemon:  # `harnessrl down` sends SIGTERM: stop everything on the way out
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # SIGTERM (`harnessrl down`, `kill`, `timeout`) stops everything on the way out, like Ctrl-C
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0 if daemon else 128 + signal.SIGTERM))
     engines = tuple(args.engine_url or ())
     t0 = time.monotonic()
     if args.model_dir:  # the user's model, served and trained as it is (never rebuilt)
