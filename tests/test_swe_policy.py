@@ -123,6 +123,10 @@ def test_rl_forms_mean_what_the_task_means() -> None:
                 assert eval(form_broken, env) == eval(broken, env), (name, form_broken, a, b)
     assert set(rl_forms.correct_forms("x.end < y.start")) == {"neg", "mirror", "mirror_neg"}
     assert set(rl_forms.correct_forms("v is not None")) == {"neg"}
+    import pytest
+
+    with pytest.raises(ValueError, match="operator alone"):
+        rl_forms.correct_forms("(a) < b")  # dropped by make_forms, not a crash
 
 
 def test_rl_form_task_is_checked_on_its_workspace(tmp_path: Path, monkeypatch) -> None:

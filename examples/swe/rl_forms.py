@@ -52,6 +52,8 @@ def split_compare(text: str) -> tuple[str, str, str]:
     right = ast.get_source_segment(src, node.comparators[0])
     assert left is not None and right is not None and node.left.end_col_offset is not None
     op = " ".join(src[node.left.end_col_offset:node.comparators[0].col_offset].split())
+    if op not in NEG:  # e.g. a parenthesised operand: `(a) < b`
+        raise ValueError(f"no operator alone between the operands of {text!r}")
     return left, op, right
 
 
@@ -128,9 +130,13 @@ def make_forms(tasks: list[dict[str, Any]], root: Path, mini_config: Path,
     """Every form of every task, checked (two at a time): the kept ones, and why the others
     were dropped, by instance_id."""
     templates = policy.mini_templates(mini_config)
-    forms = [form_task(t, name, root) for t in tasks
-             for name in correct_forms(t["mutation"]["original"])]
+    forms, dropped = [], {}
+    for t in tasks:
+        try:
+            forms += [form_task(t, name, root) for name in correct_forms(t["mutation"]["original"])]
+        except (ValueError, SyntaxError) as exc:  # a comparison this rewrite does not handle
+            dropped[t["instance_id"]] = str(exc)
     with tempfile.TemporaryDirectory(prefix="swe-forms-") as tmp_s, ThreadPoolExecutor(2) as pool:
         why = list(pool.map(lambda t: checked(t, Path(tmp_s), templates), forms))
-    dropped = {t["instance_id"]: w for t, w in zip(forms, why) if w is not None}
+    dropped.update({t["instance_id"]: w for t, w in zip(forms, why) if w is not None})
     return [t for t, w in zip(forms, why) if w is None], dropped
