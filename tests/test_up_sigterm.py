@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from harnessrl import procs
+from harnessrl.local.operate import pid_alive
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,14 +28,6 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             out.append(int(stat.parent.name))
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_sigterm_to_a_foreground_up_stops_its_services(tmp_path: Path, redis_url: str,
@@ -64,7 +57,7 @@ def test_sigterm_to_a_foreground_up_stops_its_services(tmp_path: Path, redis_url
         up.send_signal(signal.SIGTERM)
         out, _ = up.communicate(timeout=120)
         assert up.returncode == 128 + signal.SIGTERM, out
-        left = [p for p in started if alive(p)]
+        left = [p for p in started if pid_alive(p)]
         assert not left, f"still running after SIGTERM: {left}\n{out[-2000:]}"
     finally:
         if "up" in locals() and up.poll() is None:

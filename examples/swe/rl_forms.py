@@ -34,7 +34,8 @@ from typing import Any
 
 from examples.swe import policy
 from examples.swe.make_tasks import unified
-from examples.swe.swe_tasks import SweTask, snapshot_files, snapshot_hash
+from examples.swe.swe_tasks import SweTask, snapshot_hash
+from examples.swe.workspace import export_snapshot, prepare_workspace
 
 MIRROR = {"<": ">", ">": "<", "<=": ">=", ">=": "<="}
 NEG = {"<": ">=", ">=": "<", ">": "<=", "<=": ">", "==": "!=", "!=": "==",
@@ -76,13 +77,9 @@ def form_task(task: dict[str, Any], name: str, root: Path) -> dict[str, Any]:
     text, offset, inner = correct_forms(m["original"])[name]
     left, op, right = split_compare(inner)
     broken_inner = f"{left} {FLIP[op]} {right}"
-    repo = Path(task["repo_path"])
     snap = root / f"{task['instance_id']}__{name}"
     shutil.rmtree(snap, ignore_errors=True)
-    for src in snapshot_files(repo):
-        out = snap / src.relative_to(repo)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, out)
+    export_snapshot(SweTask.model_validate(task), snap)  # the task's library, as it is
     path = snap / m["file"]
     lines = path.read_text().splitlines(keepends=True)
     line, col = lines[m["line"] - 1], m["col"]
@@ -106,7 +103,6 @@ def form_task(task: dict[str, Any], name: str, root: Path) -> dict[str, Any]:
 def checked(task: dict[str, Any], tmp: Path, templates: dict[str, Any]) -> str | None:
     """Why the form task `task` is not kept (None: kept). See the module docstring."""
     from examples.swe import grader
-    from examples.swe.workspace import prepare_workspace
 
     info = policy.in_slice(task)
     if info is None:

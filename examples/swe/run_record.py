@@ -9,12 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from examples.swe import policy
-
-
-def load_swe_tasks(path: Path) -> list[dict[str, Any]]:
-    from examples.swe.swe_tasks import load_swe_tasks as load
-
-    return [t.model_dump() for t in load(path)]
+from examples.swe.swe_tasks import load_swe_tasks
 
 
 def segment_share(res: dict[str, Any], workdir: Path, res_tasks: Path | None = None,
@@ -41,8 +36,8 @@ def segment_share(res: dict[str, Any], workdir: Path, res_tasks: Path | None = N
         proc.stop()
     total = continued = after_valid = continued_after_valid = 0
     prompt_by_turn: dict[int, list[int]] = {}
-    shown = {t["instance_id"]: info.op for t in load_swe_tasks(res_tasks) if (info := policy.in_slice(t))
-             } if res_tasks else {}
+    shown = {t.instance_id: info.op for t in load_swe_tasks(res_tasks)
+             if (info := policy.in_slice(t))} if res_tasks else {}
     moves: dict[str, dict[str, int]] = {}  # the fix move per operator shown: right, copied, ...
     for ro in rollouts:
         calls = sorted(ro.calls, key=lambda x: x.seq)
