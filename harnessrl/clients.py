@@ -8,7 +8,7 @@ they return awaitables of it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -269,6 +269,12 @@ class GatewayAdminClient(_Client[gateway_pb2_grpc.GatewayAdminStub]):
         if version is not None:
             req.policy_version = version
         return self.stub.SetAdapter(req, timeout=self.timeout)
+
+    def remove_adapter(self, name: str, engines: Sequence[str] = (),
+                       drain_timeout_s: float = 0.0) -> gpb.RemoveAdapterResponse:
+        return self.stub.RemoveAdapter(gpb.RemoveAdapterRequest(
+            name=name, engines=list(engines), drain_timeout_s=drain_timeout_s),
+            timeout=self.timeout + (drain_timeout_s or 60.0))  # the gateway drains first
 
 
 class TrainerClient(_Client[trainer_pb2_grpc.TrainerStub]):

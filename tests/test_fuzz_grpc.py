@@ -209,6 +209,8 @@ def test_fuzz_gateway_admin(tmp_path: Path, store_service: StoreService,
             "SetAdapter": gpb.SetAdapterRequest(engine="fz-e", name="fz-a", policy_version=1,
                                                 lora_name="fz-a-v1", lora_path="/a",
                                                 state=gpb.ENGINE_STATE_READY),
+            "RemoveAdapter": gpb.RemoveAdapterRequest(engines=["fz-e"], name="fz-a",
+                                                      drain_timeout_s=0.5),
             "Sync": gpb.SyncRequest(engines=["fz-e"], drain=True, drain_timeout_s=0.5,
                                     origin="fz-peer"),
         }

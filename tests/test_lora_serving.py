@@ -433,3 +433,77 @@ def test_an_adapter_held_everywhere_is_held_on_an_engine_that_loads_it_during_th
     w.admin.resume(adapter="A")
     th.join(10)
     assert done and w.sent_models() == ["A-v0"]
+
+
+def test_remove_adapter_waits_for_its_calls_then_unloads_every_version_and_forgets_it(
+        lora_world: LoraWorld) -> None:
+    """A LoRA run done (the trainer's `AdapterWeights.retire`): no new call reaches its
+    adapter, its call in flight finishes on its version, then every version it still has
+    loaded is unloaded and the gateway (restarted too) no longer lists it; another run's
+    adapter is untouched."""
+    w = lora_world
+    w.load(0, "A", 0)
+    w.load(0, "B", 0)
+    ra, ka = w.key("A")
+    rb, kb = w.key("B")
+    done: list[str] = []
+    t = w.slow_call_in_flight(ka, done)
+    w.load(0, "A", 1)  # v0 stays loaded for the call in flight
+    removed: list[gpb.RemoveAdapterResponse] = []
+    remover = threading.Thread(target=lambda: removed.append(w.admin.remove_adapter("A")))
+    remover.start()
+    deadline = time.monotonic() + 10
+    while not [a for a in w.admin.list_engines().engines[0].adapters
+               if a.name == "A" and a.state == MARKED]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert not removed  # it waits for the call in flight
+    rid2, ka2 = w.key("A")
+    with pytest.raises(openai.APITimeoutError):
+        w.chat(ka2, timeout=3)  # a new call is held, not sent to A (a resumed run pushes again)
+    assert w.chat(kb)  # B flows
+    t.join(10)
+    remover.join(20)
+    assert done and done[0]
+    (r,) = removed
+    # v0 went when its call ended (as any replaced version), v1 with the removal
+    assert list(r.engines) == ["e0"] and list(r.unloaded) == ["A-v1"]
+    assert w.loaded() == {"zero", "B-v0"}
+    assert "A-v1" not in w.sent_models()
+    assert {a.name for a in w.admin.list_engines().engines[0].adapters} == {"B"}
+    w.gateway.proc.kill()
+    w.start_gateway()
+    assert {a.name for a in w.admin.list_engines().engines[0].adapters} == {"B"}
+    assert w.chat(kb)
+
+
+def test_remove_adapter_that_cannot_drain_leaves_it_marked_and_a_second_call_finishes(
+        lora_world: LoraWorld) -> None:
+    w = lora_world
+    w.load(0, "A", 0)
+    rid, key = w.key("A")
+    done: list[str] = []
+    t = w.slow_call_in_flight(key, done)
+    with pytest.raises(Exception, match="MARKED, not removed"):
+        w.admin.remove_adapter("A", drain_timeout_s=0.2)
+    (a,) = w.admin.list_engines().engines[0].adapters
+    assert a.state == MARKED and "A-v0" in w.loaded()
+    t.join(10)
+    assert list(w.admin.remove_adapter("A").unloaded) == ["A-v0"]
+    assert w.loaded() == {"zero"} and not w.admin.list_engines().engines[0].adapters
+
+
+async def test_a_replica_drops_an_adapter_another_replica_removed() -> None:
+    """`registry_state.apply` of an engine record without an adapter this replica has (its
+    Sync after a RemoveAdapter through another replica): the adapter is gone here too."""
+    from services.gateway.engines import EngineRegistry
+    from services.gateway.registry_state import apply
+
+    reg = EngineRegistry()
+    reg.register("e0", "http://127.0.0.1:1", "tiny", 0, gpb.LoraSupport(enabled=True))
+    for name in ("A", "B"):
+        reg.set_adapter("e0", name, 0, f"{name}-v0", f"/{name}", READY, "")
+    rec = reg.engines["e0"].to_proto()
+    del rec.adapters[[a.name for a in rec.adapters].index("A")]
+    apply(reg, rec)
+    assert set(reg.engines["e0"].adapters) == {"B"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -168,6 +169,9 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
         argv += ["--mode.sleep-level", "1"]
     if getattr(args, "lora_rank", 0):
         argv += ["--lora.rank", str(args.lora_rank), "--lora.alpha", str(2 * args.lora_rank)]
+        if "HARNESSRL_TRAINER_OPTIMIZER__LR" not in os.environ:  # an adapter needs a larger lr
+            from services.trainer.lora import UP_LR
+            argv += ["--optimizer.lr", str(UP_LR)]
     argv += list(getattr(args, "trainer_flags", None) or ())
     if getattr(args, "mode", "sync") != "sync":
         argv += ["--mode.kind", args.mode]

@@ -568,3 +568,61 @@ class ResumeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResumeResponse: _TypeAlias = ResumeResponse  # noqa: Y015
+
+@_typing.final
+class RemoveAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINES_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """RunSpec.adapter"""
+    drain_timeout_s: _builtins.float
+    """for its calls in flight; 0: 60 s"""
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """empty: every engine that has it"""
+
+    def __init__(
+        self,
+        *,
+        engines: _abc.Iterable[_builtins.str] | None = ...,
+        name: _builtins.str = ...,
+        drain_timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain_timeout_s", b"drain_timeout_s", "engines", b"engines", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveAdapterRequest: _TypeAlias = RemoveAdapterRequest  # noqa: Y015
+
+@_typing.final
+class RemoveAdapterResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINES_FIELD_NUMBER: _builtins.int
+    UNLOADED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the engines it was removed from"""
+
+    @_builtins.property
+    def unloaded(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the lora names the engines unloaded"""
+
+    def __init__(
+        self,
+        *,
+        engines: _abc.Iterable[_builtins.str] | None = ...,
+        unloaded: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engines", b"engines", "unloaded", b"unloaded"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveAdapterResponse: _TypeAlias = RemoveAdapterResponse  # noqa: Y015

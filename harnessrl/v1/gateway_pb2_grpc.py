@@ -69,6 +69,11 @@ class GatewayAdminStub:
                 request_serializer=harnessrl_dot_v1_dot_gateway__pb2.SetAdapterRequest.SerializeToString,
                 response_deserializer=harnessrl_dot_v1_dot_gateway__pb2.Adapter.FromString,
                 _registered_method=True)
+        self.RemoveAdapter = channel.unary_unary(
+                '/harnessrl.v1.GatewayAdmin/RemoveAdapter',
+                request_serializer=harnessrl_dot_v1_dot_gateway__pb2.RemoveAdapterRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_gateway__pb2.RemoveAdapterResponse.FromString,
+                _registered_method=True)
         self.Sync = channel.unary_unary(
                 '/harnessrl.v1.GatewayAdmin/Sync',
                 request_serializer=harnessrl_dot_v1_dot_gateway__pb2.SyncRequest.SerializeToString,
@@ -126,6 +131,15 @@ class GatewayAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveAdapter(self, request, context):
+        """Ends an adapter (its LoRA run is done): no new call is sent to it; once its calls in
+        flight have ended (on every replica), every version of it still loaded is unloaded from
+        the engines and the gateway forgets it (ListEngines no longer lists it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Sync(self, request, context):
         """Between replicas: another replica changed these engines (saved in the store): read them
         from the store and, with drain, wait for this replica's calls on them (or on the adapter)
@@ -175,6 +189,11 @@ def add_GatewayAdminServicer_to_server(servicer, server):
                     servicer.SetAdapter,
                     request_deserializer=harnessrl_dot_v1_dot_gateway__pb2.SetAdapterRequest.FromString,
                     response_serializer=harnessrl_dot_v1_dot_gateway__pb2.Adapter.SerializeToString,
+            ),
+            'RemoveAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveAdapter,
+                    request_deserializer=harnessrl_dot_v1_dot_gateway__pb2.RemoveAdapterRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_gateway__pb2.RemoveAdapterResponse.SerializeToString,
             ),
             'Sync': grpc.unary_unary_rpc_method_handler(
                     servicer.Sync,
@@ -371,6 +390,33 @@ class GatewayAdmin:
             '/harnessrl.v1.GatewayAdmin/SetAdapter',
             harnessrl_dot_v1_dot_gateway__pb2.SetAdapterRequest.SerializeToString,
             harnessrl_dot_v1_dot_gateway__pb2.Adapter.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.GatewayAdmin/RemoveAdapter',
+            harnessrl_dot_v1_dot_gateway__pb2.RemoveAdapterRequest.SerializeToString,
+            harnessrl_dot_v1_dot_gateway__pb2.RemoveAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,6 +45,11 @@ class GatewayAdminStub:
     """Records the load of an adapter version on an engine (READY with policy_version, lora_name
     and lora_path: its calls go there from now on) or a failed one (MARKED with the reason).
     """
+    RemoveAdapter: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RemoveAdapterRequest, _gateway_pb2.RemoveAdapterResponse]
+    """Ends an adapter (its LoRA run is done): no new call is sent to it; once its calls in
+    flight have ended (on every replica), every version of it still loaded is unloaded from
+    the engines and the gateway forgets it (ListEngines no longer lists it).
+    """
     Sync: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SyncRequest, _gateway_pb2.SyncResponse]
     """Between replicas: another replica changed these engines (saved in the store): read them
     from the store and, with drain, wait for this replica's calls on them (or on the adapter)
@@ -70,6 +75,11 @@ class GatewayAdminAsyncStub(GatewayAdminStub):
     SetAdapter: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SetAdapterRequest, _gateway_pb2.Adapter]  # type: ignore[assignment]
     """Records the load of an adapter version on an engine (READY with policy_version, lora_name
     and lora_path: its calls go there from now on) or a failed one (MARKED with the reason).
+    """
+    RemoveAdapter: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RemoveAdapterRequest, _gateway_pb2.RemoveAdapterResponse]  # type: ignore[assignment]
+    """Ends an adapter (its LoRA run is done): no new call is sent to it; once its calls in
+    flight have ended (on every replica), every version of it still loaded is unloaded from
+    the engines and the gateway forgets it (ListEngines no longer lists it).
     """
     Sync: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SyncRequest, _gateway_pb2.SyncResponse]  # type: ignore[assignment]
     """Between replicas: another replica changed these engines (saved in the store): read them
@@ -135,6 +145,17 @@ class GatewayAdminServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_gateway_pb2.Adapter, _abc.Awaitable[_gateway_pb2.Adapter]]:
         """Records the load of an adapter version on an engine (READY with policy_version, lora_name
         and lora_path: its calls go there from now on) or a failed one (MARKED with the reason).
+        """
+
+    @_abc_1.abstractmethod
+    def RemoveAdapter(
+        self,
+        request: _gateway_pb2.RemoveAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RemoveAdapterResponse, _abc.Awaitable[_gateway_pb2.RemoveAdapterResponse]]:
+        """Ends an adapter (its LoRA run is done): no new call is sent to it; once its calls in
+        flight have ended (on every replica), every version of it still loaded is unloaded from
+        the engines and the gateway forgets it (ListEngines no longer lists it).
         """
 
     @_abc_1.abstractmethod

@@ -132,6 +132,17 @@ class AdapterState:
             st.loaded[rec.lora_name] = rec.policy_version
         return st
 
+    def end(self) -> None:
+        """RemoveAdapter's first half: no new call (MARKED); its calls in flight go on."""
+        self.marked, self.reason = True, REMOVED
+
+    def lora_names(self) -> list[str]:
+        """Every name the engine holds a version of it under, the current one first."""
+        return [n for n in dict.fromkeys([self.lora_name, *self.loaded]) if n]
+
+
+REMOVED = "removed (RemoveAdapter): its run is done"
+
 
 def check_name(name: str) -> None:
     if not name or len(name) > 128:
@@ -152,13 +163,17 @@ async def _post(engine: EngineState, path: str, body: dict[str, object], what: s
     return status == 200
 
 
-async def unload(engine: EngineState, lora_names: list[str], timeout_s: float = 30.0) -> None:
+async def unload(engine: EngineState, lora_names: list[str], timeout_s: float = 30.0
+                 ) -> list[str]:
     """Unloads replaced versions from the engine; a failure is logged (the engine keeps an
-    unused adapter in its cache, nothing is served wrong)."""
+    unused adapter in its cache, nothing is served wrong). The names it unloaded."""
+    done = []
     for name in lora_names:
         if name and await _post(engine, "/v1/unload_lora_adapter", {"lora_name": name},
                                 f"unloading {name}", timeout_s):
             log.info("unloaded adapter %s", name, extra={"engine": engine.name})
+            done.append(name)
+    return done
 
 
 async def reload(engine: EngineState, lora_name: str, lora_path: str, timeout_s: float = 60.0

@@ -142,3 +142,23 @@ class GatewayAdminServicer(gateway_pb2_grpc.GatewayAdminServicer):
                                       request.lora_path, request.state, request.reason)
         await self._save(self.registry.get(request.engine))
         return a.to_proto()
+
+    async def RemoveAdapter(self, request: gpb.RemoveAdapterRequest,
+                            context: grpc.aio.ServicerContext) -> gpb.RemoveAdapterResponse:
+        """No new call to the adapter (saved: every replica), its calls in flight drained on
+        every replica, then unloaded and forgotten (saved again). A drain that times out
+        fails the RPC with the adapter left MARKED (no traffic); calling again finishes."""
+        timeout_s = request.drain_timeout_s or 60.0
+        if not math.isfinite(timeout_s) or timeout_s < 0:
+            raise InvalidArgument("drain_timeout_s must be a finite number >= 0")
+        ended = self.registry.end_adapter(list(request.engines), request.name)
+        engines = [self.registry.get(a.engine) for a in ended]
+        try:
+            await asyncio.gather(self.registry.drain_adapter(ended, timeout_s), self._save(
+                *engines, drain_timeout_s=timeout_s, adapter=request.name))
+        except Unavailable as err:
+            raise FailedPrecondition(f"adapter {request.name!r} is MARKED, not removed: {err}"
+                                     ) from err
+        unloaded = await self.registry.drop_adapter(ended)
+        await self._save(*engines)
+        return gpb.RemoveAdapterResponse(engines=[e.name for e in engines], unloaded=unloaded)

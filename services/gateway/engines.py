@@ -115,7 +115,7 @@ class EngineRegistry:
         self._sticky: dict[str, str] = {}  # rollout id -> engine name
         self._changed = asyncio.Event()  # set whenever routing-relevant state changes
         self._models: list[str] = []
-        self._tasks: set[asyncio.Task[None]] = set()  # adapter unloads/reloads in flight
+        self._tasks: set[asyncio.Task[object]] = set()  # adapter unloads/reloads in flight
         self._held: set[str] = set()  # adapters held on every engine (Pause with adapter)
         self._reloading: set[str] = set()  # engines whose adapters are being loaded again
         # With other gateway replicas (replicas.py): a rollout's engine is the one its id
@@ -254,6 +254,29 @@ class EngineRegistry:
         self._notify()
         return held
 
+    def end_adapter(self, names: list[str], adapter: str) -> list[AdapterState]:
+        """RemoveAdapter, first: `adapter` takes no new call on the named engines (all when
+        empty); the ones that had it."""
+        ended = self.adapters(names, adapter)
+        for a in ended:
+            a.end()
+        self._notify()
+        return ended
+
+    async def drop_adapter(self, ended: list[AdapterState]) -> list[str]:
+        """RemoveAdapter, once its calls have ended: every version of it still loaded is
+        unloaded from the engine, and the registry forgets it. The lora names unloaded."""
+        unloaded: list[str] = []
+        for a in ended:
+            eng = self.engines.get(a.engine)
+            if eng is not None and eng.adapters.get(a.name) is a:
+                del eng.adapters[a.name]
+                unloaded += await unload(eng, a.lora_names())
+        if ended and not any(ended[0].name in e.adapters for e in self.engines.values()):
+            self._held.discard(ended[0].name)
+        self._notify()
+        return unloaded
+
     async def drain_adapter(self, held: list[AdapterState], timeout_s: float) -> None:
         try:
             await asyncio.wait_for(asyncio.gather(*(a.idle.wait() for a in held)), timeout_s)
@@ -266,7 +289,7 @@ class EngineRegistry:
         if lora_names:
             self._spawn(unload(eng, lora_names))
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
         """Runs `work` in the background, referenced until it ends."""
         task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)

@@ -176,5 +176,7 @@ def apply(registry: EngineRegistry, rec: gpb.Engine) -> EngineState:
             registry.set_adapter(rec.name, a.name, a.policy_version, a.lora_name, a.lora_path,
                                  a.state, a.reason)
             eng.adapters[a.name].paused = a.paused
+        for gone in set(eng.adapters) - {a.name for a in rec.adapters}:
+            del eng.adapters[gone]  # removed through another replica (RemoveAdapter)
     (registry.pause if rec.paused else registry.resume)([rec.name])
     return eng

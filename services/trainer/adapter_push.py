@@ -21,6 +21,10 @@ loaded versions any more (the gateway unloads replaced versions after their last
 deleted, and unloaded from the engines once more (a restarted gateway forgets the names of
 replaced versions still loaded).
 
+When the run is done (the service's clean end), `retire` removes the adapter from the engines
+(`RemoveAdapter`) and deletes its folders: a shared engine does not keep a slot, or the
+gateway a record, for every run that ever trained on it.
+
 Adapter files reach the engines through a shared folder: a volume mounted in the trainer and
 the engines (compose), a ReadWriteMany volume (Kubernetes). `engine_adapter_dir` is that folder
 as the engines see it when it is mounted elsewhere.
@@ -63,6 +67,7 @@ class AdapterWeights:
                  ) -> None:
         self.admin = admin
         self.engine_adapter_dir = engine_adapter_dir  # the folder as the engines see it
+        self.adapter, self.root = "", Path()  # set by the first load
         self.attempts, self.retry_delay_s = attempts, retry_delay_s
         self.http = httpx.Client(timeout=http_timeout_s)
 
@@ -99,7 +104,7 @@ class AdapterWeights:
                     continue
                 try:
                     t = time.perf_counter()
-                    self._load_one(e, name, engine_path, retry=attempt > 1)
+                    self.load_one(e, name, engine_path, retry=attempt > 1)
                     self.admin.set_adapter(e.name, self.adapter, gpb.ENGINE_STATE_READY,
                                            version, name, engine_path)
                     done[e.name] = EngineTiming(paused_s=0.0,
@@ -126,7 +131,9 @@ class AdapterWeights:
         return PushReport(version=version, bytes=size, wall_s=wall, engines=done,
                           failed=failures)
 
-    def _load_one(self, engine: gpb.Engine, name: str, path: str, retry: bool) -> None:
+    def load_one(self, engine: gpb.Engine, name: str, path: str, retry: bool) -> None:
+        """One engine's load of the adapter folder `path` under `name` (vLLM's runtime API);
+        raises on any answer but 200. `retry`: the same files again, replacing."""
         body: dict[str, Any] = {"lora_name": name, "lora_path": path}
         if retry:  # the same files at the same path: replacing is safe (and needed if the
             body["load_inplace"] = True  # first try loaded it but its answer was lost)
@@ -161,6 +168,22 @@ class AdapterWeights:
                         pass  # unused either way: nothing is served from it
             shutil.rmtree(folder, ignore_errors=True)
             log.info("adapter version folder %s deleted", folder)
+
+    def retire(self) -> None:
+        """The run is done: its adapter is removed from the engines (`RemoveAdapter`: no new
+        call, unloaded once its calls have ended), freeing their LoRA slots, and its version
+        folders are deleted (the checkpoint holds the adapter: `harnessrl export`)."""
+        if not self.adapter:
+            return
+        try:
+            r = self.admin.remove_adapter(self.adapter)
+        except Exception as err:  # noqa: BLE001 - the training itself is done and saved
+            log.error("adapter %s could not be removed from the engines (it stays loaded, "
+                      "its folders are kept): %s", self.adapter, err)
+            return
+        log.info("adapter %s removed from %s (unloaded %s)", self.adapter, list(r.engines),
+                 list(r.unloaded))
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def close(self) -> None:
         self.http.close()

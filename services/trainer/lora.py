@@ -46,6 +46,9 @@ ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 QWEN3_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 NOT_LINEAR = ("embed_tokens", "lm_head")  # peft's embedding layer names: never targets here
+# `harnessrl up --lora-rank`'s learning rate (full fine-tuning's default is 6e-4): 5x, tuned on
+# the calculator example at rank 8, alpha 16; 10x broke the tool-call format (docs/lora.md)
+UP_LR = 3e-3
 
 
 class LoraConfig(BaseModel):

@@ -13,6 +13,7 @@ from harnessrl import rpc
 from harnessrl.metrics import serve_metrics
 from harnessrl.v1 import trainer_pb2, trainer_pb2_grpc
 
+from .adapter_push import AdapterWeights
 from .config import TrainerConfig
 from .control import TrainerControl
 from .loop import build_trainer, train
@@ -102,6 +103,8 @@ def serve(cfg: TrainerConfig) -> int:
     trainer = build_trainer(cfg, control, dist)
     try:
         train(trainer)
+        if isinstance(trainer.weights, AdapterWeights):  # LoRA, rank 0: free the engines
+            trainer.weights.retire()
         control.end()
         log.info("done: step %d, policy version %d, checkpoint %s", trainer.state.step,
                  trainer.state.policy_version, trainer.last_checkpoint)
