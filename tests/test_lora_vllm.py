@@ -14,7 +14,11 @@ PEFT folders and loaded at runtime, two runs sharing one engine.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -30,6 +34,7 @@ from transformers import AutoModelForCausalLM
 from harnessrl.clients import ControllerClient, GatewayAdminClient, StoreClient
 from harnessrl.local.engine import LoraEngine
 from harnessrl.local.stack import Stack, StackConfig
+from harnessrl.v1 import gateway_pb2 as gpb
 from services.trainer.config import TrainerConfig
 from services.trainer.lora import LoraConfig, write_zero_adapter
 from services.trainer.gauges import GatewayHold, Gauges
@@ -92,6 +97,8 @@ class ParityTrainer(Trainer):
     moved: list[float]  # engine with the adapter vs the engine's base weights
     snapshots: dict[int, Path]
     snap_dir: Path
+    wait_before: int = 0  # a push of this version or later waits until `go` is set (0: none)
+    go: threading.Event
     starting = threading.Lock()  # transformers' loading (meta-device init) is not thread-safe
 
     def start(self) -> None:
@@ -99,6 +106,8 @@ class ParityTrainer(Trainer):
             super().start()
 
     def _push_weights(self, version: int) -> set[str] | None:
+        if self.wait_before and version >= self.wait_before:
+            assert self.go.wait(900), f"push of version {version}: nothing set go in 900 s"
         pushed = super()._push_weights(version)
         (a,) = [a for a in self.admin.list_engines().engines[0].adapters
                 if a.name == self.state.run_prefix]
@@ -136,9 +145,9 @@ class HoldSeeingOthers(GatewayHold):
 
 
 def make_trainer(tmp: Path, stack: Stack, tiny_model_dir: Path, name: str, seed: int,
-                 mode: str = "sync") -> ParityTrainer:
+                 mode: str = "sync", steps: int = 3) -> ParityTrainer:
     cfg = TrainerConfig(
-        model_path=str(tiny_model_dir), output_dir=str(tmp / name), steps=3,
+        model_path=str(tiny_model_dir), output_dir=str(tmp / name), steps=steps,
         tasks_per_step=2, group_size=4, concurrency=4, run_name=name, stream=f"lora-{name}",
         tasks_file=str(CALC / "tasks.jsonl"), served_model_name="tiny", seed=seed,
         harness_command=[sys.executable, str(CALC / "harness.py")],
@@ -154,7 +163,7 @@ def make_trainer(tmp: Path, stack: Stack, tiny_model_dir: Path, name: str, seed:
                       StoreClient.connect(stack.store_address), make_sink(admin, cfg),
                       gauges=gauges, hold=hold, admission=gauges)
     t.stack, t.admin, t.diffs, t.moved, t.snapshots = stack, admin, [], [], {}
-    t.snap_dir = tmp / f"snap-{name}"
+    t.snap_dir, t.go = tmp / f"snap-{name}", threading.Event()
     return t
 
 
@@ -332,3 +341,126 @@ def test_base_calls_batched_with_adapter_calls_need_the_zero_adapter(
     print(f"LORA-BATCHING {slots} slots; base model name {as_base}, zero adapter {as_zero}")
     assert max(as_base) > 10 * PARITY, "no base request was served wrong: the trap did not show"
     assert max(as_zero) <= PARITY
+
+
+PROC = Path(__file__).with_name("lora_trainer_proc.py")  # the trainer service with a test hook
+
+
+def service_argv(hook: dict[str, object], stack: Stack, tmp: Path, model: Path, name: str,
+                 seed: int, steps: int) -> list[str]:
+    """`tests/lora_trainer_proc.py` with `hook`, flags as make_trainer's config."""
+    return [sys.executable, str(PROC), json.dumps(hook), "--bind", "127.0.0.1:0",
+            "--store-address", stack.store_address,
+            "--controller-address", stack.controller_address,
+            "--gateway-admin-address", stack.gateway_admin_address,
+            "--model-path", str(model), "--output-dir", str(tmp / name),
+            "--served-model-name", "tiny", "--run-name", name, "--stream", f"lora-{name}",
+            "--steps", str(steps), "--tasks-per-step", "2", "--group-size", "4",
+            "--concurrency", "4", "--seed", str(seed), "--optimizer.lr", "2e-2",
+            "--lora.rank", "8", "--lora.alpha", "16", "--checkpoint-every", "1"]
+
+
+def read_rows(path: Path) -> list[dict[str, object]]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_world_size_2_adapter_pushes_keep_parity(tmp_path: Path, lora_stack: Stack,
+                                                 tiny_model_dir: Path) -> None:
+    """The trainer service as two ranks (FSDP2 over gloo; the LoRA parameters sharded, the
+    frozen base too): every rank joins the save of each version's adapter (the shards
+    gathered), rank 0 loads it into the engine; after every push, the engine's logprobs with
+    the adapter equal the sharded model's (a forward every rank joins) within 1e-3."""
+    from services.trainer.launch import RankGroup
+
+    out = tmp_path / "parity.jsonl"
+    argv = service_argv({"parity": str(out)}, lora_stack, tmp_path, tiny_model_dir, "ws2",
+                        seed=3, steps=3)
+    group = RankGroup(argv, 2, grace_s=30).start()
+    assert group.wait(timeout_s=900) == 0
+    rows = read_rows(out)
+    print(f"LORA-PARITY-WS2 {rows}")
+    assert [r["version"] for r in rows][:1] == [0] and all(r["world_size"] == 2 for r in rows)
+    assert len(rows) >= 3, "fewer than 2 steps trained: parity over one push only"
+    assert all(float(r["diff"]) <= PARITY for r in rows), rows  # type: ignore[arg-type]
+    assert max(float(r["moved"]) for r in rows) > 10 * PARITY  # type: ignore[arg-type]
+
+
+def engine_lora_names(url: str) -> set[str]:
+    return {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+
+
+def test_trainer_killed_mid_push_leaves_the_other_run_alone_and_pushes_again(
+        tmp_path: Path, lora_stack: Stack, tiny_model_dir: Path) -> None:
+    """Run A's trainer (a process of its own) is killed with SIGKILL in its push of version 2:
+    the engine has loaded the adapter, the gateway has not heard of it, so A stays at version 1
+    there. Run B, trained in this process at the same time, is unaffected: it trains and
+    pushes on after the kill, parity after every push. A's trainer started again resumes from
+    its checkpoint and pushes that adapter again (a new name) with parity; the half-pushed
+    version is unloaded from the engine. At A's end its adapter is removed (RemoveAdapter)
+    and its folders deleted."""
+    url = lora_stack.engines[0].base_url
+    mid_push = tmp_path / "mid-push"
+    argv = service_argv({"hang_at_version": 2, "signal": str(mid_push)}, lora_stack, tmp_path,
+                        tiny_model_dir, "ka", seed=1, steps=4)
+    b = make_trainer(tmp_path, lora_stack, tiny_model_dir, "kb", 2, steps=5)
+    b.wait_before = 2  # B trains on, but pushes version 2 only after A's kill (else B, a
+    # thread here, may be done before A, a process that loads torch first, is mid-push)
+    errors: list[BaseException] = []
+
+    def run_b() -> None:
+        try:
+            train_sync(b)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    with (tmp_path / "ka-1.log").open("wb") as log:
+        a = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    thread = threading.Thread(target=run_b)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 600
+        while not mid_push.exists() and a.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert mid_push.exists(), (tmp_path / "ka-1.log").read_text()[-4000:]
+        half_pushed = mid_push.read_text()
+        (ad,) = [x for x in b.admin.list_engines().engines[0].adapters
+                 if x.name != b.state.run_prefix and x.name.startswith("ka")]
+        assert half_pushed in engine_lora_names(url)  # loaded: the kill is mid-push
+        assert (ad.policy_version, ad.state) == (1, gpb.ENGINE_STATE_READY), ad
+        assert ad.lora_name != half_pushed
+        first_v1 = ad.lora_name
+        os.kill(a.pid, signal.SIGKILL)
+        assert a.wait(30) == -signal.SIGKILL
+        b_at_kill = b.state.policy_version
+        b.go.set()
+        thread.join(900)
+        assert not errors, errors
+        print(f"LORA-KILL B {b.state.run_prefix}: diffs {b.diffs}, version {b_at_kill} at "
+              f"A's kill, {b.state.policy_version} at its end")
+        assert b.state.policy_version > b_at_kill, "B pushed nothing after A was killed"
+        assert all(d <= PARITY for d in b.diffs), b.diffs
+
+        out = tmp_path / "ka-parity.jsonl"  # A again, unchanged but for the parity check
+        argv2 = service_argv({"parity": str(out)}, lora_stack, tmp_path, tiny_model_dir, "ka",
+                             seed=1, steps=4)
+        with (tmp_path / "ka-2.log").open("wb") as log:
+            assert subprocess.run(argv2, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=900).returncode == 0, \
+                (tmp_path / "ka-2.log").read_text()[-4000:]
+        rows = read_rows(out)
+        print(f"LORA-KILL A restarted: {rows}")
+        assert "resumed from" in (tmp_path / "ka-2.log").read_text()
+        assert rows[0]["version"] == 1 and rows[0]["lora_name"] != first_v1  # pushed again
+        assert all(float(r["diff"]) <= PARITY for r in rows), rows  # type: ignore[arg-type]
+        assert half_pushed not in engine_lora_names(url)  # unloaded by the push's clean-up
+        # A done: its adapter removed from the engine and the gateway, its folders deleted
+        assert not engine_lora_names(url) & {r["lora_name"] for r in rows}  # type: ignore[misc]
+        assert ad.name not in {x.name for x in b.admin.list_engines().engines[0].adapters}
+        assert not (tmp_path / "ka" / "adapters" / ad.name).exists()
+    finally:
+        if a.poll() is None:
+            a.kill()
+        b.go.set()
+        thread.join(60)
+        b.close()
+        b.admin.close()
