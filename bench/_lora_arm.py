@@ -3,7 +3,7 @@ the same run (docs/lora.md):
 
 1. adapter push time: each version is written as a PEFT folder by the trainer's own save
    (`services.trainer.lora.save_adapter`) and loaded into a LoRA vLLM (`--enable-lora`) by the
-   trainer's own load call (`AdapterWeights._load_one`: `POST /v1/load_lora_adapter`, a new
+   trainer's own load call (`AdapterWeights.load_one`: `POST /v1/load_lora_adapter`, a new
    name and path per version); a one-token completion through the new adapter checks that it
    serves. Median of `--pushes`, set against the full-weight arm's `transfer_ms` on the same
    model. Not in it: the gateway's `SetAdapter` (one gRPC call) and the clean-up of replaced
@@ -12,6 +12,9 @@ the same run (docs/lora.md):
    the model, wraps it with LoRA (rank `--lora-rank`, every linear layer of Qwen3) or not,
    makes the trainer's optimizer (`make_optimizer`) and runs the trainer's `train_step` twice
    on the same samples (the AdamW state exists after the first); its peak RSS (`ru_maxrss`).
+   At two batches: a step's worth (8 x 512 tokens), where the step's activations dominate, and
+   a small one (1 x 64), where the weights' own state does (gradients and AdamW moments: what
+   LoRA saves).
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ import torch
 from harnessrl.v1 import gateway_pb2 as gpb
 from harnessrl.weight_transfer.devtools import VllmServer
 
-TRAIN_SAMPLES, TRAIN_TOKENS = 8, 512  # one step's batch in the peak-memory arms
+# the peak-memory arms' batches (samples, tokens each): a step's worth, and a small one
+BATCHES = {"step": (8, 512), "small": (1, 64)}
 
 
-def _peak_rss(model_dir: str, lora_rank: int, out: Any) -> None:
+def _peak_rss(model_dir: str, lora_rank: int, batch: tuple[int, int], out: Any) -> None:
     from transformers import Qwen3ForCausalLM
 
     from services.trainer import lora
@@ -48,11 +52,13 @@ def _peak_rss(model_dir: str, lora_rank: int, out: Any) -> None:
     opt = make_optimizer(model, lr=1e-5)
     rng = random.Random(0)
     vocab = model.config.vocab_size
-    samples = [Sample(input_ids=[rng.randrange(vocab) for _ in range(TRAIN_TOKENS)],
-                      loss_mask=[0] * (TRAIN_TOKENS // 2) + [1] * (TRAIN_TOKENS // 2),
-                      behaviour_logprobs=[0.0] * (TRAIN_TOKENS // 2) + [-5.0] * (TRAIN_TOKENS // 2),
+    n, tokens = batch
+    half = tokens // 2
+    samples = [Sample(input_ids=[rng.randrange(vocab) for _ in range(tokens)],
+                      loss_mask=[0] * half + [1] * half,
+                      behaviour_logprobs=[0.0] * half + [-5.0] * half,
                       advantage=1.0 if i % 2 else -1.0, reward=float(i % 2), rollout_id=f"r{i}")
-               for i in range(TRAIN_SAMPLES)]
+               for i in range(n)]
     t = time.perf_counter()
     for _ in range(2):
         train_step(model, opt, samples, StepConfig())
@@ -62,10 +68,10 @@ def _peak_rss(model_dir: str, lora_rank: int, out: Any) -> None:
              "two_steps_s": round(time.perf_counter() - t, 2)})
 
 
-def peak_memory(model_dir: Path, lora_rank: int) -> dict[str, Any]:
+def peak_memory(model_dir: Path, lora_rank: int, batch: tuple[int, int]) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_peak_rss, args=(str(model_dir), lora_rank, q))
+    p = ctx.Process(target=_peak_rss, args=(str(model_dir), lora_rank, batch, q))
     p.start()
     try:
         res: dict[str, Any] = q.get(timeout=1800)
@@ -100,7 +106,7 @@ def adapter_pushes(model_dir: Path, workdir: Path, lora_rank: int, pushes: int,
             t0 = time.perf_counter()
             lora.save_adapter(model, path)
             t1 = time.perf_counter()
-            loader._load_one(engine, AdapterWeights.lora_name(path), str(path), retry=False)
+            loader.load_one(engine, AdapterWeights.lora_name(path), str(path), retry=False)
             t2 = time.perf_counter()
             r = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
                 "model": AdapterWeights.lora_name(path), "prompt": [0, 5, 9], "max_tokens": 1})
@@ -124,13 +130,21 @@ def bench_lora(model_dir: Path, workdir: Path, full_transfer_ms: float, lora_ran
     """The figures of the module docstring, with the two ratios: full-weight push time over
     adapter push time, and LoRA's trainer peak memory over full fine-tuning's."""
     push = adapter_pushes(model_dir, workdir, lora_rank, pushes, start_timeout)
-    full, adapted = peak_memory(model_dir, 0), peak_memory(model_dir, lora_rank)
+    out: dict[str, Any] = {
+        **push, "lora_rank": lora_rank, "full_transfer_ms": full_transfer_ms,
+        "full_over_adapter_push": round(full_transfer_ms / push["adapter_push_ms"], 2),
+        "trainer_peak_rss_mb": {}, "lora_over_full_peak_rss": {}, "memory_arms": {}}
     print(f"[lora] adapter push {push['adapter_push_ms']} ms vs full push {full_transfer_ms} "
-          f"ms; trainer peak RSS {adapted['peak_rss_mb']} MB (LoRA) vs {full['peak_rss_mb']} "
-          "MB (full)", flush=True)
-    return {**push, "lora_rank": lora_rank, "full_transfer_ms": full_transfer_ms,
-            "full_over_adapter_push": round(full_transfer_ms / push["adapter_push_ms"], 2),
-            "trainer_peak_rss_mb": {"full": full["peak_rss_mb"], "lora": adapted["peak_rss_mb"]},
-            "lora_over_full_peak_rss": round(adapted["peak_rss_mb"] / full["peak_rss_mb"], 3),
-            "trainable_fraction": round(adapted["trainable_params"] / adapted["params"], 5),
-            "memory_arms": {"full": full, "lora": adapted}}
+          "ms", flush=True)
+    for kind, batch in BATCHES.items():
+        full, adapted = peak_memory(model_dir, 0, batch), peak_memory(model_dir, lora_rank, batch)
+        print(f"[lora] {kind} batch {batch[0]} x {batch[1]}: trainer peak RSS "
+              f"{adapted['peak_rss_mb']} MB (LoRA) vs {full['peak_rss_mb']} MB (full)",
+              flush=True)
+        out["trainer_peak_rss_mb"][kind] = {"full": full["peak_rss_mb"],
+                                            "lora": adapted["peak_rss_mb"], "batch": batch}
+        out["lora_over_full_peak_rss"][kind] = round(adapted["peak_rss_mb"]
+                                                     / full["peak_rss_mb"], 3)
+        out["memory_arms"][kind] = {"full": full, "lora": adapted}
+        out["trainable_fraction"] = round(adapted["trainable_params"] / adapted["params"], 5)
+    return out

@@ -83,35 +83,101 @@ def test_reward_rises_on_the_calculator_example(
         record_property: pytest.RecordProperty, nproc: int) -> None:
     """`two-ranks`: the trainer as two processes (`--nproc 2`, FSDP2 over gloo): the same
     learning, from the same flags."""
-    started = time.monotonic()
-    out = tmp_path / "out"
     name = "learn" if nproc == 1 else f"learn-ws{nproc}"
+    started = time.monotonic()
+    trainer = start_trainer(stack, tmp_path / name, tiny_model_dir, name,
+                            ["--nproc", str(nproc)])
+    check_learned(trainer, started, tmp_path / name, record_property, {"nproc": nproc})
+
+
+# LoRA (docs/lora.md): rank 8, alpha 16, the adapter alone trained, pushed as a PEFT folder per
+# version and loaded at runtime; base traffic through the zero adapter. The same flags as full
+# fine-tuning but the learning rate: an adapter's update is a low-rank product scaled by
+# alpha / rank, so it needs a larger one (Thinking Machines' "LoRA Without Regret": about 10x).
+# 5x: 10x (6e-3) broke the tool-call format in two runs at once (docs/lora.md, "Learning").
+# `harnessrl up --lora-rank 8` trains with the same (services.trainer.lora.UP_LR).
+LORA_FLAGS = ["--lora.rank", "8", "--lora.alpha", "16", "--optimizer.lr", "3e-3"]
+
+
+@pytest.fixture(scope="module")
+def lora_stack(tmp_path_factory: pytest.TempPathFactory, redis_url: str,
+               tiny_model_dir: Path) -> Iterator[Stack]:
+    from harnessrl.local.engine import LoraEngine
+    from services.trainer.lora import LoraConfig, write_zero_adapter
+
+    root = tmp_path_factory.mktemp("learn-lora")
+    zero = write_zero_adapter(tiny_model_dir, LoraConfig(rank=8), root / "zero")
+    # slots: two sync runs, each with its current version and the one its last calls finish
+    # on, plus the zero adapter
+    cfg = StackConfig(state_dir=root / "stack", redis_url=redis_url, key_prefix="tlearnl:",
+                      model_dir=tiny_model_dir, served_model_name="tiny",
+                      weight_transfer_backend=None,
+                      lora=LoraEngine(max_rank=16, max_loras=6, zero_adapter=zero))
+    with Stack(cfg) as s:
+        yield s
+
+
+@pytest.mark.skipif(not LONG, reason="the LoRA learning runs are long: set "
+                    "HARNESSRL_LONG_TESTS=1")
+@pytest.mark.parametrize("runs", [1, 2], ids=["one-run", "two-runs-one-engine"])
+def test_lora_reward_rises_on_the_calculator_example(
+        lora_stack: Stack, tmp_path: Path, tiny_model_dir: Path,
+        record_property: pytest.RecordProperty, runs: int) -> None:
+    """LoRA learns within the same steps as full fine-tuning, by the same margin; with
+    `two-runs-one-engine`, two trainers at once on one engine, each with its own adapter
+    (different seeds), and both learn."""
+    names = [f"lora{i}-r{runs}" for i in range(runs)]
+    started = time.monotonic()
+    trainers = [start_trainer(lora_stack, tmp_path / n, tiny_model_dir, n,
+                              [*LORA_FLAGS, "--seed", str(i)])
+                for i, n in enumerate(names)]
+    try:
+        for t, n in zip(trainers, names):
+            check_learned(t, started, tmp_path / n, record_property,
+                          {"runs": runs, "run": n})
+    finally:
+        for t, _ in trainers:
+            if t.alive:
+                t.stop()
+
+
+def start_trainer(stack: Stack, tmp: Path, model: Path, name: str,
+                  extra: list[str]) -> tuple[procs.ServiceProcess, dict[str, str]]:
+    """The trainer service on TRAINER_FLAGS with `extra` flags on top; (it, its flags)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    flags = {**TRAINER_FLAGS, **dict(zip(extra[::2], extra[1::2]))}
     argv = procs.python_module(
         "services.trainer", "--bind", "127.0.0.1:0",
         "--store-address", stack.store_address,
         "--controller-address", stack.controller_address,
         "--gateway-admin-address", stack.gateway_admin_address,
-        "--model-path", str(tiny_model_dir), "--output-dir", str(out),
+        "--model-path", str(model), "--output-dir", str(tmp / "out"),
         "--served-model-name", "tiny", "--run-name", name, "--stream", name,
-        "--nproc", str(nproc), *[x for kv in TRAINER_FLAGS.items() for x in kv])
-    trainer = procs.ServiceProcess("trainer", argv, tmp_path).start()
+        *[x for kv in flags.items() for x in kv])
+    return procs.ServiceProcess("trainer", argv, tmp).start(), flags
+
+
+def check_learned(trainer: tuple[procs.ServiceProcess, dict[str, str]], started: float,
+                  tmp: Path, record_property: pytest.RecordProperty,
+                  extra: dict[str, object]) -> None:
+    """Waits for the trainer (within the wall bound, from `started`) and checks its curve."""
+    trainer, flags = trainer
     try:
-        trainer.proc.wait(WALL_LIMIT_S)
+        trainer.proc.wait(max(1.0, WALL_LIMIT_S - (time.monotonic() - started)))
     finally:
         if trainer.alive:
             trainer.stop()
     assert trainer.proc.returncode == 0, trainer.log_tail(80)
     wall = time.monotonic() - started
 
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
     curve = [round(r["reward_mean"], 3) for r in rows]
     first, last = statistics.fmean(curve[:FIRST]), statistics.fmean(curve[-LAST:])
     summary = {"curve": curve, f"first{FIRST}": round(first, 3), f"last{LAST}": round(last, 3),
                "gain": round(last - first, 3), "wall_s": round(wall, 1),
                "step_s_mean": round(statistics.fmean(r["step_time_s"] for r in rows), 1),
                "kl": [round(r["kl"], 4) if r["kl"] is not None else None for r in rows],
-               "policy_version": rows[-1]["policy_version"], "flags": TRAINER_FLAGS,
-               "nproc": nproc}
+               "policy_version": rows[-1]["policy_version"], "flags": flags, **extra}
     print("LEARNING " + json.dumps(summary))
     record_property("learning", json.dumps(summary))
     assert len(rows) == int(TRAINER_FLAGS["--steps"])
