@@ -8,9 +8,10 @@ vLLM's runtime API (its own log says so) and served to the run's calls, which th
 with that version; when the run is done its adapter is removed from the engine and the gateway
 and its folders are deleted. Only the number of steps is overridden.
 
-Opt-in (HARNESSRL_LONG_TESTS=1): about 5 minutes more once the images exist, and CI already
-runs the compose stack for real (tests/test_compose_real.py) and LoRA against vLLM
-(tests/test_lora_vllm.py).
+Opt-in (HARNESSRL_LONG_TESTS=1): about 3 minutes more once the images exist (186 s here), and
+CI already runs the compose stack for real (tests/test_compose_real.py), LoRA against vLLM
+(tests/test_lora_vllm.py) and the volume-ownership check that this test's first run called for
+(tests/test_deploy.py).
 """
 
 from __future__ import annotations

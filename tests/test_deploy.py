@@ -649,6 +649,33 @@ def test_compose_lora_override_shares_the_adapter_volume(tmp_path: Path, profile
     assert engine["command"][:len(base)] == base  # the base file's flags, LoRA's after them
 
 
+def owned_dirs(dockerfile: Path) -> set[str]:
+    """The folders a Dockerfile creates owned by its non-root user (`install -d -o harnessrl`)."""
+    text = dockerfile.read_text().replace("\\\n", " ")
+    return {d for m in re.findall(r"install -d -o harnessrl -g harnessrl ([^&\n]+)", text)
+            for d in m.split()}
+
+
+def test_compose_writable_volumes_are_owned_by_the_images_user(tmp_path: Path) -> None:
+    """A new named volume takes the owner of the image's folder at its mount point, and our
+    images run as uid 10001: every writable named-volume mount of a service running one of our
+    images is a folder its Dockerfile creates owned by that user (docker-compose.lora.yml's
+    `adapters` was root-owned and the zero adapter's writer failed, found running it)."""
+    services = compose_config(tmp_path, overrides=("docker-compose.lora.yml",))["services"]
+    dockerfile = {s["image"]: REPO / s["build"]["dockerfile"] for s in services.values()
+                  if "build" in s}
+    checked = 0
+    for name, svc in services.items():
+        if svc["image"] not in dockerfile or "volumes" not in svc:
+            continue
+        owned = owned_dirs(dockerfile[svc["image"]])
+        for target, source in compose_mounts(svc, writable=True).items():
+            if not source.startswith("/"):  # a named volume, not a bind mount
+                assert target in owned, (name, target, dockerfile[svc["image"]])
+                checked += 1
+    assert checked >= 6, checked
+
+
 def test_compose_validation_rejects_a_broken_file(tmp_path: Path) -> None:
     """`docker-compose config` does validate (so the test above can fail)."""
     broken = tmp_path / "docker-compose.yml"
