@@ -20,17 +20,14 @@ import json
 import os
 import re
 import secrets
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from harnessrl.clients import GatewayAdminClient, StoreClient
-from harnessrl.procs import free_port
-from test_compose_real import PORT_VARS, REPO, Compose, wait_for
+from test_compose_real import REPO, Compose, project_env, seed_models, wait_for
 
 STEPS = 3
 LONG = os.environ.get("HARNESSRL_LONG_TESTS") == "1"
@@ -40,27 +37,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.containers, pytest.mark.timeout(3600
 
 def test_lora_compose_trains_an_adapter_pushed_through_the_shared_volume(  # type: ignore[no-untyped-def]
         docker_daemon, built_images, tiny_model_dir: Path, tmp_path: Path) -> None:
-    secret = tmp_path / "secret-dir" / "secret"
-    subprocess.run(["bash", str(REPO / "scripts" / "compose-secret.sh")], check=True,
-                   env={**os.environ, "HARNESSRL_SECRET_FILE": str(secret)}, timeout=30)
     project = f"hrllora{secrets.token_hex(3)}"
-    env = {k: v for k, v in docker_daemon.env.items() if not k.startswith("COMPOSE_")}
-    env.update({var: str(free_port()) for var in PORT_VARS})
-    env.update({"COMPOSE_PROFILES": "cpu", "HARNESSRL_SECRET_FILE": str(secret),
-                "REDIS_IMAGE": built_images["redis"]["tag"]})
-    override = tmp_path / "steps.override.yml"
-    override.write_text(yaml.safe_dump({"services": {"trainer-cpu": {
-        "environment": {"HARNESSRL_TRAINER_STEPS": str(STEPS)}}}}))
+    env, override = project_env(docker_daemon, built_images, tmp_path, STEPS)
     dc = Compose(project, [REPO / "docker-compose.yml", REPO / "docker-compose.lora.yml",
                            override], env)
     try:
-        vol = f"{project}_models"  # the tiny model in the `models` volume, as test_compose_real
-        dc.docker("volume", "create", "--label", f"com.docker.compose.project={project}",
-                  "--label", "com.docker.compose.volume=models", vol)
-        dc.docker("run", "--rm", "--network", "none", "--user", "0:0", "-v", f"{vol}:/models",
-                  "-v", f"{tiny_model_dir}:/src:ro", built_images["trainer"]["tag"],
-                  "sh", "-c", "cp -a /src /models/tiny-qwen3 && chown -R 10001:10001 /models",
-                  timeout=300)
+        seed_models(dc, project, tiny_model_dir, built_images["trainer"]["tag"])
         t0 = time.monotonic()
         dc.compose("up", "-d", "--no-build", timeout=900)
         up_s = time.monotonic() - t0

@@ -229,35 +229,48 @@ def account(compose: Compose, expected: dict[str, int], prefix: str,
                 re.sub(r"[0-9a-f]{8,}|\d+", "#", r)[:80] for r in dropped.values()))}
 
 
-@pytest.fixture(scope="module")
-def compose(docker_daemon, built_images, tiny_model_dir: Path,  # type: ignore[no-untyped-def]
-            tmp_path_factory: pytest.TempPathFactory) -> Any:
-    tmp = tmp_path_factory.mktemp("compose")
+def project_env(docker_daemon: Any, built_images: dict[str, Any], tmp: Path, steps: int
+                ) -> tuple[dict[str, str], Path]:
+    """The environment of a compose project on the CPU profile (a new secret, free published
+    ports, the built redis image) and an override file that trains for `steps` steps."""
     secret = tmp / "secret-dir" / "secret"
     subprocess.run(["bash", str(REPO / "scripts" / "compose-secret.sh")], check=True,
                    env={**os.environ, "HARNESSRL_SECRET_FILE": str(secret)}, timeout=30)
-    project = f"hrltest{secrets.token_hex(3)}"
     env = {k: v for k, v in docker_daemon.env.items() if not k.startswith("COMPOSE_")}
     env.update({var: str(free_port()) for var in PORT_VARS})
     env.update({"COMPOSE_PROFILES": "cpu", "HARNESSRL_SECRET_FILE": str(secret),
                 "REDIS_IMAGE": built_images["redis"]["tag"]})
     override = tmp / "steps.override.yml"
     override.write_text(yaml.safe_dump({"services": {"trainer-cpu": {
-        "environment": {"HARNESSRL_TRAINER_STEPS": str(STEPS)}}}}))
+        "environment": {"HARNESSRL_TRAINER_STEPS": str(steps)}}}}))
+    return env, override
+
+
+def seed_models(dc: Compose, project: str, model_dir: Path, trainer_image: str) -> None:
+    """The tiny model in the project's `models` volume (model-cpu then finds it and exits at
+    once), owned by the images' user."""
+    vol = f"{project}_models"
+    dc.docker("volume", "create", "--label", f"com.docker.compose.project={project}",
+              "--label", "com.docker.compose.volume=models", vol)
+    dc.docker("run", "--rm", "--network", "none", "--user", "0:0", "-v", f"{vol}:/models",
+              "-v", f"{model_dir}:/src:ro", trainer_image,
+              "sh", "-c", "cp -a /src /models/tiny-qwen3 && chown -R 10001:10001 /models",
+              timeout=300)
+
+
+@pytest.fixture(scope="module")
+def compose(docker_daemon, built_images, tiny_model_dir: Path,  # type: ignore[no-untyped-def]
+            tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("compose")
+    project = f"hrltest{secrets.token_hex(3)}"
+    env, override = project_env(docker_daemon, built_images, tmp, STEPS)
     base = Compose(project, [REPO / "docker-compose.yml"], env)
     dc = Compose(project, [REPO / "docker-compose.yml", override], env)
     run = ComposeRun(logs=tmp / "compose.log")
     run.base = yaml.safe_load(base.compose("config").stdout)
     run.merged = yaml.safe_load(dc.compose("config").stdout)
     try:
-        # the tiny model in the `models` volume (model-cpu then finds it and exits at once)
-        vol = f"{project}_models"
-        dc.docker("volume", "create", "--label", f"com.docker.compose.project={project}",
-                  "--label", "com.docker.compose.volume=models", vol)
-        dc.docker("run", "--rm", "--network", "none", "--user", "0:0", "-v", f"{vol}:/models",
-                  "-v", f"{tiny_model_dir}:/src:ro", built_images["trainer"]["tag"],
-                  "sh", "-c", "cp -a /src /models/tiny-qwen3 && chown -R 10001:10001 /models",
-                  timeout=300)
+        seed_models(dc, project, tiny_model_dir, built_images["trainer"]["tag"])
         t0 = time.monotonic()
         dc.compose("up", "-d", "--no-build", timeout=900)
         run.up_s = round(time.monotonic() - t0, 1)
