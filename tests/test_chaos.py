@@ -1,4 +1,4 @@
-"""Chaos on the real stack, bounded for CI: three training steps of the example (Redis with AOF,
+"""Chaos on the real stack, bounded for CI: four training steps of the example (Redis with AOF,
 vLLM, store, gateway, controller, trainer) while the store, gateway, controller, Redis and the
 trainer are each killed with kill -9 once, in the phase each is meant to hit (harnesses in
 flight; groups delivered and not yet acknowledged), and restarted by the supervisor; first, the
@@ -27,7 +27,11 @@ from harnessrl.testing import chaos_accounting as ca
 from harnessrl.testing.chaos import KEY_PREFIX, KILL_ORDER, ChaosInputs, ChaosResult, run_chaos
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-STEPS = 3
+# Four: Redis and the trainer are each killed in a step's "groups pending" window (its groups
+# read, not yet acknowledged: ~0.6 s of a ~9 s step here), one window each, after the three
+# harness-phase kills have recovered (~20 s). With three steps a quiet machine finished the run
+# before the trainer's window came (the kills ran on time; the run was too short for them).
+STEPS = 4
 KILLS = ("gateways", *KILL_ORDER)  # "gateways": the rolling restart of both replicas
 
 
