@@ -30,7 +30,10 @@ def test_cite_recipe_trains_on_judge_rewards(tmp_path: Path, redis_url: str,
         cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     steps = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(steps) == 2 and all(s["rollouts_failed"] == 0 for s in steps), steps
+    groups = sorted((tmp_path / "state" / "rollouts").glob("*/groups/*/try-*"))
+    unjudged = {g.relative_to(tmp_path): (g / "stderr.log").read_text()[-600:] for g in groups
+                if not (g / "output.json").exists() and (g / "stderr.log").exists()}
+    assert len(steps) == 2 and all(s["rollouts_failed"] == 0 for s in steps), (steps, unjudged)
     answers = [json.loads(a.read_text()) for a in (tmp_path / "state" / "rollouts").glob(
         "*/groups/*/try-1/output.json")]
     assert len(answers) == 8  # one judge answer per group
