@@ -6,13 +6,12 @@ import asyncio
 import logging
 from pathlib import Path
 
-import redis.asyncio as aioredis
-
 from harnessrl import procs, rpc
 from harnessrl.metrics import serve_metrics
 from harnessrl.v1 import store_pb2, store_pb2_grpc
 from services.store.config import StoreConfig
 from services.store.metrics import refresh_streams
+from services.store.redis_client import connect
 from services.store.redis_store import RolloutStore
 from services.store.servicer import StoreServicer
 
@@ -26,8 +25,7 @@ async def serve(cfg: StoreConfig) -> None:
         if redis_proc is not None:
             log.info("started redis-server (AOF on) at %s, data in %s", cfg.redis_url,
                      cfg.redis_data_dir)
-    client = aioredis.Redis.from_url(cfg.redis_url, socket_keepalive=True,
-                                     health_check_interval=10)
+    client = connect(cfg.redis_url, socket_keepalive=True, health_check_interval=10)
     await client.ping()
     store = RolloutStore(client, cfg.key_prefix)
 
