@@ -139,8 +139,8 @@ STORE_SEEDS: dict[str, object] = {
     "RecordCalls": spb.AppendCallsRequest(calls=[c.Call(
         rollout_id="fz/r1", attempt=1, seq=1, prompt_token_ids=[1],
         completion_token_ids=[3], logprobs=[-0.5])], states=[spb.GatewayCallState(
-            segment=True, n_messages=2, digest=b"d" * 16, settings=b"s" * 16, replaces_seq=0,
-            keep=4, response_id="resp_1", previous_response_id="resp_0",
+            segment=True, n_messages=2, digest=b"d" * 16, settings=b"s" * 16, drop_seqs=[0],
+            response_id="resp_1", previous_response_id="resp_0",
             messages_json=b'[{"role": "user", "content": "q"}]', keep_responses=8)]),
     "GetGatewayState": spb.GetGatewayStateRequest(rollout_id="fz/r1", attempt=1,
                                                   known_next_seq=-1, response_id="resp_1"),

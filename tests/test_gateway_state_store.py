@@ -29,12 +29,11 @@ def _started(client: StoreClient, run: str, max_attempts: int = 1) -> str:
     return ros[0].rollout_id
 
 
-def _seg(n: int, replaces: int | None = None, keep: int = 2) -> spb.GatewayCallState:
-    st = spb.GatewayCallState(segment=True, n_messages=n, digest=bytes([n]) * 16,
-                              settings=b"s" * 16, keep=keep)
-    if replaces is not None:
-        st.replaces_seq = replaces
-    return st
+def _seg(n: int, *drops: int) -> spb.GatewayCallState:
+    """A segment state of n messages that ends the states `drops` (the gateway's choice: the
+    one it extended, those pushed out of its tokens_per_rollout)."""
+    return spb.GatewayCallState(segment=True, n_messages=n, digest=bytes([n]) * 16,
+                                settings=b"s" * 16, drop_seqs=drops)
 
 
 def _append(client: StoreClient, calls: list[c.Call], states: list[spb.GatewayCallState]
@@ -47,7 +46,8 @@ def test_segments_are_kept_most_recent_first_replaced_and_bounded(client: StoreC
     rid = _started(client, "gs1")
     assert client.get_gateway_state(rid, 1).next_seq == 0
     # seq 0 starts a segment, seq 1 extends it (replaces it), seq 2 is a side conversation,
-    # seq 3 is untracked (no state), seq 4 another: keep=2 drops the oldest
+    # seq 3 is untracked (no state), seq 4 extends seq 1, seq 5 another that pushes seq 2 out
+    # (a gateway keeping 2)
     assert _append(client, [call(rid, 1, 0)], [_seg(2)]) == [spb.APPEND_RESULT_STORED]
     got = client.get_gateway_state(rid, 1)
     assert got.next_seq == 1 and got.segments_sent
@@ -55,17 +55,19 @@ def test_segments_are_kept_most_recent_first_replaced_and_bounded(client: StoreC
     assert (s0.seq, s0.n_messages) == (0, 2)
     assert array("i", s0.ids).tolist() == [1, 2, 3, 0, 1, 2]  # prompt + completion ids
     _append(client, [call(rid, 1, 1), call(rid, 1, 2), call(rid, 1, 3)],
-            [_seg(4, replaces=0), _seg(2), spb.GatewayCallState()])
+            [_seg(4, 0), _seg(2), spb.GatewayCallState()])
     got = client.get_gateway_state(rid, 1)
     assert got.next_seq == 4
     assert [s.seq for s in got.segments] == [2, 1]
-    _append(client, [call(rid, 1, 4)], [_seg(6, replaces=1)])
+    _append(client, [call(rid, 1, 4)], [_seg(6, 1)])
     assert [s.seq for s in client.get_gateway_state(rid, 1).segments] == [4, 2]
-    _append(client, [call(rid, 1, 5)], [_seg(2)])
+    _append(client, [call(rid, 1, 5)], [_seg(2, 2)])
     assert [s.seq for s in client.get_gateway_state(rid, 1).segments] == [5, 4]  # bounded
+    _append(client, [call(rid, 1, 6)], [_seg(3, 5, 4)])  # one state may end several
+    assert [s.seq for s in client.get_gateway_state(rid, 1).segments] == [6]
     # a caller whose copy is current gets no segments
-    same = client.get_gateway_state(rid, 1, known_next_seq=6)
-    assert same.next_seq == 6 and not same.segments_sent and not same.segments
+    same = client.get_gateway_state(rid, 1, known_next_seq=7)
+    assert same.next_seq == 7 and not same.segments_sent and not same.segments
 
 
 def test_a_resend_is_a_duplicate_and_another_call_on_a_taken_seq_a_conflict(
@@ -133,7 +135,7 @@ def test_the_state_goes_when_the_attempt_ends(client: StoreClient, store_service
     _append(client, [call(rid, 1, 1)], [_resp("resp_x", "", [{"role": "user", "content": "q"}])])
     r = redis.Redis.from_url(store_service.redis_url)
     gw_keys = lambda: [k for k in r.keys(f"{store_service.key_prefix}gw*:{rid}:*")]  # noqa: E731
-    assert len(gw_keys()) == 2 and all(r.ttl(k) > 0 for k in gw_keys())  # gw, gwr
+    assert len(gw_keys()) == 3 and all(r.ttl(k) > 0 for k in gw_keys())  # gws, gw, gwr
     finish(client, rid, 1, status=c.ROLLOUT_STATUS_FAILED, will_retry=True, error="boom")
     assert gw_keys() == []
     got = client.get_gateway_state(rid, 1, response_id="resp_x")
@@ -209,7 +211,7 @@ async def test_a_seq_a_replica_lost_and_a_peer_then_recorded_is_read(store_servi
         await recording.record(ex, c.Call(rollout_id=rid, attempt=1, seq=a.take_seq()))
     await sessions.refresh(a)
     assert tokens.loaded == []  # seq 1 still free: nothing to read
-    assert _append(sync, [call(rid, 1, 1)], [_seg(4, replaces=0)]) == [spb.APPEND_RESULT_STORED]
+    assert _append(sync, [call(rid, 1, 1)], [_seg(4, 0)]) == [spb.APPEND_RESULT_STORED]
     await sessions.refresh(a)
     assert tokens.loaded == [[1]] and a.next_seq == 2  # B's seq 1 read; A goes on at seq 2
     await sessions.refresh(a)
@@ -226,7 +228,7 @@ async def test_a_call_whose_seq_a_peer_took_is_recorded_under_the_next_free_one(
 
     sync = StoreClient.connect(store_service.address, timeout=10)
     rid = _started(sync, "gs-conflict")
-    assert _append(sync, [call(rid, 1, 0), call(rid, 1, 1)], [_seg(2), _seg(4, replaces=0)]) \
+    assert _append(sync, [call(rid, 1, 0), call(rid, 1, 1)], [_seg(2), _seg(4, 0)]) \
         == [spb.APPEND_RESULT_STORED] * 2  # seq 1 is the peer's, which this replica missed
     recorder = ScriptedRecorder(SeqConflict("seq 1 holds another call"))
     store, sessions, a, tokens, recording, ex = _replica(store_service, rid, recorder, 1)

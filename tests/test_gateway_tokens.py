@@ -185,6 +185,8 @@ class _Session:
     def __init__(self) -> None:
         self.tokens = None
         self.next_seq = 0
+        self.let_go: list[int] = []
+        self.stored: set[int] = set()  # the seqs of the states the store keeps
 
 
 async def _toy_tokenize(request: dict[str, object]) -> list[int]:
@@ -212,10 +214,19 @@ def _turn(reuse: "TokenReuse", session: _Session, messages: list[dict[str, objec
 
 def _recorded(reuse: "TokenReuse", session: _Session, plan: object, call: c.Call,
               assistant: dict[str, object], prompt: list[int], completion: list[int]) -> None:
-    """What the gateway does once the store took the call with its state."""
-    state = reuse.state(plan, call, assistant)  # type: ignore[arg-type]
+    """What the gateway does once the store took the call with its state. The store (here
+    `session.stored`) deletes the states the state names and keeps the new one: it then holds
+    what the session holds, and the states the session let go since its last call. (A
+    session whose states this gateway evicted (`max_rollouts`) reads them back from the store
+    on its next call in the gateway; this double does not, so the check waits for that.)"""
+    state = reuse.state(session, plan, call, assistant)  # type: ignore[arg-type]
     if state is not None:
+        evicted = session.tokens is None and bool(session.stored)
+        session.stored = session.stored - set(state.drop_seqs) | {call.seq}
         reuse.recorded(session, plan, call, state, prompt, completion)  # type: ignore[arg-type]
+        held = {s.seq for s in session.tokens or ()}
+        assert evicted or session.stored == held | set(session.let_go), (
+            session.stored, held, session.let_go)
 
 
 def test_segment_starts_side_conversations_and_eviction() -> None:
@@ -230,6 +241,11 @@ def test_segment_starts_side_conversations_and_eviction() -> None:
     call = _turn(reuse, a, main + [said, {"role": "user", "content": "go on"}])
     assert (call.segment_start, call.segment, call.extends_seq) == (
         c.SEGMENT_START_CONTINUED, 0, 0)
+    # a third conversation pushes the oldest state out (per_rollout=2), and the store is told
+    # to drop it (`_recorded` checks that every state names what the session lets go)
+    assert _turn(reuse, a, [{"role": "user", "content": "third"}]).segment_start == \
+        c.SEGMENT_START_EDITED
+    assert [s.seq for s in a.tokens] == [3, 2]  # type: ignore[attr-defined]
     # non-text content and continue_final_message: the engine renders
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     assert _turn(reuse, a, image).segment_start == c.SEGMENT_START_UNTRACKED
@@ -258,6 +274,46 @@ def test_segment_starts_side_conversations_and_eviction() -> None:
     assert _turn(reuse, a, main + [said, {"role": "user", "content": "go on"}]
                  ).segment_start == c.SEGMENT_START_NO_STATE
     assert _turn(reuse, b, main).segment_start == c.SEGMENT_START_FIRST
+
+
+def test_calls_in_flight_together_leave_the_store_what_the_session_keeps() -> None:
+    """Three calls of one attempt sent at once (each planned and its state made before any is
+    recorded) push states out of `per_rollout`; the store, told what to drop one call late,
+    keeps no more than the session holds plus what it let go since its last call."""
+    reuse = TokenReuse(per_rollout=2)
+    session = _Session()
+    for text in ("a", "b"):
+        _turn(reuse, session, [{"role": "user", "content": text}])
+    said = {"role": "assistant", "content": "Hello, world!"}
+    flight = []
+    for text in ("c", "d", "e"):
+        forward: dict[str, object] = {"model": "tiny",
+                                      "messages": [{"role": "user", "content": text}]}
+        plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
+        call = c.Call(seq=session.next_seq, prompt_token_ids=PROMPT_IDS,
+                      completion_token_ids=HELLO)
+        session.next_seq += 1
+        reuse.fields(plan, call)
+        flight.append((plan, call, reuse.state(session, plan, call, said)))
+    for plan, call, state in flight:
+        assert state is not None
+        session.stored = session.stored - set(state.drop_seqs) | {call.seq}
+        reuse.recorded(session, plan, call, state, PROMPT_IDS, HELLO)
+    held = {s.seq for s in session.tokens or ()}
+    assert held == {4, 3} and session.stored == held | set(session.let_go) == {4, 3, 2, 1, 0}
+    # the next call drops them (and lets go of 3, which the call after it drops)
+    _turn(reuse, session, [{"role": "user", "content": "f"}])
+    assert session.stored == {5, 4, 3} and session.let_go == [3]
+    # a call that extends seq 5 takes 3 over; not recorded, it gives 3 back (not 5: kept)
+    forward = {"model": "tiny", "messages": [{"role": "user", "content": "f"}, said,
+                                             {"role": "user", "content": "g"}]}
+    plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
+    call = c.Call(seq=6, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
+    reuse.fields(plan, call)
+    state = reuse.state(session, plan, call, said)
+    assert state is not None and list(state.drop_seqs) == [5, 3] and session.let_go == []
+    reuse.unsent(session, plan, state)
+    assert session.let_go == [3]
 
 
 def test_a_template_that_does_not_split_into_turns_is_rendered_by_the_engine() -> None:

@@ -226,8 +226,7 @@ class GatewayCallState(_message.Message):
     N_MESSAGES_FIELD_NUMBER: _builtins.int
     DIGEST_FIELD_NUMBER: _builtins.int
     SETTINGS_FIELD_NUMBER: _builtins.int
-    REPLACES_SEQ_FIELD_NUMBER: _builtins.int
-    KEEP_FIELD_NUMBER: _builtins.int
+    DROP_SEQS_FIELD_NUMBER: _builtins.int
     RESPONSE_ID_FIELD_NUMBER: _builtins.int
     PREVIOUS_RESPONSE_ID_FIELD_NUMBER: _builtins.int
     MESSAGES_JSON_FIELD_NUMBER: _builtins.int
@@ -242,19 +241,21 @@ class GatewayCallState(_message.Message):
     """digest of those messages, canonical (services/gateway/tokens.py)"""
     settings: _builtins.bytes
     """digest of its tools and chat template settings"""
-    replaces_seq: _builtins.int
-    """the state this call extended (dropped: it is newer)"""
-    keep: _builtins.int
-    """states kept per attempt, most recent first (the gateway's"""
     response_id: _builtins.str
-    """tokens_per_rollout)
-    Responses: the response this call answered, the one it followed, and the chat messages it
+    """Responses: the response this call answered, the one it followed, and the chat messages it
     adds to that one's (its input items + the assistant message), as a JSON list.
     """
     previous_response_id: _builtins.str
     messages_json: _builtins.bytes
     keep_responses: _builtins.int
     """responses kept per attempt (oldest dropped first)"""
+    @_builtins.property
+    def drop_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The states of the attempt that this call ends (deleted with it): the one it extended,
+        and those it pushes out of the gateway's `tokens_per_rollout`, oldest last. The gateway
+        holds the attempt's most recent states in order; the store keeps what it holds.
+        """
+
     def __init__(
         self,
         *,
@@ -262,20 +263,17 @@ class GatewayCallState(_message.Message):
         n_messages: _builtins.int = ...,
         digest: _builtins.bytes = ...,
         settings: _builtins.bytes = ...,
-        replaces_seq: _builtins.int | None = ...,
-        keep: _builtins.int = ...,
+        drop_seqs: _abc.Iterable[_builtins.int] | None = ...,
         response_id: _builtins.str = ...,
         previous_response_id: _builtins.str = ...,
         messages_json: _builtins.bytes = ...,
         keep_responses: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_replaces_seq", b"_replaces_seq", "replaces_seq", b"replaces_seq"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_replaces_seq", b"_replaces_seq", "digest", b"digest", "keep", b"keep", "keep_responses", b"keep_responses", "messages_json", b"messages_json", "n_messages", b"n_messages", "previous_response_id", b"previous_response_id", "replaces_seq", b"replaces_seq", "response_id", b"response_id", "segment", b"segment", "settings", b"settings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "drop_seqs", b"drop_seqs", "keep_responses", b"keep_responses", "messages_json", b"messages_json", "n_messages", b"n_messages", "previous_response_id", b"previous_response_id", "response_id", b"response_id", "segment", b"segment", "settings", b"settings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType__replaces_seq: _TypeAlias = _typing.Literal["replaces_seq"]  # noqa: Y015
-    _WhichOneofArgType__replaces_seq: _TypeAlias = _typing.Literal["_replaces_seq", b"_replaces_seq"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__replaces_seq) -> _WhichOneofReturnType__replaces_seq | None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GatewayCallState: _TypeAlias = GatewayCallState  # noqa: Y015
 
@@ -367,7 +365,7 @@ class GatewayState(_message.Message):
     """the chat messages up to and including that response, JSON"""
     @_builtins.property
     def segments(self) -> _containers.RepeatedCompositeFieldContainer[Global___SegmentRecord]:
-        """most recent first"""
+        """most recent (highest seq) first"""
 
     def __init__(
         self,

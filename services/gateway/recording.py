@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import store_pb2 as spb
 from services.gateway.engines import EngineState
 from services.gateway.recorder import CallRecorder, RecordError, SeqConflict
 from services.gateway.sessions import Sessions
@@ -48,7 +49,7 @@ class Recording:
         and the call recorded with the next free seq."""
         gen, state = ex.generated, None
         if ex.plan is not None and gen is not None and not call.aborted:
-            state = self.tokens.state(ex.plan, call, gen.message())
+            state = self.tokens.state(ex.session, ex.plan, call, gen.message())
             if ex.chain is not None:
                 state = ex.chain.state(state, gen)
         for conflicts in range(MAX_CONFLICTS + 1):
@@ -59,6 +60,7 @@ class Recording:
             except SeqConflict:
                 if conflicts == MAX_CONFLICTS:
                     ex.session.lost = True
+                    self._unsent(ex, state)
                     raise
                 await self.sessions.refresh(ex.session, force=True)
                 call.seq = ex.session.take_seq()
@@ -66,6 +68,11 @@ class Recording:
                     self.tokens.fields(ex.plan, call)
             except RecordError:
                 ex.session.lost = True  # the seq stays free in the store (sessions.refresh)
+                self._unsent(ex, state)
                 raise
         if state is not None and state.segment and ex.plan is not None and gen is not None:
             self.tokens.recorded(ex.session, ex.plan, call, state, gen.prompt_ids or [], gen.ids)
+
+    def _unsent(self, ex: Exchange, state: spb.GatewayCallState | None) -> None:
+        if state is not None and ex.plan is not None:
+            self.tokens.unsent(ex.session, ex.plan, state)

@@ -33,7 +33,7 @@ NO_SEGMENTS = 2**31 - 1  # GetGatewayState's known_next_seq for the next seq alo
 
 class Session:
     __slots__ = ("cred", "next_seq", "closed", "run_model", "sampling", "sampling_problem",
-                 "tokens", "adapter", "epoch", "seen_next", "lost")
+                 "tokens", "let_go", "adapter", "epoch", "seen_next", "lost")
 
     def __init__(self, cred: RolloutCredential, next_seq: int) -> None:
         self.cred = cred
@@ -43,6 +43,7 @@ class Session:
         self.sampling: c.SamplingPolicy | None = None  # RunSpec.sampling, when set
         self.sampling_problem = ""  # why the trainer cannot match it ("" when it can)
         self.tokens: list[Any] | None = None  # tokens.SegmentState of its latest calls
+        self.let_go: list[int] = []  # seqs of states it let go that the store still keeps
         self.adapter = ""  # RunSpec.adapter: the LoRA adapter serving its calls (adapters.py)
         self.epoch = 0  # the replica set's epoch its caches were last read from the store at
         self.seen_next = next_seq  # the store's next seq as far as this replica has seen it

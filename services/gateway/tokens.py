@@ -271,10 +271,15 @@ class TokenReuse:
         else:
             call.segment = call.seq
 
-    def state(self, plan: Plan, call: c.Call, assistant: dict[str, Any]
+    def state(self, session: Any, plan: Plan, call: c.Call, assistant: dict[str, Any]
               ) -> spb.GatewayCallState | None:
         """What the store keeps of this call for a later turn (recorded with it), or None
-        when no turn can extend it (untracked, non-text answer)."""
+        when no turn can extend it (untracked, non-text answer). It names the states the
+        store may delete: the one this call extends (`recorded` replaces it), and those the
+        session let go at earlier calls (pushed out of `per_rollout`), which this call takes
+        over (`unsent` gives them back if it is not recorded). They go with a later call
+        rather than their own: calls of one attempt in flight together each see the states
+        as they were, and only `recorded`, one call at a time, knows which go."""
         if call.segment_start == c.SEGMENT_START_UNTRACKED:
             return None
         try:
@@ -282,17 +287,27 @@ class TokenReuse:
         except NotText:
             return None
         out = spb.GatewayCallState(segment=True, n_messages=len(canon), digest=digest(canon),
-                                   settings=plan.settings, keep=self.per_rollout)
+                                   settings=plan.settings)
         if plan.state is not None:
-            out.replaces_seq = plan.state.seq
+            out.drop_seqs.append(plan.state.seq)
+        out.drop_seqs.extend(session.let_go)
+        session.let_go = []
         return out
+
+    @staticmethod
+    def unsent(session: Any, plan: Plan, state: spb.GatewayCallState) -> None:
+        """`state`'s call was not recorded: the states it took over are let go still (the
+        one it extended is not: the session keeps it)."""
+        keep = {seq for seq in session.let_go} | (
+            {plan.state.seq} if plan.state is not None else set())
+        session.let_go += [seq for seq in state.drop_seqs if seq not in keep]
 
     def recorded(self, session: Any, plan: Plan, call: c.Call, state: spb.GatewayCallState,
                  prompt_ids: list[int], completion_ids: list[int]) -> None:
         """The call is in the store (and complete) with `state`: a later turn may extend it.
         The attempt keeps its `per_rollout` most recent calls' states (a harness may
-        interleave side conversations, or branch), the one this call extended replaced, as
-        the store does."""
+        interleave side conversations, or branch), the one this call extended replaced; the
+        states it pushes out join `session.let_go`, which the next call's state names."""
         reused = plan.state.ids if plan.state is not None and not plan.engine_rendered \
             else None
         if reused is not None:  # only the tokens added since are converted
@@ -303,6 +318,8 @@ class TokenReuse:
         new = SegmentState(call.segment, call.seq, ids, state.n_messages, state.digest,
                            state.settings)
         states = [s for s in session.tokens or () if s is not plan.state]
+        sent = set(state.drop_seqs)
+        session.let_go += [s.seq for s in states[self.per_rollout - 1:] if s.seq not in sent]
         self._hold(session, [new] + states[:self.per_rollout - 1])
 
     def load(self, session: Any, records: Any) -> None:

@@ -3,17 +3,21 @@
 Keys (under the store's prefix P; k is the attempt):
 
 - `P calls:{rollout_id}:{k}` HASH seq -> `Call` bytes.
-- `P gw:{rollout_id}:{k}` HASH: `next` (1 + the highest seq stored), `s:{seq}` ->
-  `SegmentRecord` bytes without its ids (calls a later turn may extend; the ids are the call's
-  own prompt and completion ids, read from the call when the state is read), `o` (those seqs,
-  most recent first, comma-separated, at most the gateway's `keep`), `r:{response_id}` -> the
-  Responses chain entry (the previous response id, a newline, the JSON list of messages it
-  adds).
-- `P gwr:{rollout_id}:{k}` LIST of those response ids, most recent first, trimmed to the
-  gateway's `keep_responses`: the state of an attempt is bounded as it is in a gateway's memory.
+- `P gws:{rollout_id}:{k}` HASH: `next` (1 + the highest seq stored), and `{seq}` ->
+  `SegmentRecord` bytes without its ids for the calls a later turn may extend (the ids are the
+  call's own prompt and completion ids, read from the call when the state is read). Which
+  records the attempt keeps is the gateway's to say, as it holds them in memory: each state
+  names the states it ends (`drop_seqs`: the one it extended, those pushed out of the gateway's
+  `tokens_per_rollout`), deleted with it. A read returns them highest seq first.
+- `P gw:{rollout_id}:{k}` HASH `r:{response_id}` -> the Responses chain entry (the previous
+  response id, a newline, the JSON list of messages it adds), and `P gwr:{rollout_id}:{k}`
+  LIST of those response ids, most recent first, trimmed to the gateway's `keep_responses`:
+  the state of an attempt is bounded as it is in a gateway's memory.
 
-A call that starts or extends a segment costs five Redis commands (GET, HSETNX, HMGET, HSET,
-HDEL), all in the one script.
+A call that starts or extends a segment costs four or five Redis commands (GET, HSETNX, HGET,
+HSET, and HDEL when it ends a state), all in the one script, and no string work in Lua: on
+this 2-core machine Redis spends about 1.5 us per command a script runs, and parsing a list
+of records in Lua cost more than the commands (measured: docs/gateway-replicas.md).
 
 A call and its state are written together or not at all, only while the attempt runs (the
 rollout's `st:` key, kept by `redis_store`), and the gateway keys go when the attempt ends
@@ -37,51 +41,53 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 
 _APPEND_LUA = """
--- Per call i: KEYS[4i-3..4i] = its rollout's state key, calls hash, gw hash, response list;
--- ARGV[10i-9..10i] = attempt, seq, call bytes, segment record ('' none), replaced seq ('' none),
--- keep, response id ('' none), chain entry, keep_responses, the bytes of the call not aborted
--- (an aborted one; else ''). ARGV[#ARGV] = ttl seconds of the gw keys.
+-- Per call i: KEYS[5i-4..5i] = its rollout's state key, calls hash, segments hash, chain hash,
+-- response list; ARGV[9i-8..9i] = attempt, seq, call bytes, segment record ('' none), the seqs
+-- of the states it ends (space-separated, '' none), response id ('' none), chain entry,
+-- keep_responses, the bytes of the call not aborted (an aborted one; else '').
+-- ARGV[#ARGV] = ttl seconds of the gateway's keys.
 -- Result per call: 1 stored, 0 duplicate, -1 unknown rollout, -2 attempt not running,
 -- -3 conflict (its seq holds another call).
 local out = {}
 local ttl = tonumber(ARGV[#ARGV])
-for i = 1, #KEYS / 4 do
-  local st_key, calls_key, gw, resps = KEYS[4*i-3], KEYS[4*i-2], KEYS[4*i-1], KEYS[4*i]
-  local a = 10 * (i - 1)
+for i = 1, #KEYS / 5 do
+  local st_key, calls_key, segs, gw, resps = KEYS[5*i-4], KEYS[5*i-3], KEYS[5*i-2],
+    KEYS[5*i-1], KEYS[5*i]
+  local a = 9 * (i - 1)
   local attempt, seq, data = ARGV[a+1], ARGV[a+2], ARGV[a+3]
   local st = redis.call('GET', st_key)
   if st ~= ('R' .. attempt) or redis.call('HSETNX', calls_key, seq, data) == 0 then
     local have = redis.call('HGET', calls_key, seq)
     if have then
-      if have == data or (ARGV[a+10] ~= '' and have == ARGV[a+10]) then out[i] = 0
+      if have == data or (ARGV[a+9] ~= '' and have == ARGV[a+9]) then out[i] = 0
       else out[i] = -3 end
     elseif not st then out[i] = -1
     else out[i] = -2 end
   else
-    local got = redis.call('HMGET', gw, 'next', 'o')
-    local set, drop = {}, {}
-    if not got[1] or tonumber(seq) + 1 > tonumber(got[1]) then
-      set[#set + 1], set[#set + 2] = 'next', tonumber(seq) + 1
+    local nxt = redis.call('HGET', segs, 'next')
+    local set = {}
+    if not nxt or tonumber(seq) + 1 > tonumber(nxt) then
+      set[1], set[2] = 'next', tonumber(seq) + 1
     end
-    if ARGV[a+4] ~= '' then
-      local replaced, keep, order = ARGV[a+5], tonumber(ARGV[a+6]), {seq}
-      if replaced ~= '' then drop[#drop + 1] = 's:' .. replaced end
-      for s in string.gmatch(got[2] or '', '[^,]+') do
-        if s ~= replaced then
-          if #order < keep then order[#order + 1] = s else drop[#drop + 1] = 's:' .. s end
-        end
+    if ARGV[a+4] ~= '' then set[#set + 1], set[#set + 2] = seq, ARGV[a+4] end
+    if #set > 0 then redis.call('HSET', segs, unpack(set)) end
+    if not nxt then redis.call('EXPIRE', segs, ttl) end
+    local ends = ARGV[a+5]
+    if ends ~= '' then
+      if string.find(ends, ' ', 1, true) then
+        local fields = {}
+        for f in string.gmatch(ends, '%S+') do fields[#fields + 1] = f end
+        redis.call('HDEL', segs, unpack(fields))
+      else redis.call('HDEL', segs, ends) end
+    end
+    if ARGV[a+6] ~= '' then
+      redis.call('HSET', gw, 'r:' .. ARGV[a+6], ARGV[a+7])
+      local n = redis.call('LPUSH', resps, ARGV[a+6])
+      if n == 1 then  -- the attempt's first response (the list is never emptied)
+        redis.call('EXPIRE', resps, ttl)
+        redis.call('EXPIRE', gw, ttl)
       end
-      set[#set + 1], set[#set + 2] = 'o', table.concat(order, ',')
-      set[#set + 1], set[#set + 2] = 's:' .. seq, ARGV[a+4]
-    end
-    if #set > 0 then redis.call('HSET', gw, unpack(set)) end
-    if #drop > 0 then redis.call('HDEL', gw, unpack(drop)) end
-    if not got[1] then redis.call('EXPIRE', gw, ttl) end
-    if ARGV[a+7] ~= '' then
-      redis.call('HSET', gw, 'r:' .. ARGV[a+7], ARGV[a+8])
-      local n = redis.call('LPUSH', resps, ARGV[a+7])
-      if n == 1 then redis.call('EXPIRE', resps, ttl) end
-      for _ = 1, n - tonumber(ARGV[a+9]) do
+      for _ = 1, n - tonumber(ARGV[a+8]) do
         redis.call('HDEL', gw, 'r:' .. redis.call('RPOP', resps))
       end
     end
@@ -148,9 +154,10 @@ class CallLog:
     def calls_key(self, rollout_id: str, attempt: int) -> str:
         return f"{self.p}calls:{rollout_id}:{attempt}"
 
-    def _gw_keys(self, rollout_id: str, attempt: int) -> tuple[str, str]:
+    def _gw_keys(self, rollout_id: str, attempt: int) -> tuple[str, str, str]:
+        """The attempt's segments hash, chain hash and response list."""
         tail = f"{rollout_id}:{attempt}"
-        return f"{self.p}gw:{tail}", f"{self.p}gwr:{tail}"
+        return f"{self.p}gws:{tail}", f"{self.p}gw:{tail}", f"{self.p}gwr:{tail}"
 
     async def append(self, calls: Sequence[c.Call], states: Sequence[spb.GatewayCallState]
                      ) -> list[int]:
@@ -163,24 +170,24 @@ class CallLog:
             keys += [f"{self.p}st:{call.rollout_id}", self.calls_key(call.rollout_id,
                                                                        call.attempt),
                      *self._gw_keys(call.rollout_id, call.attempt)]
-            segment = b""
+            record = chain = b""
             if state.segment:
-                segment = spb.SegmentRecord(  # the ids are the call's: not stored twice
+                record = spb.SegmentRecord(  # the ids are the call's: not stored twice
                     segment=call.segment, seq=call.seq,
                     n_messages=state.n_messages, digest=state.digest,
                     settings=state.settings).SerializeToString()
-            args += [call.attempt, call.seq, call.SerializeToString(), segment,
-                     state.replaces_seq if state.HasField("replaces_seq") else "",
-                     max(1, state.keep), state.response_id,
-                     state.previous_response_id.encode() + b"\n" + (state.messages_json or
-                                                                     b"[]"),
+            if state.response_id:
+                chain = state.previous_response_id.encode() + b"\n" + (state.messages_json or
+                                                                        b"[]")
+            args += [call.attempt, call.seq, call.SerializeToString(), record,
+                     " ".join(map(str, state.drop_seqs)), state.response_id, chain,
                      max(1, state.keep_responses or 1024), _unaborted(call)]
         args.append(self.ttl_s)
         return [int(x) for x in await self._append(keys=keys, args=args)]
 
     async def gateway_state(self, req: spb.GetGatewayStateRequest) -> spb.GatewayState:
-        gw = self._gw_keys(req.rollout_id, req.attempt)[0]
-        stored_next, segs = await self.r.hmget(gw, ["next", "o"])
+        segs, gw, _ = self._gw_keys(req.rollout_id, req.attempt)
+        stored_next = await self.r.hget(segs, "next")
         if stored_next is not None:
             nxt = int(stored_next)
         else:  # no call stored with its state: older stores' calls, or none
@@ -189,18 +196,17 @@ class CallLog:
         out = spb.GatewayState(next_seq=nxt)
         if req.known_next_seq < 0 or out.next_seq > req.known_next_seq:
             out.segments_sent = True
-            order = _raw(segs).decode().split(",") if segs else []
-            if order:
-                async with self.r.pipeline(transaction=False) as pipe:
-                    pipe.hmget(gw, [f"s:{s}" for s in order])
-                    pipe.hmget(self.calls_key(req.rollout_id, req.attempt), order)
-                    records, calls = await pipe.execute()
-                for data, call in zip(records, calls):
-                    if data is not None and call is not None:
+            fields = await self.r.hgetall(segs)
+            records = sorted(((int(k), v) for k, v in fields.items() if _raw(k) != b"next"),
+                             reverse=True)
+            if records:
+                calls = await self.r.hmget(self.calls_key(req.rollout_id, req.attempt),
+                                           [seq for seq, _ in records])
+                for (_, data), call in zip(records, calls):
+                    if call is not None:
                         seg = out.segments.add()
                         seg.MergeFromString(_raw(data))
-                        if not seg.ids:  # stored without them (they are the call's)
-                            seg.ids = segment_ids(c.Call.FromString(_raw(call)))
+                        seg.ids = segment_ids(c.Call.FromString(_raw(call)))
         if req.response_id:
             deltas = [bytes(d) for d in await self._chain(keys=[gw],
                                                            args=[req.response_id, 100_000])]
