@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+from array import array
 from collections.abc import Iterator
 
 import httpx
@@ -17,6 +18,7 @@ import pytest
 
 from harnessrl.testing.stub_engine import PROMPT_IDS, render_chat, toy_tokens
 from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import store_pb2 as spb
 from services.gateway.tokens import TokenReuse, closing_tail
 from services.trainer.samples import rollout_samples
 from test_gateway import SIGNER, World, shared_world
@@ -314,6 +316,20 @@ def test_calls_in_flight_together_leave_the_store_what_the_session_keeps() -> No
     assert state is not None and list(state.drop_seqs) == [5, 3] and session.let_go == []
     reuse.unsent(session, plan, state)
     assert session.let_go == [3]
+
+
+def test_states_read_from_the_store_beyond_per_rollout_are_let_go() -> None:
+    """A session reading the store's states (a restart, another replica's calls) holds the
+    `per_rollout` most recent, as one gateway would, and lets go of the others."""
+    reuse = TokenReuse(per_rollout=2)
+    session = _Session()
+    session.let_go = [1]
+    records = [spb.SegmentRecord(segment=seq, seq=seq, ids=array("i", [seq]).tobytes(),
+                                 n_messages=2, digest=b"d", settings=b"s")
+               for seq in (7, 5, 2, 1)]
+    reuse.load(session, records)
+    assert [s.seq for s in session.tokens] == [7, 5]  # type: ignore[attr-defined]
+    assert session.let_go == [1, 2]
 
 
 def test_a_template_that_does_not_split_into_turns_is_rendered_by_the_engine() -> None:

@@ -324,9 +324,14 @@ class TokenReuse:
 
     def load(self, session: Any, records: Any) -> None:
         """The attempt's states as the store holds them (`SegmentRecord`s, most recent first):
-        a restarted gateway, or another replica's calls."""
-        self._hold(session, [SegmentState(r.segment, r.seq, array("i", r.ids), r.n_messages,
-                                          r.digest, r.settings) for r in records])
+        a restarted gateway, or another replica's calls. The session holds the `per_rollout`
+        most recent and lets go of the others (states another replica let go, whose drop has
+        not reached the store yet)."""
+        states = [SegmentState(r.segment, r.seq, array("i", r.ids), r.n_messages, r.digest,
+                               r.settings) for r in records]
+        pending = set(session.let_go)
+        session.let_go += [s.seq for s in states[self.per_rollout:] if s.seq not in pending]
+        self._hold(session, states[:self.per_rollout])
 
     def _hold(self, session: Any, states: list[SegmentState]) -> None:
         session.tokens = states
