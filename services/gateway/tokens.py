@@ -298,8 +298,7 @@ class TokenReuse:
     def unsent(session: Any, plan: Plan, state: spb.GatewayCallState) -> None:
         """`state`'s call was not recorded: the states it took over are let go still (the
         one it extended is not: the session keeps it)."""
-        keep = {seq for seq in session.let_go} | (
-            {plan.state.seq} if plan.state is not None else set())
+        keep = set(session.let_go) | ({plan.state.seq} if plan.state is not None else set())
         session.let_go += [seq for seq in state.drop_seqs if seq not in keep]
 
     def recorded(self, session: Any, plan: Plan, call: c.Call, state: spb.GatewayCallState,

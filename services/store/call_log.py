@@ -16,8 +16,9 @@ Keys (under the store's prefix P; k is the attempt):
 
 A call that starts or extends a segment costs four or five Redis commands (GET, HSETNX, HGET,
 HSET, and HDEL when it ends a state), all in the one script, and no string work in Lua: on
-this 2-core machine Redis spends about 1.5 us per command a script runs, and parsing a list
-of records in Lua cost more than the commands (measured: docs/gateway-replicas.md).
+this 2-core machine Redis spends about 1.1 us per command a script runs beyond the command
+itself, and parsing a list of records in Lua cost more than the commands (measured:
+docs/gateway-replicas.md).
 
 A call and its state are written together or not at all, only while the attempt runs (the
 rollout's `st:` key, kept by `redis_store`), and the gateway keys go when the attempt ends
@@ -187,7 +188,12 @@ class CallLog:
 
     async def gateway_state(self, req: spb.GetGatewayStateRequest) -> spb.GatewayState:
         segs, gw, _ = self._gw_keys(req.rollout_id, req.attempt)
-        stored_next = await self.r.hget(segs, "next")
+        fields: dict[bytes | str, bytes | str] = {}
+        if req.known_next_seq < 0:  # the segments are wanted: one read gives next with them
+            fields = await self.r.hgetall(segs)
+            stored_next = fields.get(b"next")
+        else:
+            stored_next = await self.r.hget(segs, "next")
         if stored_next is not None:
             nxt = int(stored_next)
         else:  # no call stored with its state: older stores' calls, or none
@@ -196,7 +202,8 @@ class CallLog:
         out = spb.GatewayState(next_seq=nxt)
         if req.known_next_seq < 0 or out.next_seq > req.known_next_seq:
             out.segments_sent = True
-            fields = await self.r.hgetall(segs)
+            if req.known_next_seq >= 0:
+                fields = await self.r.hgetall(segs)
             records = sorted(((int(k), v) for k, v in fields.items() if _raw(k) != b"next"),
                              reverse=True)
             if records:
