@@ -115,6 +115,26 @@ def test_a_responses_chain_resolves_from_its_entries(client: StoreClient) -> Non
     assert not client.get_gateway_state(other, 1, response_id="resp_2").response_found
 
 
+def test_one_batch_mixes_chat_responses_and_stateless_calls(client: StoreClient) -> None:
+    """Each call's keys and arguments in the append script depend on its state (the states it
+    ends, a response or none): a batch mixing them, over two attempts, lands each where it
+    belongs."""
+    a, b = _started(client, "gs3c"), _started(client, "gs3d")
+    _append(client, [call(a, 1, 0), call(a, 1, 1), call(b, 1, 0)], [_seg(2), _seg(2), _seg(2)])
+    both = _resp("resp_a", "", [{"role": "user", "content": "u"}])
+    both.MergeFrom(_seg(4, 0, 1))  # a Responses call that is a segment and ends two states
+    assert _append(client, [call(b, 1, 1), call(a, 1, 2), call(a, 1, 3), call(b, 1, 2)],
+                   [_seg(4, 0), both, spb.GatewayCallState(), _resp("resp_b", "", [])]) == \
+        [spb.APPEND_RESULT_STORED] * 4
+    got_a, got_b = client.get_gateway_state(a, 1, response_id="resp_a"), \
+        client.get_gateway_state(b, 1, response_id="resp_b")
+    assert [s.seq for s in got_a.segments] == [2] and got_a.next_seq == 4
+    assert orjson.loads(got_a.messages_json) == [{"role": "user", "content": "u"}]
+    assert [s.seq for s in got_b.segments] == [1] and got_b.next_seq == 3
+    assert got_b.response_found and orjson.loads(got_b.messages_json) == []
+    assert not client.get_gateway_state(a, 1, response_id="resp_b").response_found
+
+
 def test_responses_kept_per_attempt_are_bounded(client: StoreClient) -> None:
     rid = _started(client, "gs4")
     prev = ""

@@ -282,7 +282,7 @@ def test_calls_in_flight_together_leave_the_store_what_the_session_keeps() -> No
     """Three calls of one attempt sent at once (each planned and its state made before any is
     recorded) push states out of `per_rollout`; the store, told what to drop one call late,
     keeps no more than the session holds plus what it let go since its last call."""
-    reuse = TokenReuse(per_rollout=2)
+    reuse = TokenReuse(per_rollout=2, drop_batch=1)
     session = _Session()
     for text in ("a", "b"):
         _turn(reuse, session, [{"role": "user", "content": text}])
@@ -306,16 +306,69 @@ def test_calls_in_flight_together_leave_the_store_what_the_session_keeps() -> No
     # the next call drops them (and lets go of 3, which the call after it drops)
     _turn(reuse, session, [{"role": "user", "content": "f"}])
     assert session.stored == {5, 4, 3} and session.let_go == [3]
-    # a call that extends seq 5 takes 3 over; not recorded, it gives 3 back (not 5: kept)
+    # a call that extends seq 5 takes 3 over; not recorded, it gives 3 back
     forward = {"model": "tiny", "messages": [{"role": "user", "content": "f"}, said,
                                              {"role": "user", "content": "g"}]}
     plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
     call = c.Call(seq=6, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
     reuse.fields(plan, call)
+    assert call.segment_start == c.SEGMENT_START_CONTINUED and call.extends_seq == 5
     state = reuse.state(session, plan, call, said)
-    assert state is not None and list(state.drop_seqs) == [5, 3] and session.let_go == []
-    reuse.unsent(session, plan, state)
+    assert state is not None and list(state.drop_seqs) == [3] and session.let_go == []
+    reuse.unsent(session, state)
     assert session.let_go == [3]
+    # recorded, it drops 3 and lets go of the state it extended (5), which the next call drops
+    _recorded(reuse, session, plan, call, said, PROMPT_IDS, HELLO)
+    assert session.stored == {6, 5, 4} and session.let_go == [5]
+    assert [s.seq for s in session.tokens] == [6, 4]  # type: ignore[attr-defined]
+
+
+def test_states_let_go_are_named_a_batch_at_a_time() -> None:
+    """With `drop_batch` 3 the store is told to drop states once three have gathered (one
+    HDEL per three calls): it holds at most per_rollout + drop_batch of them, and
+    `_recorded` checks after every call that they are what the session holds and let go."""
+    reuse = TokenReuse(per_rollout=2, drop_batch=3)
+    session = _Session()
+    said = {"role": "assistant", "content": "Hello, world!"}
+    sizes, named = [], []
+    conversation: list[dict[str, object]] = [{"role": "user", "content": "main"}]
+    for turn in range(12):
+        if turn % 3 == 2:  # a side conversation between turns of the main one
+            messages: list[dict[str, object]] = [{"role": "user", "content": f"side {turn}"}]
+        else:
+            messages = conversation
+            conversation = conversation + [said, {"role": "user", "content": f"go on {turn}"}]
+        before = list(session.let_go)
+        _turn(reuse, session, messages)
+        named.append(len(before) if len(before) >= 3 else 0)
+        sizes.append(len(session.stored))
+    assert max(sizes) == 2 + 3 and all(n in (0, 3, 4) for n in named) and sum(named) > 0
+    assert len(session.tokens) == 2  # type: ignore[arg-type]
+
+
+def test_the_extended_state_is_replaced_when_a_refresh_reloaded_it_meanwhile() -> None:
+    """A refresh between a call's plan and its record (a conflict, another replica's calls)
+    reloads the states as new objects: the state the call extended is still the one it
+    replaces, found by its seq, and let go to the store, not kept in a slot beside it."""
+    reuse = TokenReuse(per_rollout=3, drop_batch=1)
+    session = _Session()
+    said = {"role": "assistant", "content": "Hello, world!"}
+    first = [{"role": "user", "content": "a"}]
+    _turn(reuse, session, first)
+    _turn(reuse, session, [{"role": "user", "content": "b"}])
+    forward: dict[str, object] = {"model": "tiny", "messages": first + [
+        said, {"role": "user", "content": "c"}]}
+    plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
+    call = c.Call(seq=2, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
+    reuse.fields(plan, call)
+    assert call.extends_seq == 0
+    reuse.load(session, [spb.SegmentRecord(segment=s.segment, seq=s.seq, ids=s.ids.tobytes(),
+                                           n_messages=s.n_messages, digest=s.digest,
+                                           settings=s.settings)
+                         for s in session.tokens])  # type: ignore[attr-defined]
+    _recorded(reuse, session, plan, call, said, list(call.prompt_token_ids), HELLO)
+    assert [s.seq for s in session.tokens] == [2, 1]  # type: ignore[attr-defined]
+    assert session.let_go == [0] and session.stored == {2, 1, 0}
 
 
 def test_states_read_from_the_store_beyond_per_rollout_are_let_go() -> None:

@@ -330,8 +330,8 @@ class GatewayApp:
     async def _plan_tokens(self, ex: Exchange) -> None:
         """Token in, token out (`tokens.py`): a chat turn that extends the attempt's earlier
         one is sent as the earlier tokens + the new messages' tokens."""
-        if not ex.synced:  # the attempt's caches, when the store may know more (sessions.py)
-            await self.sessions.refresh(ex.session)
+        if not ex.synced and not self.sessions.current(ex.session):  # the store may know more
+            await self.sessions.refresh(ex.session)  # than the attempt's caches (sessions.py)
         if not ex.chat:
             return
 

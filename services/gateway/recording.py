@@ -74,5 +74,5 @@ class Recording:
             self.tokens.recorded(ex.session, ex.plan, call, state, gen.prompt_ids or [], gen.ids)
 
     def _unsent(self, ex: Exchange, state: spb.GatewayCallState | None) -> None:
-        if state is not None and ex.plan is not None:
-            self.tokens.unsent(ex.session, ex.plan, state)
+        if state is not None:
+            self.tokens.unsent(ex.session, state)

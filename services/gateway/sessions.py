@@ -144,6 +144,15 @@ class Sessions:
             session.sampling = run.spec.sampling
             session.sampling_problem = unmatched(run.spec.sampling, run.spec.stream)
 
+    def current(self, session: Session) -> bool:
+        """Whether a call may go on without `refresh` (no chain to resolve): this replica takes
+        calls and the session's caches are the store's."""
+        if session.tokens is None and session.next_seq > 0:
+            return False
+        replicas = self.replicas
+        return replicas is None or replicas.alone and session.epoch == replicas.epoch and \
+            replicas.ready
+
     async def refresh(self, session: Session, response_id: str = "", force: bool = False
                       ) -> bytes | None:
         """Brings the session's caches up to the store's when they may be behind (see the

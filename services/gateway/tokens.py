@@ -174,10 +174,14 @@ class TokenReuse:
     `per_rollout` most recent calls); at most `max_rollouts` attempts hold state (least
     recently used dropped first)."""
 
-    def __init__(self, max_rollouts: int = 4096, per_rollout: int = 4, max_splits: int = 256
-                 ) -> None:
+    def __init__(self, max_rollouts: int = 4096, per_rollout: int = 4, max_splits: int = 256,
+                 drop_batch: int = 4) -> None:
         self.max_rollouts = max_rollouts
         self.per_rollout = max(1, per_rollout)
+        # The states an attempt let go are named to the store once this many have gathered
+        # (one HDEL per `drop_batch` calls): the store keeps at most per_rollout + drop_batch
+        # states of an attempt, and those of its calls in flight.
+        self.drop_batch = max(1, drop_batch)
         self.max_splits = max_splits
         self._holders: OrderedDict[int, Any] = OrderedDict()  # id(session) -> session
         # (model, settings) -> how its template frames turns (None: it does not split)
@@ -274,12 +278,12 @@ class TokenReuse:
     def state(self, session: Any, plan: Plan, call: c.Call, assistant: dict[str, Any]
               ) -> spb.GatewayCallState | None:
         """What the store keeps of this call for a later turn (recorded with it), or None
-        when no turn can extend it (untracked, non-text answer). It names the states the
-        store may delete: the one this call extends (`recorded` replaces it), and those the
-        session let go at earlier calls (pushed out of `per_rollout`), which this call takes
-        over (`unsent` gives them back if it is not recorded). They go with a later call
-        rather than their own: calls of one attempt in flight together each see the states
-        as they were, and only `recorded`, one call at a time, knows which go."""
+        when no turn can extend it (untracked, non-text answer). Once `drop_batch` states have
+        gathered in `session.let_go` (the ones later calls replaced or pushed out of
+        `per_rollout`), it names them: the store deletes them with this call, which takes them
+        over (`unsent` gives them back if it is not recorded). They go with a later call rather
+        than their own: calls of one attempt in flight together each see the states as they
+        were, and only `recorded`, one call at a time, knows which go."""
         if call.segment_start == c.SEGMENT_START_UNTRACKED:
             return None
         try:
@@ -288,25 +292,22 @@ class TokenReuse:
             return None
         out = spb.GatewayCallState(segment=True, n_messages=len(canon), digest=digest(canon),
                                    settings=plan.settings)
-        if plan.state is not None:
-            out.drop_seqs.append(plan.state.seq)
-        out.drop_seqs.extend(session.let_go)
-        session.let_go = []
+        if len(session.let_go) >= self.drop_batch:
+            out.drop_seqs.extend(session.let_go)
+            session.let_go = []
         return out
 
     @staticmethod
-    def unsent(session: Any, plan: Plan, state: spb.GatewayCallState) -> None:
-        """`state`'s call was not recorded: the states it took over are let go still (the
-        one it extended is not: the session keeps it)."""
-        keep = set(session.let_go) | ({plan.state.seq} if plan.state is not None else set())
-        session.let_go += [seq for seq in state.drop_seqs if seq not in keep]
+    def unsent(session: Any, state: spb.GatewayCallState) -> None:
+        """`state`'s call was not recorded: the states it took over are let go still."""
+        session.let_go += [seq for seq in state.drop_seqs if seq not in session.let_go]
 
     def recorded(self, session: Any, plan: Plan, call: c.Call, state: spb.GatewayCallState,
                  prompt_ids: list[int], completion_ids: list[int]) -> None:
         """The call is in the store (and complete) with `state`: a later turn may extend it.
         The attempt keeps its `per_rollout` most recent calls' states (a harness may
-        interleave side conversations, or branch), the one this call extended replaced; the
-        states it pushes out join `session.let_go`, which the next call's state names."""
+        interleave side conversations, or branch), the one this call extended replaced; that
+        one and those it pushes out join `session.let_go`."""
         reused = plan.state.ids if plan.state is not None and not plan.engine_rendered \
             else None
         if reused is not None:  # only the tokens added since are converted
@@ -316,9 +317,14 @@ class TokenReuse:
         ids.extend(completion_ids)
         new = SegmentState(call.segment, call.seq, ids, state.n_messages, state.digest,
                            state.settings)
-        states = [s for s in session.tokens or () if s is not plan.state]
-        sent = set(state.drop_seqs)
-        session.let_go += [s.seq for s in states[self.per_rollout - 1:] if s.seq not in sent]
+        held = session.tokens or ()
+        extended = plan.state.seq if plan.state is not None else -1
+        states = [s for s in held if s.seq != extended]  # its seq: a refresh may reload it
+        gone = states[self.per_rollout - 1:]
+        if len(states) < len(held):  # the state it extended (not one pushed out meanwhile)
+            gone.append(plan.state)
+        if gone:
+            session.let_go += [s.seq for s in gone if s.seq not in session.let_go]
         self._hold(session, [new] + states[:self.per_rollout - 1])
 
     def load(self, session: Any, records: Any) -> None:

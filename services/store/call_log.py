@@ -6,18 +6,20 @@ Keys (under the store's prefix P; k is the attempt):
 - `P gws:{rollout_id}:{k}` HASH: `next` (1 + the highest seq stored), and `{seq}` ->
   `SegmentRecord` bytes without its ids for the calls a later turn may extend (the ids are the
   call's own prompt and completion ids, read from the call when the state is read). Which
-  records the attempt keeps is the gateway's to say, as it holds them in memory: each state
-  names the states it ends (`drop_seqs`: the one it extended, those pushed out of the gateway's
-  `tokens_per_rollout`), deleted with it. A read returns them highest seq first.
+  records the attempt keeps is the gateway's to say, as it holds them in memory: a state may
+  name states that earlier calls ended (`drop_seqs`: those a later call extended or pushed out
+  of the gateway's `tokens_per_rollout`, a few at a time), deleted with it. A read returns them
+  highest seq first.
 - `P gw:{rollout_id}:{k}` HASH `r:{response_id}` -> the Responses chain entry (the previous
   response id, a newline, the JSON list of messages it adds), and `P gwr:{rollout_id}:{k}`
   LIST of those response ids, most recent first, trimmed to the gateway's `keep_responses`:
   the state of an attempt is bounded as it is in a gateway's memory.
 
-A call that starts or extends a segment costs four or five Redis commands (GET, HSETNX, HGET,
-HSET, and HDEL when it ends a state), all in the one script, and no string work in Lua: on
-this 2-core machine Redis spends about 1.1 us per command a script runs beyond the command
-itself, and parsing a list of records in Lua cost more than the commands (measured:
+A call that starts or extends a segment costs four Redis commands (GET, HSETNX, HGET, HSET;
+and an HDEL every few calls, when it names the states to end), all in the one script, with no
+string work in Lua; the chain's keys and arguments go only with a Responses call. On this
+2-core machine Redis spends about 1.1 us per command a script runs beyond the command itself,
+and parsing a list of records in Lua cost more than the commands (measured:
 docs/gateway-replicas.md).
 
 A call and its state are written together or not at all, only while the attempt runs (the
@@ -42,57 +44,57 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 
 _APPEND_LUA = """
--- Per call i: KEYS[5i-4..5i] = its rollout's state key, calls hash, segments hash, chain hash,
--- response list; ARGV[9i-8..9i] = attempt, seq, call bytes, segment record ('' none), the seqs
--- of the states it ends (space-separated, '' none), response id ('' none), chain entry,
--- keep_responses, the bytes of the call not aborted (an aborted one; else '').
--- ARGV[#ARGV] = ttl seconds of the gateway's keys.
+-- Per call: KEYS = its rollout's state key, calls hash, segments hash, and with a response
+-- its chain hash and response list; ARGV = attempt, seq, call bytes, the bytes of the call
+-- not aborted (an aborted one; else ''), segment record ('' none), n, the n seqs of the
+-- states it ends, response id ('' none), and with a response its chain entry and
+-- keep_responses. ARGV[#ARGV] = ttl seconds of the gateway's keys.
 -- Result per call: 1 stored, 0 duplicate, -1 unknown rollout, -2 attempt not running,
 -- -3 conflict (its seq holds another call).
 local out = {}
 local ttl = tonumber(ARGV[#ARGV])
-for i = 1, #KEYS / 5 do
-  local st_key, calls_key, segs, gw, resps = KEYS[5*i-4], KEYS[5*i-3], KEYS[5*i-2],
-    KEYS[5*i-1], KEYS[5*i]
-  local a = 9 * (i - 1)
-  local attempt, seq, data = ARGV[a+1], ARGV[a+2], ARGV[a+3]
+local k, a = 0, 0
+while a < #ARGV - 1 do
+  local st_key, calls_key, segs = KEYS[k+1], KEYS[k+2], KEYS[k+3]
+  local attempt, seq, data, whole, record = ARGV[a+1], ARGV[a+2], ARGV[a+3], ARGV[a+4],
+    ARGV[a+5]
+  local ends = tonumber(ARGV[a+6])
+  local rid = ARGV[a+7+ends]
+  local gw, resps, chain, keep = KEYS[k+4], KEYS[k+5], ARGV[a+8+ends], ARGV[a+9+ends]
+  local drops = a + 7
+  k = k + 3
+  a = a + 7 + ends
+  if rid ~= '' then k, a = k + 2, a + 2 end
   local st = redis.call('GET', st_key)
   if st ~= ('R' .. attempt) or redis.call('HSETNX', calls_key, seq, data) == 0 then
     local have = redis.call('HGET', calls_key, seq)
     if have then
-      if have == data or (ARGV[a+9] ~= '' and have == ARGV[a+9]) then out[i] = 0
-      else out[i] = -3 end
-    elseif not st then out[i] = -1
-    else out[i] = -2 end
+      if have == data or (whole ~= '' and have == whole) then out[#out + 1] = 0
+      else out[#out + 1] = -3 end
+    elseif not st then out[#out + 1] = -1
+    else out[#out + 1] = -2 end
   else
     local nxt = redis.call('HGET', segs, 'next')
     local set = {}
     if not nxt or tonumber(seq) + 1 > tonumber(nxt) then
       set[1], set[2] = 'next', tonumber(seq) + 1
     end
-    if ARGV[a+4] ~= '' then set[#set + 1], set[#set + 2] = seq, ARGV[a+4] end
+    if record ~= '' then set[#set + 1], set[#set + 2] = seq, record end
     if #set > 0 then redis.call('HSET', segs, unpack(set)) end
     if not nxt then redis.call('EXPIRE', segs, ttl) end
-    local ends = ARGV[a+5]
-    if ends ~= '' then
-      if string.find(ends, ' ', 1, true) then
-        local fields = {}
-        for f in string.gmatch(ends, '%S+') do fields[#fields + 1] = f end
-        redis.call('HDEL', segs, unpack(fields))
-      else redis.call('HDEL', segs, ends) end
-    end
-    if ARGV[a+6] ~= '' then
-      redis.call('HSET', gw, 'r:' .. ARGV[a+6], ARGV[a+7])
-      local n = redis.call('LPUSH', resps, ARGV[a+6])
+    if ends > 0 then redis.call('HDEL', segs, unpack(ARGV, drops, drops + ends - 1)) end
+    if rid ~= '' then
+      redis.call('HSET', gw, 'r:' .. rid, chain)
+      local n = redis.call('LPUSH', resps, rid)
       if n == 1 then  -- the attempt's first response (the list is never emptied)
         redis.call('EXPIRE', resps, ttl)
         redis.call('EXPIRE', gw, ttl)
       end
-      for _ = 1, n - tonumber(ARGV[a+8]) do
+      for _ = 1, n - tonumber(keep) do
         redis.call('HDEL', gw, 'r:' .. redis.call('RPOP', resps))
       end
     end
-    out[i] = 1
+    out[#out + 1] = 1
   end
 end
 return out
@@ -168,21 +170,23 @@ class CallLog:
         args: list[bytes | str | int] = []
         for i, call in enumerate(calls):
             state = states[i] if i < len(states) else _NO_STATE
-            keys += [f"{self.p}st:{call.rollout_id}", self.calls_key(call.rollout_id,
-                                                                       call.attempt),
-                     *self._gw_keys(call.rollout_id, call.attempt)]
-            record = chain = b""
+            tail = f"{call.rollout_id}:{call.attempt}"
+            keys += [f"{self.p}st:{call.rollout_id}", f"{self.p}calls:{tail}",
+                     f"{self.p}gws:{tail}"]
+            record = b""
             if state.segment:
                 record = spb.SegmentRecord(  # the ids are the call's: not stored twice
                     segment=call.segment, seq=call.seq,
                     n_messages=state.n_messages, digest=state.digest,
                     settings=state.settings).SerializeToString()
+            ends = state.drop_seqs
+            args += [call.attempt, call.seq, call.SerializeToString(), _unaborted(call),
+                     record, len(ends), *ends, state.response_id]
             if state.response_id:
-                chain = state.previous_response_id.encode() + b"\n" + (state.messages_json or
-                                                                        b"[]")
-            args += [call.attempt, call.seq, call.SerializeToString(), record,
-                     " ".join(map(str, state.drop_seqs)), state.response_id, chain,
-                     max(1, state.keep_responses or 1024), _unaborted(call)]
+                keys += [f"{self.p}gw:{tail}", f"{self.p}gwr:{tail}"]
+                args += [state.previous_response_id.encode() + b"\n" + (state.messages_json
+                                                                        or b"[]"),
+                         max(1, state.keep_responses or 1024)]
         args.append(self.ttl_s)
         return [int(x) for x in await self._append(keys=keys, args=args)]
 
