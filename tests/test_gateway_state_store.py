@@ -70,6 +70,18 @@ def test_segments_are_kept_most_recent_first_replaced_and_bounded(client: StoreC
     assert same.next_seq == 7 and not same.segments_sent and not same.segments
 
 
+def test_a_state_a_stored_call_extended_is_not_read_back(client: StoreClient) -> None:
+    """The gateway names the states it let go a few at a time: until it does, the store still
+    has the state a later call extended, and leaves it out of what it reads back."""
+    rid = _started(client, "gs1b")
+    later = call(rid, 1, 2)
+    later.segment_start, later.segment, later.extends_seq = c.SEGMENT_START_CONTINUED, 0, 0
+    _append(client, [call(rid, 1, 0), call(rid, 1, 1), later], [_seg(2), _seg(2), _seg(4)])
+    got = client.get_gateway_state(rid, 1)
+    assert [s.seq for s in got.segments] == [2, 1] and got.next_seq == 3
+    assert got.segments[0].segment == 0
+
+
 def test_a_resend_is_a_duplicate_and_another_call_on_a_taken_seq_a_conflict(
         client: StoreClient) -> None:
     rid = _started(client, "gs2")

@@ -371,18 +371,81 @@ def test_the_extended_state_is_replaced_when_a_refresh_reloaded_it_meanwhile() -
     assert session.let_go == [0] and session.stored == {2, 1, 0}
 
 
+def test_a_session_evicted_while_its_call_ran_lets_go_of_the_state_it_extended() -> None:
+    """Another attempt's call pushes this session's states out of the gateway's memory
+    (`max_rollouts`) while this session's call runs: the state that call extended is let go
+    all the same (the store would keep it otherwise), and the session holds nothing until its
+    next call reads the store."""
+    reuse = TokenReuse(max_rollouts=1, per_rollout=2, drop_batch=1)
+    a, b = _Session(), _Session()
+    said = {"role": "assistant", "content": "Hello, world!"}
+    main = [{"role": "user", "content": "main"}]
+    _turn(reuse, a, main)
+    forward: dict[str, object] = {"model": "tiny", "messages": main + [
+        said, {"role": "user", "content": "go on"}]}
+    plan = asyncio.run(reuse.plan(a, forward, "tiny", _toy_tokenize))
+    call = c.Call(seq=1, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
+    reuse.fields(plan, call)
+    assert call.extends_seq == 0
+    _turn(reuse, b, main)  # evicts a's states
+    assert a.tokens is None
+    state = reuse.state(a, plan, call, said)
+    assert state is not None
+    reuse.recorded(a, plan, call, state, PROMPT_IDS, HELLO)
+    assert a.tokens is None and a.let_go == [0]
+
+
+def test_a_call_not_recorded_lets_go_of_what_it_named_and_of_its_own_state() -> None:
+    """A call whose record failed, or whose request went away while it was recorded, gives
+    back the states it named and lets go of its own: the store may hold it (a batch in
+    flight when the request went), and no later call would name it otherwise."""
+    from types import SimpleNamespace
+
+    from services.gateway.recorder import RecordFailed
+    from services.gateway.recording import Recording
+
+    class Failing:
+        def __init__(self, error: BaseException) -> None:
+            self.error = error
+
+        async def record(self, call: c.Call, state: object) -> None:
+            raise self.error
+
+    said = {"role": "assistant", "content": "Hello, world!"}
+    for error in (RecordFailed("store error"), asyncio.CancelledError()):
+        reuse = TokenReuse(per_rollout=1, drop_batch=1)
+        session = _Session()
+        session.seen_next, session.lost = 0, False  # type: ignore[attr-defined]
+        for text in ("a", "b"):
+            _turn(reuse, session, [{"role": "user", "content": text}])
+        assert session.let_go == [0]
+        messages: list[dict[str, object]] = [{"role": "user", "content": "c"}]
+        plan = asyncio.run(reuse.plan(session, {"model": "tiny", "messages": messages},
+                                      "tiny", _toy_tokenize))
+        call = c.Call(seq=2, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
+        reuse.fields(plan, call)
+        gen = SimpleNamespace(message=lambda: said, prompt_ids=PROMPT_IDS, ids=HELLO)
+        ex = SimpleNamespace(generated=gen, plan=plan, chain=None, session=session)
+        recording = Recording(Failing(error), None, reuse)  # type: ignore[arg-type]
+        with pytest.raises(type(error)):
+            asyncio.run(recording.record(ex, call))  # type: ignore[arg-type]
+        assert session.let_go == [0, 2]
+        assert [s.seq for s in session.tokens] == [1]  # type: ignore[attr-defined]
+
+
 def test_states_read_from_the_store_beyond_per_rollout_are_let_go() -> None:
     """A session reading the store's states (a restart, another replica's calls) holds the
-    `per_rollout` most recent, as one gateway would, and lets go of the others."""
+    `per_rollout` most recent it has not let go, as one gateway would, and lets go of the
+    others."""
     reuse = TokenReuse(per_rollout=2)
     session = _Session()
-    session.let_go = [1]
+    session.let_go = [5]  # let go by this session, not named to the store yet: not held again
     records = [spb.SegmentRecord(segment=seq, seq=seq, ids=array("i", [seq]).tobytes(),
                                  n_messages=2, digest=b"d", settings=b"s")
                for seq in (7, 5, 2, 1)]
     reuse.load(session, records)
-    assert [s.seq for s in session.tokens] == [7, 5]  # type: ignore[attr-defined]
-    assert session.let_go == [1, 2]
+    assert [s.seq for s in session.tokens] == [7, 2]  # type: ignore[attr-defined]
+    assert session.let_go == [5, 1]
 
 
 def test_a_template_that_does_not_split_into_turns_is_rendered_by_the_engine() -> None:

@@ -52,27 +52,35 @@ class Recording:
             state = self.tokens.state(ex.session, ex.plan, call, gen.message())
             if ex.chain is not None:
                 state = ex.chain.state(state, gen)
-        for conflicts in range(MAX_CONFLICTS + 1):
-            try:
-                await self.recorder.record(call, state)
-                ex.session.seen_next = max(ex.session.seen_next, call.seq + 1)
-                break
-            except SeqConflict:
-                if conflicts == MAX_CONFLICTS:
-                    ex.session.lost = True
-                    self._unsent(ex, state)
+        recorded = False
+        try:
+            for conflicts in range(MAX_CONFLICTS + 1):
+                try:
+                    await self.recorder.record(call, state)
+                    ex.session.seen_next = max(ex.session.seen_next, call.seq + 1)
+                    recorded = True
+                    break
+                except SeqConflict:
+                    if conflicts == MAX_CONFLICTS:
+                        ex.session.lost = True
+                        raise
+                    await self.sessions.refresh(ex.session, force=True)
+                    call.seq = ex.session.take_seq()
+                    if ex.plan is not None:
+                        self.tokens.fields(ex.plan, call)
+                except RecordError:
+                    ex.session.lost = True  # the seq stays free in the store (sessions.refresh)
                     raise
-                await self.sessions.refresh(ex.session, force=True)
-                call.seq = ex.session.take_seq()
-                if ex.plan is not None:
-                    self.tokens.fields(ex.plan, call)
-            except RecordError:
-                ex.session.lost = True  # the seq stays free in the store (sessions.refresh)
-                self._unsent(ex, state)
-                raise
+        finally:
+            if not recorded and state is not None:
+                self._unsent(ex, call, state)
         if state is not None and state.segment and ex.plan is not None and gen is not None:
             self.tokens.recorded(ex.session, ex.plan, call, state, gen.prompt_ids or [], gen.ids)
 
-    def _unsent(self, ex: Exchange, state: spb.GatewayCallState | None) -> None:
-        if state is not None:
-            self.tokens.unsent(ex.session, state)
+    def _unsent(self, ex: Exchange, call: c.Call, state: spb.GatewayCallState) -> None:
+        """The call failed, or its request went away: the states it named are let go still,
+        and so is its own (the store may have it: a batch in flight when the request went, or
+        answered too late)."""
+        self.tokens.unsent(ex.session, state)
+        if state.segment and call.seq not in ex.session.let_go:
+            ex.session.let_go.append(call.seq)

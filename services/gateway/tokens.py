@@ -133,6 +133,7 @@ class Plan:
     canon: list[dict[str, Any]] = field(default_factory=list)  # its messages, canonical
     settings: bytes = b""
     engine_rendered: bool = False  # the engine did not use the ids sent
+    held: bool = False  # the session held states when it was planned
 
 
 @dataclass(slots=True)
@@ -179,8 +180,8 @@ class TokenReuse:
         self.max_rollouts = max_rollouts
         self.per_rollout = max(1, per_rollout)
         # The states an attempt let go are named to the store once this many have gathered
-        # (one HDEL per `drop_batch` calls): the store keeps at most per_rollout + drop_batch
-        # states of an attempt, and those of its calls in flight.
+        # (one HDEL per `drop_batch` calls): the store keeps what the session holds, up to
+        # `drop_batch` it let go, and those that calls in flight named or may have written.
         self.drop_batch = max(1, drop_batch)
         self.max_splits = max_splits
         self._holders: OrderedDict[int, Any] = OrderedDict()  # id(session) -> session
@@ -201,6 +202,7 @@ class TokenReuse:
             return Plan(c.SEGMENT_START_UNTRACKED)
         plan = Plan(c.SEGMENT_START_FIRST, canon=canon, settings=settings_digest(forward))
         states: list[SegmentState] | None = session.tokens
+        plan.held = states is not None
         if not states:
             if session.next_seq > 0:
                 plan.start = c.SEGMENT_START_NO_STATE
@@ -307,7 +309,12 @@ class TokenReuse:
         """The call is in the store (and complete) with `state`: a later turn may extend it.
         The attempt keeps its `per_rollout` most recent calls' states (a harness may
         interleave side conversations, or branch), the one this call extended replaced; that
-        one and those it pushes out join `session.let_go`."""
+        one and those it pushes out join `session.let_go`. A session whose states were evicted
+        meanwhile (`max_rollouts`) holds none: its next call reads them from the store."""
+        if plan.held and session.tokens is None:
+            if plan.state is not None and plan.state.seq not in session.let_go:
+                session.let_go.append(plan.state.seq)
+            return
         reused = plan.state.ids if plan.state is not None and not plan.engine_rendered \
             else None
         if reused is not None:  # only the tokens added since are converted
@@ -330,12 +337,13 @@ class TokenReuse:
     def load(self, session: Any, records: Any) -> None:
         """The attempt's states as the store holds them (`SegmentRecord`s, most recent first):
         a restarted gateway, or another replica's calls. The session holds the `per_rollout`
-        most recent and lets go of the others (states another replica let go, whose drop has
-        not reached the store yet)."""
+        most recent that it has not let go itself, and lets go of the others (states another
+        replica let go, not named to the store yet; the store leaves out those a stored call
+        extended)."""
+        pending = set(session.let_go)  # let go already: not held again
         states = [SegmentState(r.segment, r.seq, array("i", r.ids), r.n_messages, r.digest,
-                               r.settings) for r in records]
-        pending = set(session.let_go)
-        session.let_go += [s.seq for s in states[self.per_rollout:] if s.seq not in pending]
+                               r.settings) for r in records if r.seq not in pending]
+        session.let_go += [s.seq for s in states[self.per_rollout:]]
         self._hold(session, states[:self.per_rollout])
 
     def _hold(self, session: Any, states: list[SegmentState]) -> None:

@@ -9,7 +9,7 @@ Keys (under the store's prefix P; k is the attempt):
   records the attempt keeps is the gateway's to say, as it holds them in memory: a state may
   name states that earlier calls ended (`drop_seqs`: those a later call extended or pushed out
   of the gateway's `tokens_per_rollout`, a few at a time), deleted with it. A read returns them
-  highest seq first.
+  highest seq first, leaving out those that another of them extended.
 - `P gw:{rollout_id}:{k}` HASH `r:{response_id}` -> the Responses chain entry (the previous
   response id, a newline, the JSON list of messages it adds), and `P gwr:{rollout_id}:{k}`
   LIST of those response ids, most recent first, trimmed to the gateway's `keep_responses`:
@@ -211,13 +211,19 @@ class CallLog:
             records = sorted(((int(k), v) for k, v in fields.items() if _raw(k) != b"next"),
                              reverse=True)
             if records:
-                calls = await self.r.hmget(self.calls_key(req.rollout_id, req.attempt),
-                                           [seq for seq, _ in records])
-                for (_, data), call in zip(records, calls):
-                    if call is not None:
+                raw = await self.r.hmget(self.calls_key(req.rollout_id, req.attempt),
+                                         [seq for seq, _ in records])
+                found = [(data, c.Call.FromString(_raw(call)))
+                         for (_, data), call in zip(records, raw) if call is not None]
+                # a state a later call extended is replaced, whether or not the gateway has
+                # named it yet (it names what it let go a few at a time)
+                extended = {call.extends_seq for _, call in found
+                            if call.segment_start == c.SEGMENT_START_CONTINUED}
+                for data, call in found:
+                    if call.seq not in extended:
                         seg = out.segments.add()
                         seg.MergeFromString(_raw(data))
-                        seg.ids = segment_ids(c.Call.FromString(_raw(call)))
+                        seg.ids = segment_ids(call)
         if req.response_id:
             deltas = [bytes(d) for d in await self._chain(keys=[gw],
                                                            args=[req.response_id, 100_000])]
