@@ -188,7 +188,13 @@ class _Session:
         self.tokens = None
         self.next_seq = 0
         self.let_go: list[int] = []
+        self.evicted = False
+        self.seen_next, self.lost = 0, False
         self.stored: set[int] = set()  # the seqs of the states the store keeps
+
+    def take_seq(self) -> int:
+        self.next_seq += 1
+        return self.next_seq - 1
 
 
 async def _toy_tokenize(request: dict[str, object]) -> list[int]:
@@ -362,13 +368,32 @@ def test_the_extended_state_is_replaced_when_a_refresh_reloaded_it_meanwhile() -
     call = c.Call(seq=2, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
     reuse.fields(plan, call)
     assert call.extends_seq == 0
+    held = {s.seq: s for s in session.tokens}  # type: ignore[attr-defined]
     reuse.load(session, [spb.SegmentRecord(segment=s.segment, seq=s.seq, ids=s.ids.tobytes(),
                                            n_messages=s.n_messages, digest=s.digest,
                                            settings=s.settings)
-                         for s in session.tokens])  # type: ignore[attr-defined]
+                         for s in (held[0], held[1])])  # read before the call is stored
     _recorded(reuse, session, plan, call, said, list(call.prompt_token_ids), HELLO)
     assert [s.seq for s in session.tokens] == [2, 1]  # type: ignore[attr-defined]
     assert session.let_go == [0] and session.stored == {2, 1, 0}
+    # read after the call is stored and before it is marked recorded: the store gives the
+    # call's own state and leaves out the one it extended; the session holds each state once
+    # and lets go of the extended one all the same
+    forward = {"model": "tiny", "messages": first + [said, {"role": "user", "content": "c"},
+                                                     said, {"role": "user", "content": "d"}]}
+    plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
+    call = c.Call(seq=3, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
+    reuse.fields(plan, call)
+    assert call.extends_seq == 2
+    session.let_go = []  # named with an earlier call
+    session.stored.discard(0)
+    mine = spb.SegmentRecord(segment=call.segment, seq=3, ids=b"", n_messages=6, digest=b"x",
+                             settings=b"s")
+    reuse.load(session, [mine, spb.SegmentRecord(segment=1, seq=1, ids=b"", n_messages=2,
+                                                 digest=b"y", settings=b"s")])
+    _recorded(reuse, session, plan, call, said, list(call.prompt_token_ids), HELLO)
+    assert [s.seq for s in session.tokens] == [3, 1]  # type: ignore[attr-defined]
+    assert session.let_go == [2] and session.stored == {3, 2, 1}
 
 
 def test_a_session_evicted_while_its_call_ran_lets_go_of_the_state_it_extended() -> None:
@@ -393,6 +418,21 @@ def test_a_session_evicted_while_its_call_ran_lets_go_of_the_state_it_extended()
     assert state is not None
     reuse.recorded(a, plan, call, state, PROMPT_IDS, HELLO)
     assert a.tokens is None and a.let_go == [0]
+    # a new session's two first calls in flight, evicted between their records: the second
+    # does not hold its state alone (the first's would be kept by the store, never named)
+    fresh = _Session()
+    flight = []
+    for text in ("x", "y"):
+        forward = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
+        plan = asyncio.run(reuse.plan(fresh, forward, "tiny", _toy_tokenize))
+        call = c.Call(seq=fresh.take_seq(), prompt_token_ids=PROMPT_IDS,
+                      completion_token_ids=HELLO)
+        reuse.fields(plan, call)
+        flight.append((plan, call, reuse.state(fresh, plan, call, said)))
+    reuse.recorded(fresh, *flight[0], PROMPT_IDS, HELLO)  # type: ignore[arg-type]
+    _turn(reuse, _Session(), main)  # another attempt's first call evicts `fresh`
+    reuse.recorded(fresh, *flight[1], PROMPT_IDS, HELLO)  # type: ignore[arg-type]
+    assert fresh.tokens is None and fresh.evicted  # its next call reads both from the store
 
 
 def test_a_call_not_recorded_lets_go_of_what_it_named_and_of_its_own_state() -> None:
@@ -431,6 +471,50 @@ def test_a_call_not_recorded_lets_go_of_what_it_named_and_of_its_own_state() -> 
             asyncio.run(recording.record(ex, call))  # type: ignore[arg-type]
         assert session.let_go == [0, 2]
         assert [s.seq for s in session.tokens] == [1]  # type: ignore[attr-defined]
+
+
+def test_a_call_that_keeps_meeting_conflicts_lets_go_of_no_seq_another_replica_holds() -> None:
+    """A call whose seq another replica's call holds (CONFLICT) tries the next free seq; when
+    it gives up, or re-reading the session fails, it gives back what it named but lets go of
+    none of those seqs: the store holds another replica's states there."""
+    from types import SimpleNamespace
+
+    from harnessrl.errors import Unavailable
+    from services.gateway.recorder import SeqConflict
+    from services.gateway.recording import MAX_CONFLICTS, Recording
+
+    class Conflicts:
+        async def record(self, call: c.Call, state: object) -> None:
+            raise SeqConflict(f"seq {call.seq} holds another call")
+
+    class Sessions:
+        def __init__(self, fail: bool) -> None:
+            self.fail, self.refreshes = fail, 0
+
+        async def refresh(self, session: object, force: bool = False) -> None:
+            self.refreshes += 1
+            if self.fail:
+                raise Unavailable("store unavailable")
+
+    said = {"role": "assistant", "content": "Hello, world!"}
+    for fail, error in ((False, SeqConflict), (True, Unavailable)):
+        reuse = TokenReuse(per_rollout=1, drop_batch=1)
+        session = _Session()
+        for text in ("a", "b"):
+            _turn(reuse, session, [{"role": "user", "content": text}])
+        assert session.let_go == [0]
+        plan = asyncio.run(reuse.plan(session, {"model": "tiny", "messages": [
+            {"role": "user", "content": "c"}]}, "tiny", _toy_tokenize))
+        call = c.Call(seq=session.take_seq(), prompt_token_ids=PROMPT_IDS,
+                      completion_token_ids=HELLO)
+        reuse.fields(plan, call)
+        gen = SimpleNamespace(message=lambda: said, prompt_ids=PROMPT_IDS, ids=HELLO)
+        ex = SimpleNamespace(generated=gen, plan=plan, chain=None, session=session)
+        sessions = Sessions(fail)
+        with pytest.raises(error):
+            asyncio.run(Recording(Conflicts(), sessions, reuse).record(ex, call))  # type: ignore[arg-type]
+        assert sessions.refreshes == (1 if fail else MAX_CONFLICTS)
+        assert session.let_go == [0]  # given back; no conflicting seq let go
 
 
 def test_states_read_from_the_store_beyond_per_rollout_are_let_go() -> None:

@@ -52,15 +52,17 @@ class Recording:
             state = self.tokens.state(ex.session, ex.plan, call, gen.message())
             if ex.chain is not None:
                 state = ex.chain.state(state, gen)
-        recorded = False
+        recorded, own = False, -1  # own: a seq the store may hold this call (and state) at
         try:
             for conflicts in range(MAX_CONFLICTS + 1):
                 try:
+                    own = call.seq
                     await self.recorder.record(call, state)
                     ex.session.seen_next = max(ex.session.seen_next, call.seq + 1)
                     recorded = True
                     break
                 except SeqConflict:
+                    own = -1  # that seq holds another replica's call
                     if conflicts == MAX_CONFLICTS:
                         ex.session.lost = True
                         raise
@@ -73,14 +75,14 @@ class Recording:
                     raise
         finally:
             if not recorded and state is not None:
-                self._unsent(ex, call, state)
+                self._unsent(ex, state, own)
         if state is not None and state.segment and ex.plan is not None and gen is not None:
             self.tokens.recorded(ex.session, ex.plan, call, state, gen.prompt_ids or [], gen.ids)
 
-    def _unsent(self, ex: Exchange, call: c.Call, state: spb.GatewayCallState) -> None:
-        """The call failed, or its request went away: the states it named are let go still,
-        and so is its own (the store may have it: a batch in flight when the request went, or
-        answered too late)."""
+    def _unsent(self, ex: Exchange, state: spb.GatewayCallState, own: int) -> None:
+        """The call was not recorded, as far as this gateway knows: the states it named are
+        let go still, and so is its own at `own` (-1: none), which the store may have (a batch
+        in flight when the request went away, an answer that came too late)."""
         self.tokens.unsent(ex.session, state)
-        if state.segment and call.seq not in ex.session.let_go:
-            ex.session.let_go.append(call.seq)
+        if state.segment and own >= 0 and own not in ex.session.let_go:
+            ex.session.let_go.append(own)

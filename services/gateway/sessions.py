@@ -33,7 +33,7 @@ NO_SEGMENTS = 2**31 - 1  # GetGatewayState's known_next_seq for the next seq alo
 
 class Session:
     __slots__ = ("cred", "next_seq", "closed", "run_model", "sampling", "sampling_problem",
-                 "tokens", "let_go", "adapter", "epoch", "seen_next", "lost")
+                 "tokens", "let_go", "evicted", "adapter", "epoch", "seen_next", "lost")
 
     def __init__(self, cred: RolloutCredential, next_seq: int) -> None:
         self.cred = cred
@@ -44,6 +44,7 @@ class Session:
         self.sampling_problem = ""  # why the trainer cannot match it ("" when it can)
         self.tokens: list[Any] | None = None  # tokens.SegmentState of its latest calls
         self.let_go: list[int] = []  # seqs of states it let go that the store still keeps
+        self.evicted = False  # its states left the gateway's memory: read again from the store
         self.adapter = ""  # RunSpec.adapter: the LoRA adapter serving its calls (adapters.py)
         self.epoch = 0  # the replica set's epoch its caches were last read from the store at
         self.seen_next = next_seq  # the store's next seq as far as this replica has seen it

@@ -133,7 +133,6 @@ class Plan:
     canon: list[dict[str, Any]] = field(default_factory=list)  # its messages, canonical
     settings: bytes = b""
     engine_rendered: bool = False  # the engine did not use the ids sent
-    held: bool = False  # the session held states when it was planned
 
 
 @dataclass(slots=True)
@@ -202,7 +201,6 @@ class TokenReuse:
             return Plan(c.SEGMENT_START_UNTRACKED)
         plan = Plan(c.SEGMENT_START_FIRST, canon=canon, settings=settings_digest(forward))
         states: list[SegmentState] | None = session.tokens
-        plan.held = states is not None
         if not states:
             if session.next_seq > 0:
                 plan.start = c.SEGMENT_START_NO_STATE
@@ -310,10 +308,10 @@ class TokenReuse:
         The attempt keeps its `per_rollout` most recent calls' states (a harness may
         interleave side conversations, or branch), the one this call extended replaced; that
         one and those it pushes out join `session.let_go`. A session whose states were evicted
-        meanwhile (`max_rollouts`) holds none: its next call reads them from the store."""
-        if plan.held and session.tokens is None:
-            if plan.state is not None and plan.state.seq not in session.let_go:
-                session.let_go.append(plan.state.seq)
+        (`max_rollouts`) holds none until its next call reads them from the store."""
+        if plan.state is not None and plan.state.seq not in session.let_go:
+            session.let_go.append(plan.state.seq)  # replaced (named twice at worst: harmless)
+        if session.evicted:
             return
         reused = plan.state.ids if plan.state is not None and not plan.engine_rendered \
             else None
@@ -324,14 +322,12 @@ class TokenReuse:
         ids.extend(completion_ids)
         new = SegmentState(call.segment, call.seq, ids, state.n_messages, state.digest,
                            state.settings)
-        held = session.tokens or ()
-        extended = plan.state.seq if plan.state is not None else -1
-        states = [s for s in held if s.seq != extended]  # its seq: a refresh may reload it
-        gone = states[self.per_rollout - 1:]
-        if len(states) < len(held):  # the state it extended (not one pushed out meanwhile)
-            gone.append(plan.state)
-        if gone:
-            session.let_go += [s.seq for s in gone if s.seq not in session.let_go]
+        # by seq: a refresh since may have reloaded the one it extended, and this call's own
+        skip = (plan.state.seq if plan.state is not None else -1, call.seq)
+        states = [s for s in session.tokens or () if s.seq not in skip]
+        if len(states) >= self.per_rollout:
+            session.let_go += [s.seq for s in states[self.per_rollout - 1:]
+                               if s.seq not in session.let_go]
         self._hold(session, [new] + states[:self.per_rollout - 1])
 
     def load(self, session: Any, records: Any) -> None:
@@ -347,13 +343,13 @@ class TokenReuse:
         self._hold(session, states[:self.per_rollout])
 
     def _hold(self, session: Any, states: list[SegmentState]) -> None:
-        session.tokens = states
+        session.tokens, session.evicted = states, False
         key = id(session)
         self._holders[key] = session
         self._holders.move_to_end(key)
         while len(self._holders) > self.max_rollouts:
             _, old = self._holders.popitem(last=False)
-            old.tokens = None  # read again from the store on its next turn
+            old.tokens, old.evicted = None, True  # read again from the store on its next turn
 
 
 def _extended(states: list[SegmentState], canon: list[dict[str, Any]], settings: bytes
