@@ -19,7 +19,7 @@ import pytest
 from harnessrl.testing.stub_engine import PROMPT_IDS, render_chat, toy_tokens
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
-from services.gateway.tokens import TokenReuse, closing_tail
+from services.gateway.tokens import Plan, TokenReuse, closing_tail
 from services.trainer.samples import rollout_samples
 from test_gateway import SIGNER, World, shared_world
 
@@ -220,6 +220,17 @@ def _turn(reuse: "TokenReuse", session: _Session, messages: list[dict[str, objec
     return call
 
 
+def _planned(reuse: "TokenReuse", session: _Session, messages: list[dict[str, object]],
+             seq: int) -> tuple[Plan, c.Call]:
+    """A call of `messages` with seq `seq` as the gateway plans it, answered by the stub (the
+    fixed prompt, HELLO), its segment fields set; not recorded yet."""
+    forward: dict[str, object] = {"model": "tiny", "messages": messages}
+    plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
+    call = c.Call(seq=seq, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
+    reuse.fields(plan, call)
+    return plan, call
+
+
 def _recorded(reuse: "TokenReuse", session: _Session, plan: object, call: c.Call,
               assistant: dict[str, object], prompt: list[int], completion: list[int]) -> None:
     """What the gateway does once the store took the call with its state. The store (here
@@ -295,13 +306,8 @@ def test_calls_in_flight_together_leave_the_store_what_the_session_keeps() -> No
     said = {"role": "assistant", "content": "Hello, world!"}
     flight = []
     for text in ("c", "d", "e"):
-        forward: dict[str, object] = {"model": "tiny",
-                                      "messages": [{"role": "user", "content": text}]}
-        plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
-        call = c.Call(seq=session.next_seq, prompt_token_ids=PROMPT_IDS,
-                      completion_token_ids=HELLO)
-        session.next_seq += 1
-        reuse.fields(plan, call)
+        plan, call = _planned(reuse, session, [{"role": "user", "content": text}],
+                              session.take_seq())
         flight.append((plan, call, reuse.state(session, plan, call, said)))
     for plan, call, state in flight:
         assert state is not None
@@ -313,11 +319,8 @@ def test_calls_in_flight_together_leave_the_store_what_the_session_keeps() -> No
     _turn(reuse, session, [{"role": "user", "content": "f"}])
     assert session.stored == {5, 4, 3} and session.let_go == [3]
     # a call that extends seq 5 takes 3 over; not recorded, it gives 3 back
-    forward = {"model": "tiny", "messages": [{"role": "user", "content": "f"}, said,
-                                             {"role": "user", "content": "g"}]}
-    plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
-    call = c.Call(seq=6, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
-    reuse.fields(plan, call)
+    plan, call = _planned(reuse, session, [{"role": "user", "content": "f"}, said,
+                                           {"role": "user", "content": "g"}], 6)
     assert call.segment_start == c.SEGMENT_START_CONTINUED and call.extends_seq == 5
     state = reuse.state(session, plan, call, said)
     assert state is not None and list(state.drop_seqs) == [3] and session.let_go == []
@@ -362,11 +365,7 @@ def test_the_extended_state_is_replaced_when_a_refresh_reloaded_it_meanwhile() -
     first = [{"role": "user", "content": "a"}]
     _turn(reuse, session, first)
     _turn(reuse, session, [{"role": "user", "content": "b"}])
-    forward: dict[str, object] = {"model": "tiny", "messages": first + [
-        said, {"role": "user", "content": "c"}]}
-    plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
-    call = c.Call(seq=2, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
-    reuse.fields(plan, call)
+    plan, call = _planned(reuse, session, first + [said, {"role": "user", "content": "c"}], 2)
     assert call.extends_seq == 0
     held = {s.seq: s for s in session.tokens}  # type: ignore[attr-defined]
     reuse.load(session, [spb.SegmentRecord(segment=s.segment, seq=s.seq, ids=s.ids.tobytes(),
@@ -379,11 +378,8 @@ def test_the_extended_state_is_replaced_when_a_refresh_reloaded_it_meanwhile() -
     # read after the call is stored and before it is marked recorded: the store gives the
     # call's own state and leaves out the one it extended; the session holds each state once
     # and lets go of the extended one all the same
-    forward = {"model": "tiny", "messages": first + [said, {"role": "user", "content": "c"},
-                                                     said, {"role": "user", "content": "d"}]}
-    plan = asyncio.run(reuse.plan(session, forward, "tiny", _toy_tokenize))
-    call = c.Call(seq=3, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
-    reuse.fields(plan, call)
+    plan, call = _planned(reuse, session, first + [said, {"role": "user", "content": "c"},
+                                                   said, {"role": "user", "content": "d"}], 3)
     assert call.extends_seq == 2
     session.let_go = []  # named with an earlier call
     session.stored.discard(0)
@@ -406,11 +402,7 @@ def test_a_session_evicted_while_its_call_ran_lets_go_of_the_state_it_extended()
     said = {"role": "assistant", "content": "Hello, world!"}
     main = [{"role": "user", "content": "main"}]
     _turn(reuse, a, main)
-    forward: dict[str, object] = {"model": "tiny", "messages": main + [
-        said, {"role": "user", "content": "go on"}]}
-    plan = asyncio.run(reuse.plan(a, forward, "tiny", _toy_tokenize))
-    call = c.Call(seq=1, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
-    reuse.fields(plan, call)
+    plan, call = _planned(reuse, a, main + [said, {"role": "user", "content": "go on"}], 1)
     assert call.extends_seq == 0
     _turn(reuse, b, main)  # evicts a's states
     assert a.tokens is None
@@ -423,11 +415,8 @@ def test_a_session_evicted_while_its_call_ran_lets_go_of_the_state_it_extended()
     fresh = _Session()
     flight = []
     for text in ("x", "y"):
-        forward = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
-        plan = asyncio.run(reuse.plan(fresh, forward, "tiny", _toy_tokenize))
-        call = c.Call(seq=fresh.take_seq(), prompt_token_ids=PROMPT_IDS,
-                      completion_token_ids=HELLO)
-        reuse.fields(plan, call)
+        plan, call = _planned(reuse, fresh, [{"role": "user", "content": text}],
+                              fresh.take_seq())
         flight.append((plan, call, reuse.state(fresh, plan, call, said)))
     reuse.recorded(fresh, *flight[0], PROMPT_IDS, HELLO)  # type: ignore[arg-type]
     _turn(reuse, _Session(), main)  # another attempt's first call evicts `fresh`
@@ -459,11 +448,7 @@ def test_a_call_not_recorded_lets_go_of_what_it_named_and_of_its_own_state() -> 
         for text in ("a", "b"):
             _turn(reuse, session, [{"role": "user", "content": text}])
         assert session.let_go == [0]
-        messages: list[dict[str, object]] = [{"role": "user", "content": "c"}]
-        plan = asyncio.run(reuse.plan(session, {"model": "tiny", "messages": messages},
-                                      "tiny", _toy_tokenize))
-        call = c.Call(seq=2, prompt_token_ids=PROMPT_IDS, completion_token_ids=HELLO)
-        reuse.fields(plan, call)
+        plan, call = _planned(reuse, session, [{"role": "user", "content": "c"}], 2)
         gen = SimpleNamespace(message=lambda: said, prompt_ids=PROMPT_IDS, ids=HELLO)
         ex = SimpleNamespace(generated=gen, plan=plan, chain=None, session=session)
         recording = Recording(Failing(error), None, reuse)  # type: ignore[arg-type]
@@ -503,11 +488,8 @@ def test_a_call_that_keeps_meeting_conflicts_lets_go_of_no_seq_another_replica_h
         for text in ("a", "b"):
             _turn(reuse, session, [{"role": "user", "content": text}])
         assert session.let_go == [0]
-        plan = asyncio.run(reuse.plan(session, {"model": "tiny", "messages": [
-            {"role": "user", "content": "c"}]}, "tiny", _toy_tokenize))
-        call = c.Call(seq=session.take_seq(), prompt_token_ids=PROMPT_IDS,
-                      completion_token_ids=HELLO)
-        reuse.fields(plan, call)
+        plan, call = _planned(reuse, session, [{"role": "user", "content": "c"}],
+                              session.take_seq())
         gen = SimpleNamespace(message=lambda: said, prompt_ids=PROMPT_IDS, ids=HELLO)
         ex = SimpleNamespace(generated=gen, plan=plan, chain=None, session=session)
         sessions = Sessions(fail)
