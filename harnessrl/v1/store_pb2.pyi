@@ -251,9 +251,9 @@ class GatewayCallState(_message.Message):
     """responses kept per attempt (oldest dropped first)"""
     @_builtins.property
     def drop_seqs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The states of the attempt that this call ends (deleted with it): the one it extended,
-        and those it pushes out of the gateway's `tokens_per_rollout`, oldest last. The gateway
-        holds the attempt's most recent states in order; the store keeps what it holds.
+        """States of the attempt the store deletes with this call: those the gateway let go at
+        earlier calls (extended by a later call, or pushed out of its `tokens_per_rollout`),
+        named a few at a time. The gateway decides which states the store keeps.
         """
 
     def __init__(

@@ -162,9 +162,7 @@ class Sessions:
         replicas = self.replicas
         if replicas is not None:
             await replicas.wait_ready(time.monotonic() + self.hold_timeout_s)
-        behind = force or session.tokens is None and session.next_seq > 0 or \
-            replicas is not None and (not replicas.alone or session.epoch != replicas.epoch)
-        if not behind and not response_id:
+        if not force and not response_id and self.current(session):
             return None
         epoch = replicas.epoch if replicas is not None else 0
         cached = session.tokens is not None and not force

@@ -155,12 +155,13 @@ class CallLog:
         self._chain = redis.register_script(_CHAIN_LUA)
 
     def calls_key(self, rollout_id: str, attempt: int) -> str:
-        return f"{self.p}calls:{rollout_id}:{attempt}"
+        return self._keys(rollout_id, attempt)[0]
 
-    def _gw_keys(self, rollout_id: str, attempt: int) -> tuple[str, str, str]:
-        """The attempt's segments hash, chain hash and response list."""
+    def _keys(self, rollout_id: str, attempt: int) -> tuple[str, str, str, str]:
+        """The attempt's calls hash, segments hash, chain hash and response list."""
         tail = f"{rollout_id}:{attempt}"
-        return f"{self.p}gws:{tail}", f"{self.p}gw:{tail}", f"{self.p}gwr:{tail}"
+        return (f"{self.p}calls:{tail}", f"{self.p}gws:{tail}", f"{self.p}gw:{tail}",
+                f"{self.p}gwr:{tail}")
 
     async def append(self, calls: Sequence[c.Call], states: Sequence[spb.GatewayCallState]
                      ) -> list[int]:
@@ -170,9 +171,8 @@ class CallLog:
         args: list[bytes | str | int] = []
         for i, call in enumerate(calls):
             state = states[i] if i < len(states) else _NO_STATE
-            tail = f"{call.rollout_id}:{call.attempt}"
-            keys += [f"{self.p}st:{call.rollout_id}", f"{self.p}calls:{tail}",
-                     f"{self.p}gws:{tail}"]
+            calls_key, segs, gw, resps = self._keys(call.rollout_id, call.attempt)
+            keys += [f"{self.p}st:{call.rollout_id}", calls_key, segs]
             record = b""
             if state.segment:
                 record = spb.SegmentRecord(  # the ids are the call's: not stored twice
@@ -183,7 +183,7 @@ class CallLog:
             args += [call.attempt, call.seq, call.SerializeToString(), _unaborted(call),
                      record, len(ends), *ends, state.response_id]
             if state.response_id:
-                keys += [f"{self.p}gw:{tail}", f"{self.p}gwr:{tail}"]
+                keys += [gw, resps]
                 args += [state.previous_response_id.encode() + b"\n" + (state.messages_json
                                                                         or b"[]"),
                          max(1, state.keep_responses or 1024)]
@@ -191,7 +191,7 @@ class CallLog:
         return [int(x) for x in await self._append(keys=keys, args=args)]
 
     async def gateway_state(self, req: spb.GetGatewayStateRequest) -> spb.GatewayState:
-        segs, gw, _ = self._gw_keys(req.rollout_id, req.attempt)
+        _, segs, gw, _ = self._keys(req.rollout_id, req.attempt)
         fields: dict[bytes | str, bytes | str] = {}
         if req.known_next_seq < 0:  # the segments are wanted: one read gives next with them
             fields = await self.r.hgetall(segs)
@@ -237,4 +237,4 @@ class CallLog:
 
     async def drop(self, rollout_id: str, attempt: int) -> None:
         """The attempt ended: the gateway's state of it goes (its calls stay)."""
-        await self.r.delete(*self._gw_keys(rollout_id, attempt))
+        await self.r.delete(*self._keys(rollout_id, attempt)[1:])
