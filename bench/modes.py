@@ -21,6 +21,7 @@ sync's train + push time) — no schedule can beat the work the CPU has to do, n
 own serial part. Ends with one JSON line and a PNG of reward against wall time.
 
     python bench/modes.py --out /tmp/modes-bench      # 3 modes x (3 seeds x 2 latencies + 1)
+    python bench/modes.py --out /tmp/modes-bench --resume   # after a stop: the runs not yet done
     python bench/modes.py --steps 2 --latencies 1 --seeds 1 --zero-latency-seeds 0 \
         --tasks-per-step 2 --group-size 4 --concurrency 8      # a smoke run, a few minutes
 """
@@ -242,6 +243,8 @@ def main() -> None:
                     help="CPU list of Redis, store, gateway and controller")
     ap.add_argument("--timeout-s", type=float, default=3600)
     ap.add_argument("--out", type=Path, default=Path(".harnessrl/bench-modes"))
+    ap.add_argument("--resume", action="store_true",
+                    help="keep the runs already in OUT/results.json (same settings) and do the rest")
     a = ap.parse_args()
     from harnessrl.model import build_tiny_model, default_model_dir
 
@@ -255,19 +258,23 @@ def main() -> None:
                       gateway_flags=("--hold-timeout-s", "600"),
                       controller_flags=("--local-job-cpus", a.cpus_jobs))
     results: list[dict[str, Any]] = []
-    runs = interleaved(a, a.modes.split(","))
+    if a.resume and (a.out / "results.json").exists():
+        results = json.loads((a.out / "results.json").read_text())
+        print(f"resuming: {len(results)} runs kept from {a.out / 'results.json'}", flush=True)
+    done = {(r["latency_median_s"], r["mode"], r["seed"]) for r in results}
+    runs = [run for run in interleaved(a, a.modes.split(",")) if run not in done]
     used = {int(c) for cpus in (a.cpus_engine, a.cpus_trainer, a.cpus_jobs, a.cpus_services)
             for c in parse_cpu_list(cpus)}
     with Stack(cfg) as stack:
         for name, p in stack.procs.items():
             if p.proc is not None:
                 pin(p.proc.pid, a.cpus_engine if name.startswith("engine") else a.cpus_services)
-        for i, (latency, mode, seed) in enumerate(runs, 1):
+        for latency, mode, seed in runs:
             r = run_trainer(stack, a.out / f"{mode}-lat{latency}-seed{seed}", mode, latency,
                             a, model_dir, seed)
             results.append(r)
             (a.out / "results.json").write_text(json.dumps(results, indent=1))  # so far
-            print(f"[{i}/{len(runs)}] latency {latency:>4} s  {mode:<10} seed {seed}  "
+            print(f"[{len(results)}/{len(runs) + len(done)}] latency {latency:>4} s  {mode:<10} seed {seed}  "
                   f"{r['steps']} steps in {r['wall_s']:7.1f} s  phases {r['phase_mean_s']}  "
                   f"reward {r['final_reward']}  dropped {r['groups_dropped']}  held "
                   f"{r['held_calls']}\n    CPU s over {r['process_s']:.0f} s "
