@@ -112,7 +112,10 @@ def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.
     t0 = time.time()
     proc = procs.ServiceProcess(f"trainer-{name}", argv, out).start()
     assert proc.proc is not None
-    rc = proc.proc.wait(a.timeout_s)
+    try:
+        rc = proc.proc.wait(a.timeout_s)
+    finally:  # a bench stopped (Ctrl-C) or timed out leaves no trainer behind
+        proc.stop()
     wall_process = time.time() - t0
     cpu = CpuMeter.since(cpu_before, meter.read())
     if rc != 0:

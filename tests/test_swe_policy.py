@@ -31,6 +31,17 @@ def test_right_fix_inverts_and_wrong_fix_keeps_the_bug() -> None:
         assert policy.RIGHT[policy.RIGHT[op]] == op  # the inverse undoes the mutation
         assert policy.WRONG[op] == op  # the wrong fix changes nothing
     assert policy.fix_command("<") == "fix '<'"
+    # the policy's choice is the same words for every operator: flip, or copy what is shown
+    assert {policy.fix_move(op, True) for op in policy.RIGHT} == {"fix flip"}
+    assert all(policy.fix_move(op, False) == policy.fix_command(op) for op in policy.RIGHT)
+    import importlib.util  # the tool (a script beside the harness) flips as the policy says
+
+    spec = importlib.util.spec_from_file_location(
+        "suspects", REPO / "examples" / "swe" / "tools" / "suspects.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.FLIP == policy.RIGHT
 
 
 PINNED = "harnessrl__recq__fields_used__flip_comparison-1"  # suspects prints its broken line
@@ -53,7 +64,7 @@ def test_moves_fix_a_slice_task_in_its_workspace(tmp_path: Path) -> None:
     assert listing.split("<output>\n")[1].startswith(f"{info.file}:{info.line}: ")
     cmds = [json.loads(m["tool_calls"][0]["function"]["arguments"])["command"]
             for m in right if m["role"] == "assistant"]
-    assert cmds == ["suspects", policy.fix_command(policy.RIGHT[info.op]), policy.SUBMIT]
+    assert cmds == ["suspects", policy.FLIP_MOVE, policy.SUBMIT]
     # the wrong fix on a warm-up variant (another operator, renamed, shifted), its listing
     # run once and renamed/shifted as text: what running the tool in the variant gives
     op = next(o for o in dialogues.family(info.op) if o != info.op)
@@ -79,21 +90,23 @@ def test_suspects_and_fix_restore_the_working_line(tmp_path: Path) -> None:
     env = policy.command_env(policy.mini_templates(MINI), t["problem_statement"], tmp_path)
     shown = policy.run_like_mini("suspects", ws, env)["output"]
     assert policy.listing_pins(info, shown)
-    fix = policy.fix_command(policy.RIGHT[info.op])
-    assert policy.run_like_mini(fix, ws, env)["returncode"] == 0
+    assert policy.run_like_mini(policy.FLIP_MOVE, ws, env)["returncode"] == 0
     m = t["mutation"]
     assert m["original"] in (ws / info.file).read_text().splitlines()[info.line - 1]
 
 
 def test_fix_move_writes_every_operator(tmp_path: Path) -> None:
     """The fix move as the shell runs it, for each operator (`<` and `>` unquoted are
-    redirections): the first suspect's comparison gets the new operator."""
+    redirections): the first suspect's comparison gets the new operator, and `fix flip` the
+    flipped one, which undoes the task family's mutation."""
     env = policy.command_env(policy.mini_templates(MINI), "", tmp_path)
     (tmp_path / "pkg").mkdir()
-    for op, new in policy.RIGHT.items():
+    moves = [(op, new, cmd) for op, new in policy.RIGHT.items()
+             for cmd in (policy.fix_command(new), policy.FLIP_MOVE)]
+    for op, new, cmd in moves:
         (tmp_path / "pkg" / "m.py").write_text(f"def f(a, b):\n    return a {op} b\n")
         (tmp_path / "issue.md.suspects").write_text(f"pkg/m.py:2: a {op} b\n")
-        out = policy.run_like_mini(policy.fix_command(new), tmp_path, env)
+        out = policy.run_like_mini(cmd, tmp_path, env)
         assert out["returncode"] == 0, out
         assert (tmp_path / "pkg" / "m.py").read_text().splitlines()[1] == f"    return a {new} b"
         assert sorted(p.name for p in tmp_path.iterdir()) == ["issue.md", "issue.md.suspects",

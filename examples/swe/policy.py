@@ -10,15 +10,16 @@ A tiny model cannot reason about code, but it can copy. The policy the warm-up t
    harness, outside the workspace) runs the issue's reproduction and the workspace's tests
    (the failing ones are not there) and prints each comparison of NAME on a line the
    reproduction executes and no passing test does: `FILE:LINE: EXPR`.
-2. `sed -i 'LINEs/ OP / NEW /' FILE`: LINE, OP and FILE copied from the output's first line
-   (the slice keeps the tasks where that is the broken line); NEW is the one decision left
-   open, learnable from the prompt (OP is in it). The right fix writes the inverse operator
-   (the mutation turned `>` into `<`; `<` back to `>` undoes it); the wrong fix writes the
-   operator it found again (`s/ < / < /`: an edit that changes nothing and
-   leaves the bug in place), the move's default of copying every part of the line. One choice
-   for every operator (invert or copy), so RL on a few operators can move it for all. The
+2. The fix move, the one decision left open: `fix flip` (right: the tool gives the first
+   suspect's comparison its flipped operator, which undoes the mutation: it turned `>` into
+   `<`, `<` back to `>`) or `fix 'OP'` with the operator the listing shows (wrong: the edit
+   writes the comparison as it stands and leaves the bug in place). The choice is the same
+   words for every task, like the calc example's "The answer is" against "I estimate"
+   (examples/calc), so what RL teaches on a few functions holds for the held-out ones. The
    warm-up dialogues take the right fix with probability `right_fraction`, so the warmed-up
-   policy is right about that often and RL has headroom (examples/calc's 35 / 65 trick).
+   policy is right about that often and RL has headroom. (The first three learning attempts
+   wrote the inverse operator itself, `fix '>'`: a choice per operator, read off the
+   listing; RL did not carry it to held-out functions: examples/swe/LEARNING.md.)
 3. `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`: submits.
 
 The slice (`in_slice`): flip_comparison tasks whose mutation is one operator on one line,
@@ -75,6 +76,14 @@ def fix_command(new: str) -> str:
     quoted (unquoted, `<` and `>` are the shell's redirections: the first learning run wrote
     `fix <`, a syntax error, on 17 of its 30 held-out tasks' right fixes)."""
     return f"fix '{new}'"
+
+
+FLIP_MOVE = "fix flip"  # the right fix: the tool writes the flipped operator (RIGHT)
+
+
+def fix_move(op: str, right: bool) -> str:
+    """The policy's fix move for a listing that shows `op`: `fix flip`, or `op` copied."""
+    return FLIP_MOVE if right else fix_command(WRONG[op])
 
 
 @dataclass(frozen=True)
@@ -149,8 +158,7 @@ def run_like_mini(command: str, cwd: Path, env: dict[str, str], timeout: int = 6
 
 
 def moves(info: SliceInfo, right: bool) -> list[str]:
-    new = RIGHT[info.op] if right else WRONG[info.op]
-    return [list_command(info.test), fix_command(new), SUBMIT]
+    return [list_command(info.test), fix_move(info.op, right), SUBMIT]
 
 
 def listing_pins(info: SliceInfo, output: str) -> bool:

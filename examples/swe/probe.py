@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             info = policy.in_slice(task)
             assert info is not None
             msgs = after_listing(task, policy.LIST)
-            right.append(math.exp(move_logprob(msgs, policy.fix_command(policy.RIGHT[info.op]))))
-            copied.append(math.exp(move_logprob(msgs, policy.fix_command(info.op))))
+            right.append(math.exp(move_logprob(msgs, policy.fix_move(info.op, True))))
+            copied.append(math.exp(move_logprob(msgs, policy.fix_move(info.op, False))))
         print(json.dumps({"which": a.which, "tasks": len(right), "exact": True,
                           "p_right": round(sum(right) / len(right), 4),
                           "p_copied": round(sum(copied) / len(copied), 4)}))
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 c["list_other"] += 1
                 continue
             second = command(after_listing(task, first))
-            c["right" if second == policy.fix_command(policy.RIGHT[info.op]) else
-              "wrong" if second == policy.fix_command(policy.WRONG[info.op]) else
+            c["right" if second == policy.fix_move(info.op, True) else
+              "wrong" if second == policy.fix_move(info.op, False) else
               "fix_other"] += 1
     print(json.dumps({"which": a.which, **c, "pass@1_estimate": round(c["right"] / c["samples"],
                                                                        3)}))

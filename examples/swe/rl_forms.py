@@ -115,7 +115,7 @@ def checked(task: dict[str, Any], tmp: Path, templates: dict[str, Any]) -> str |
     t = SweTask.model_validate(task)
     if grader.grade(t, ws, timeout_s=120).reward != 0.0:
         return "the broken workspace does not grade 0"
-    policy.run_like_mini(policy.fix_command(policy.RIGHT[info.op]), ws, env)
+    policy.run_like_mini(policy.fix_move(info.op, True), ws, env)
     if grader.grade(t, ws, timeout_s=120).reward != 1.0:
         return "the right fix does not grade 1"
     return None

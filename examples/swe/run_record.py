@@ -73,15 +73,16 @@ def segment_share(res: dict[str, Any], workdir: Path, res_tasks: Path | None = N
 
 
 def fix_kind(calls: list[Any], op: str) -> str:
-    """What a run's fix move was: `right` (the flip of the operator shown), `copied` (that
-    operator again), `other` (another operator), `none` (no fix move among its commands)."""
+    """What a run's fix move was: `right` (`fix flip`, or the flipped operator written out),
+    `copied` (the operator shown again), `other` (another operator), `none` (no fix move
+    among its commands)."""
     for call in calls:
         try:
             for tc in json.loads(call.response_message_json).get("tool_calls") or []:
                 cmd = json.loads(tc["function"]["arguments"]).get("command", "")
                 if cmd.startswith("fix "):
-                    return {policy.fix_command(policy.RIGHT[op]): "right",
-                            policy.fix_command(op): "copied"}.get(cmd, "other")
+                    return {policy.FLIP_MOVE: "right", policy.fix_command(policy.RIGHT[op]):
+                            "right", policy.fix_command(op): "copied"}.get(cmd, "other")
         except (ValueError, KeyError, TypeError, AttributeError):
             continue
     return "none"

@@ -9,7 +9,8 @@ workspace's own test suite (pytest, in the current folder; the failing tests are
 and prints each comparison of those functions on a line that the reproduction executed and
 no passing test did, one a line: `FILE:LINE: EXPR` (without an issue: every line no passing
 test executed), and keeps them in `$SWE_ISSUE.suspects` for `fix NEW` (`suspects.py --fix`),
-which gives the first suspect's comparison the operator NEW.
+which gives the first suspect's comparison the operator NEW (`fix flip`: its flipped
+operator, `<` <-> `>`, `<=` <-> `>=`, `==` <-> `!=`, `in` <-> `not in`, `is` <-> `is not`).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def reproduction(issue: str):  # type: ignore[no-untyped-def]
 
 def fix(new: str, issue: str) -> int:
     """`fix NEW`: the first suspect's comparison gets the operator NEW (the first ` OP ` on
-    its line becomes ` NEW `); the suspects are the ones `suspects` printed last for this
+    its line becomes ` NEW `; NEW `flip`: FLIP[OP]); the suspects are the ones `suspects` printed last for this
     issue (`$SWE_ISSUE.suspects`)."""
     try:
         first = open(f"{issue}.suspects").read().splitlines()[0]
@@ -96,6 +97,7 @@ def fix(new: str, issue: str) -> int:
         print(f"fix: {path}:{n} no longer holds {expr.strip()}")
         return 1
     old = OPS[type(comp.ops[0])]
+    new = FLIP[old] if new == "flip" else new
     lines = src.splitlines(keepends=True)
     lines[n - 1] = lines[n - 1].replace(f" {old} ", f" {new} ", 1)
     with open(path, "w") as f:
@@ -105,6 +107,9 @@ def fix(new: str, issue: str) -> int:
 
 OPS = {ast.Lt: "<", ast.Gt: ">", ast.LtE: "<=", ast.GtE: ">=", ast.Eq: "==", ast.NotEq: "!=",
        ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not"}
+# the flip the task family's mutation applies (examples/swe/mutations._FLIP); its own inverse
+FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<=", "==": "!=", "!=": "==",
+        "in": "not in", "not in": "in", "is": "is not", "is not": "is"}
 
 
 def main(argv: list[str]) -> int:
