@@ -181,6 +181,7 @@ def test_fix_kind_reads_the_fix_move_from_recorded_calls() -> None:
             {"role": "assistant", "content": "", "tool_calls": calls if command else None}))
 
     listed = [call("suspects")]
+    assert fix_kind([*listed, call("fix flip"), call(policy.SUBMIT)], ">=") == "right"
     assert fix_kind([*listed, call("fix '<='"), call(policy.SUBMIT)], ">=") == "right"
     assert fix_kind([*listed, call("fix '>='")], ">=") == "copied"
     assert fix_kind([*listed, call("fix '<'")], ">=") == "other"
@@ -224,3 +225,43 @@ def test_swe_model_warms_up_on_dialogues(tmp_path: Path) -> None:
     assert "<tool_call>" in tok.apply_chat_template(chat, tools=[policy.BASH_TOOL],
                                                     tokenize=False)
     assert Recipe().digest() == calc_digest  # the calc model's recipe is untouched
+
+
+def test_curve_pairs_each_seed_with_the_warmed_up_model(tmp_path: Path) -> None:
+    """examples/swe/curve.py: a seed run without its own step-0 evaluation is paired with
+    another seed's (the same warmed-up model); gains per seed and pooled, from the results."""
+    import pytest
+
+    from examples.swe import curve
+
+    def result(name: str, rewards: dict[str, list[float]]) -> str:
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps({"tasks": [{"task_id": t, "rewards": r}
+                                           for t, r in rewards.items()]}))
+        return str(p)
+
+    before = result("before", {"a": [0, 0, 1, 0], "b": [0, 0, 0, 0]})
+    runs = {0: [{"kind": "eval", "step": 0, "pass@1": 0.125, "result": before},
+                {"step": 1, "reward_mean": 0.25, "step_time_s": 90.0},
+                {"step": 2, "reward_mean": 0.75, "step_time_s": 100.0},
+                {"kind": "eval", "step": 2, "pass@1": 0.875,
+                 "result": result("s0", {"a": [1, 1, 1, 1], "b": [1, 1, 1, 0]})}],
+            1: [{"step": 1, "reward_mean": 0.5, "step_time_s": 95.0},
+                {"kind": "eval", "step": 1, "pass@1": 0.5,
+                 "result": result("s1", {"a": [1, 1, 0, 0], "b": [1, 0, 0, 1]})}]}
+    for seed, rows in runs.items():
+        (tmp_path / f"train-seed{seed}").mkdir()
+        (tmp_path / f"train-seed{seed}" / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows))
+    out = curve.summarize(tmp_path, [0, 1])
+    assert out["pass@1_before"] == 0.125
+    s0, s1 = out["seeds"][0], out["seeds"][1]
+    assert (s0["pass@1_after"], s0["step"], s0["train_s"]) == (0.875, 2, 190)
+    assert s0["reward_per_step"] == [0.25, 0.75]
+    assert s0["gain"]["gain"] == 0.75 and s0["gain"]["tasks"] == 2
+    assert s1["pass@1_after"] == 0.5 and s1["gain"]["gain"] == 0.375
+    assert out["pooled_gain"]["gain"] == (0.75 + 0.375) / 2
+    (tmp_path / "train-seed0" / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in runs[0][1:]))
+    with pytest.raises(SystemExit, match="step 0"):
+        curve.summarize(tmp_path, [0, 1])

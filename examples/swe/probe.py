@@ -1,8 +1,8 @@
 """A cheap pre-check of a warmed-up swe model, before any `harnessrl eval`: the policy's moves
 sampled in-process (transformers, temperature 1) on the slice's prompts, each observation the
 one the real move gets (the list move's output cached by `learning.py slice`; no mini, no
-engine, no grader). Counts per sample: the list move right, then the fix move right (the
-inverse operator), wrong (the operator again) or other. `right / samples` estimates pass@1.
+engine, no grader). Counts per sample: the list move right, then the fix move right (`fix
+flip`), wrong (the operator shown, copied) or other. `right / samples` estimates pass@1.
 
 `--exact`: no sampling; per task the probability the model gives the right fix move and the
 copied one after the list move's real output (teacher forcing through the chat template, up
