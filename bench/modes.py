@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -90,7 +91,8 @@ PHASES = ("generate_s", "train_s", "push_s", "hold_s", "sleep_s", "wake_s")
 
 def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.Namespace,
                 model_dir: Path, seed: int) -> dict[str, Any]:
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # what a stopped bench left of this run
+    out.mkdir(parents=True)
     name = f"{mode}-{str(latency).replace('.', 'p')}-s{seed}"
     argv = ["taskset", "-c", a.cpus_trainer] + procs.python_module(
         "services.trainer", "--bind", "127.0.0.1:0", "--store-address", stack.store_address,
@@ -253,6 +255,7 @@ def main() -> None:
 
     model_dir = build_tiny_model(default_model_dir())
     a.out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(a.out / "stack", ignore_errors=True)  # a fresh stack: no runs of a stopped one
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[:3]
     cfg = StackConfig(state_dir=a.out / "stack", redis_url=f"redis://127.0.0.1:"
