@@ -280,7 +280,8 @@ def main() -> None:
                             a, model_dir, seed)
             results.append(r)
             (a.out / "results.json").write_text(json.dumps(results, indent=1))  # so far
-            print(f"[{len(results)}/{len(runs) + len(done)}] latency {latency:>4} s  {mode:<10} seed {seed}  "
+            print(f"[{len(results)}/{len(runs) + len(done)}] latency {latency:>4} s  "
+                  f"{mode:<10} seed {seed}  "
                   f"{r['steps']} steps in {r['wall_s']:7.1f} s  phases {r['phase_mean_s']}  "
                   f"reward {r['final_reward']}  dropped {r['groups_dropped']}  held "
                   f"{r['held_calls']}\n    CPU s over {r['process_s']:.0f} s "

@@ -81,8 +81,8 @@ def reproduction(issue: str):  # type: ignore[no-untyped-def]
 
 def fix(new: str, issue: str) -> int:
     """`fix NEW`: the first suspect's comparison gets the operator NEW (the first ` OP ` on
-    its line becomes ` NEW `; NEW `flip`: FLIP[OP]); the suspects are the ones `suspects` printed last for this
-    issue (`$SWE_ISSUE.suspects`)."""
+    its line becomes ` NEW `; `fix flip`: ` FLIP[OP] `); the suspects are the ones `suspects`
+    printed last for this issue (`$SWE_ISSUE.suspects`)."""
     try:
         first = open(f"{issue}.suspects").read().splitlines()[0]
     except (OSError, IndexError):
