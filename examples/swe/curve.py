@@ -28,6 +28,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.swe.learning import paired_bootstrap, task_rewards  # noqa: E402
+from harnessrl.local.report import read_jsonl  # noqa: E402
 
 
 def exact_p_right(model: Path, out: Path) -> float:
@@ -39,14 +40,12 @@ def exact_p_right(model: Path, out: Path) -> float:
 
 
 def read_seed(out: Path, seed: int) -> dict[str, Any]:
-    rows = [json.loads(x) for x in (out / f"train-seed{seed}" / "metrics.jsonl")
-            .read_text().splitlines() if x.strip()]
-    evals = {r["step"]: r for r in rows if r.get("kind") == "eval"}
+    """A seed run's training rewards and time, and its evaluations' result files by step."""
+    rows = read_jsonl(out / f"train-seed{seed}" / "metrics.jsonl")
     steps = [r for r in rows if r.get("kind") != "eval"]
     return {"rewards": [r.get("reward_mean") for r in steps],
             "train_s": round(sum(r.get("step_time_s") or 0.0 for r in steps)),
-            "evals": {s: {"pass@1": round(e["pass@1"], 4), "result": e["result"]}
-                      for s, e in sorted(evals.items())}}
+            "evals": {r["step"]: r["result"] for r in rows if r.get("kind") == "eval"}}
 
 
 def pass1(rewards: dict[str, list[float]]) -> float:
@@ -59,14 +58,14 @@ def summarize(out: Path, seed_list: list[int]) -> dict[str, Any]:
     before_eval = next((v["evals"][0] for v in seeds.values() if 0 in v["evals"]), None)
     if before_eval is None:
         raise SystemExit("no seed evaluated the warmed-up model (step 0)")
-    before = task_rewards(json.loads(Path(before_eval["result"]).read_text()))
+    before = task_rewards(json.loads(Path(before_eval).read_text()))
     pooled: dict[str, list[float]] = {}
     summary: dict[str, Any] = {"pass@1_before": round(pass1(before), 4), "seeds": {}}
     for s, v in seeds.items():
         last = max(v["evals"], default=0)
         if last == 0:
             raise SystemExit(f"seed {s} has no evaluation after training")
-        after = task_rewards(json.loads(Path(v["evals"][last]["result"]).read_text()))
+        after = task_rewards(json.loads(Path(v["evals"][last]).read_text()))
         for tid, rw in after.items():
             pooled.setdefault(tid, []).extend(rw)
         summary["seeds"][s] = {"step": last, "pass@1_after": round(pass1(after), 4),

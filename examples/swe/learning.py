@@ -41,6 +41,7 @@ if __package__ in (None, ""):
 from examples.swe import dialogues as dialogues_mod  # noqa: E402
 from examples.swe import policy  # noqa: E402
 from examples.swe.run_record import segment_share  # noqa: E402
+from harnessrl.local.report import read_jsonl  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -329,8 +330,7 @@ def phase_train(a: argparse.Namespace, seed: int) -> dict[str, Any]:
     p = subprocess.run(cmd, cwd=cwd, text=True, capture_output=True, env=env)
     seconds = time.monotonic() - t0
     (a.out / f"train-seed{seed}.log").write_text(p.stdout + p.stderr)
-    metrics = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()
-               if ln.strip()] if (out / "metrics.jsonl").exists() else []
+    metrics = read_jsonl(out / "metrics.jsonl")
     steps = [m for m in metrics if m.get("kind") != "eval"]
     evals = [m for m in metrics if m.get("kind") == "eval"]
     seg = {}
