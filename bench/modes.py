@@ -108,6 +108,7 @@ def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.
                                      "HARNESSRL_BENCH_TOOL_SIGMA": str(a.sigma),
                                      "PYTHONPATH": str(REPO)}),
         "--mode.kind", mode, "--mode.max-staleness", str(a.max_staleness),
+        "--optimizer.lr", str(a.lr),
         "--rollout-timeout-s", "600", "--checkpoint-every", str(a.steps), "--no-resume")
     meter = CpuMeter(stack)
     cpu_before = meter.read()
@@ -238,6 +239,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="seeds per mode at each latency")
     ap.add_argument("--zero-latency-seeds", type=int, default=1, help="seeds per mode at 0 s")
     ap.add_argument("--max-staleness", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=4e-4,
+                    help="the trainer's learning rate. Below its 6e-4 default: at 6e-4 the tiny "
+                         "model stopped ending its answers (P(end of turn) 1 -> 0.001 in one "
+                         "step) in 3 of 4 async/collocated runs, 4e-4 on the same batches kept "
+                         "it (docs/modes.md)")
     ap.add_argument("--modes", default=",".join(MODES))
     cores = sorted(os.sched_getaffinity(0))
     last = str(cores[-1])
@@ -296,7 +302,7 @@ def main() -> None:
     print(f"load average before {load_before}, after {load_after}; figure {png}")
     print(json.dumps({
         "per_latency": per_latency, "steps": a.steps, "tasks_per_step": a.tasks_per_step,
-        "group_size": a.group_size, "concurrency": a.concurrency, "sigma": a.sigma,
+        "group_size": a.group_size, "concurrency": a.concurrency, "sigma": a.sigma, "lr": a.lr,
         "cpus": {"engine": a.cpus_engine, "trainer": a.cpus_trainer, "jobs": a.cpus_jobs,
                  "services": a.cpus_services},
         "load_before": load_before, "load_after": load_after}))
