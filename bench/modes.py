@@ -240,10 +240,9 @@ def main() -> None:
     ap.add_argument("--zero-latency-seeds", type=int, default=1, help="seeds per mode at 0 s")
     ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--lr", type=float, default=4e-4,
-                    help="the trainer's learning rate. Below its 6e-4 default: at 6e-4 the tiny "
-                         "model stopped ending its answers (P(end of turn) 1 -> 0.001 in one "
-                         "step) in 3 of 4 async/collocated runs, 4e-4 on the same batches kept "
-                         "it (docs/modes.md)")
+                    help="the trainer's learning rate, below its 6e-4 default: the tiny model "
+                         "tends to stop ending its answers under async/collocated training, "
+                         "at 6e-4 from step 6, at 4e-4 later (docs/modes.md)")
     ap.add_argument("--modes", default=",".join(MODES))
     cores = sorted(os.sched_getaffinity(0))
     last = str(cores[-1])
