@@ -105,7 +105,9 @@ class Services:
                 "--store-address", f"127.0.0.1:{self.store_port}", "--gateway-url", GATEWAY_URL,
                 "--workdir-root", str(self.tmp / "rollouts"), "--kill-grace-s", "0.5",
                 "--store-retry-s", str(self.store_retry_s), "--ready-file", str(ready),
-                *self.controller_flags),
+                # these tests watch the harnesses' pids from outside (a sandbox's are its own);
+                # the sandboxed controller: tests/test_sandbox*.py
+                "--no-sandbox", *self.controller_flags),
             self.tmp, env={"HARNESSRL_SECRET": SECRET}, ready_file=ready).start()
         port = self.controller.wait_ready()["grpc_port"]
         self.ctl = ControllerClient.connect(f"127.0.0.1:{port}")
@@ -163,7 +165,7 @@ def svc(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
 
 def env_of(ro: c.Rollout, attempt: int = 0, name: str = "env.json") -> dict[str, str]:
     att = ro.attempts[(attempt or ro.attempt) - 1]
-    return json.loads((Path(att.workdir) / name).read_text())
+    return json.loads((Path(att.workdir) / "work" / name).read_text())
 
 
 def process_alive(pid: int) -> bool:
@@ -220,7 +222,7 @@ def test_run_of_tasks_times_n_completes_with_rewards(svc: Services) -> None:
     workdirs = {ro.attempts[0].workdir for ro in rollouts.values()}
     assert len(workdirs) == 12
     # never more than `concurrency` harnesses at once
-    spans = [tuple(map(float, (Path(w) / "span.txt").read_text().split())) for w in workdirs]
+    spans = [tuple(map(float, (Path(w) / "work" / "span.txt").read_text().split())) for w in workdirs]
     assert max(sum(1 for s, e in spans if s <= t <= e) for t, _ in spans) <= 3
     # every completed group went to the run's stream, each once
     groups = svc.store.read_groups(stream="ctl-test", max_groups=10, include_calls=False).groups
@@ -263,7 +265,7 @@ def test_hang_is_killed_at_timeout_and_other_rollouts_unaffected(svc: Services) 
     hang = rollouts["hang/0"]
     assert hang.status == c.ROLLOUT_STATUS_FAILED
     assert hang.attempts[0].timed_out and "timed out after 1.5s" in hang.error
-    grandchild = int((Path(hang.attempts[0].workdir) / "grandchild.pid").read_text())
+    grandchild = int((Path(hang.attempts[0].workdir) / "work" / "grandchild.pid").read_text())
     assert not process_alive(grandchild)
     fine = rollouts["fine/0"]
     assert fine.status == c.ROLLOUT_STATUS_SUCCEEDED and fine.reward == 1.0
@@ -427,12 +429,12 @@ def test_cancel_stops_running_harnesses(svc: Services) -> None:
     while True:
         running = [ro for ro in svc.store.list_rollouts(run.run_id).rollouts
                    if ro.status == c.ROLLOUT_STATUS_RUNNING and ro.attempts and
-                   (Path(ro.attempts[0].workdir) / "harness.pid").exists()]
+                   (Path(ro.attempts[0].workdir) / "work" / "harness.pid").exists()]
         if len(running) == 2:
             break
         assert time.monotonic() < deadline, "harnesses did not start"
         time.sleep(0.05)
-    pids = [int((Path(ro.attempts[0].workdir) / "harness.pid").read_text()) for ro in running]
+    pids = [int((Path(ro.attempts[0].workdir) / "work" / "harness.pid").read_text()) for ro in running]
     assert all(process_alive(p) for p in pids)
     t0 = time.monotonic()
     cancelled = svc.ctl.cancel_run(run.run_id)
@@ -476,7 +478,7 @@ def harness_pids(s: Services, run_id: str) -> dict[str, int]:
     pids = {}
     for ro in s.store.list_rollouts(run_id).rollouts:
         if ro.attempts:
-            f = Path(ro.attempts[-1].workdir) / "harness.pid"
+            f = Path(ro.attempts[-1].workdir) / "work" / "harness.pid"
             if f.exists():
                 pids[ro.task_id] = int(f.read_text())
     return pids
@@ -514,7 +516,7 @@ def test_controller_killed_mid_run_adopts_its_jobs(redis_url: str, key_prefix: s
             assert ro.reward == 1.0
         # the slow harness finished under the new controller's watch, as the same process
         assert not process_alive(pids["slow"])
-        assert (Path(rollouts["slow/0"].attempts[0].workdir) / "span.txt").exists()
+        assert (Path(rollouts["slow/0"].attempts[0].workdir) / "work" / "span.txt").exists()
         # each harness ran once: one launch record and one "harness ran" line per rollout
         for ro in rollouts.values():
             wd = Path(ro.attempts[0].workdir)
@@ -542,7 +544,7 @@ def test_stopping_the_controller_kills_its_harnesses(redis_url: str, key_prefix:
             time.sleep(0.05)
             ro = s.store.list_rollouts(run.run_id).rollouts[0]
             if ro.attempts:
-                pidfile = Path(ro.attempts[0].workdir) / "harness.pid"
+                pidfile = Path(ro.attempts[0].workdir) / "work" / "harness.pid"
         pid = int(pidfile.read_text())
         assert process_alive(pid)
         s.controller.stop()  # SIGTERM

@@ -577,6 +577,9 @@ class RunSpec(_message.Message):
     GROUP_GRADER_COMMAND_FIELD_NUMBER: _builtins.int
     GROUP_GRADER_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     ADAPTER_FIELD_NUMBER: _builtins.int
+    SANDBOX_FIELD_NUMBER: _builtins.int
+    SETUP_COMMAND_FIELD_NUMBER: _builtins.int
+    SETUP_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tasks_file: _builtins.str
     """a JSONL file, one JSON object per line ("id" or "task_id" names it)"""
@@ -611,6 +614,8 @@ class RunSpec(_message.Message):
     run (the trainer's run name); the harness keeps asking for its usual model. Until an
     engine has loaded it the run's calls are held. Empty: the base weights.
     """
+    setup_timeout_s: _builtins.float
+    """default 300"""
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
         """inline tasks; or"""
@@ -644,6 +649,20 @@ class RunSpec(_message.Message):
         store holds the group back until it answered. Empty: no group grader.
         """
 
+    @_builtins.property
+    def sandbox(self) -> Global___SandboxSpec:
+        """The sandbox of each attempt's harness and per-attempt grader on the local backend
+        (docs/sandbox.md). Unset: on, with the defaults below.
+        """
+
+    @_builtins.property
+    def setup_command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Trusted setup (docs/sandbox.md): argv the controller runs outside the sandbox before each
+        attempt's harness, in the attempt's work folder (the harness's), with the task in its
+        environment and no model credential; it prepares what the harness may see (a workspace
+        built from the full task file, tools). Local backend only. Empty: none.
+        """
+
     def __init__(
         self,
         *,
@@ -668,14 +687,82 @@ class RunSpec(_message.Message):
         group_grader_command: _abc.Iterable[_builtins.str] | None = ...,
         group_grader_timeout_s: _builtins.float = ...,
         adapter: _builtins.str = ...,
+        sandbox: Global___SandboxSpec | None = ...,
+        setup_command: _abc.Iterable[_builtins.str] | None = ...,
+        setup_timeout_s: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "admission_batch_groups", b"admission_batch_groups", "admission_max_staleness", b"admission_max_staleness", "backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_grader_command", b"group_grader_command", "group_grader_timeout_s", b"group_grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "admission_batch_groups", b"admission_batch_groups", "admission_max_staleness", b"admission_max_staleness", "backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_grader_command", b"group_grader_command", "group_grader_timeout_s", b"group_grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "sandbox", b"sandbox", "setup_command", b"setup_command", "setup_timeout_s", b"setup_timeout_s", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunSpec: _TypeAlias = RunSpec  # noqa: Y015
+
+@_typing.final
+class SandboxSpec(_message.Message):
+    """What an attempt's sandbox lets its harness (and everything the harness starts) reach. The
+    attempt's work folder is writable; the system, the interpreter and the files its command
+    names are read-only; a private /tmp; nothing else of the machine. Network: the gateway only.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DISABLED_FIELD_NUMBER: _builtins.int
+    MEMORY_MB_FIELD_NUMBER: _builtins.int
+    MAX_PROCESSES_FIELD_NUMBER: _builtins.int
+    CPU_TIME_S_FIELD_NUMBER: _builtins.int
+    READ_ONLY_PATHS_FIELD_NUMBER: _builtins.int
+    HIDDEN_PATHS_FIELD_NUMBER: _builtins.int
+    EGRESS_FIELD_NUMBER: _builtins.int
+    GRADER_EGRESS_FIELD_NUMBER: _builtins.int
+    disabled: _builtins.bool
+    """A trusted harness: no sandbox (logged as such at the run's start). Use for your own code
+    only; an RL policy with a shell finds whatever raises its reward.
+    """
+    memory_mb: _builtins.int
+    """memory of the attempt (all its processes); 0: 4096"""
+    max_processes: _builtins.int
+    """processes and threads at once; 0: 512"""
+    cpu_time_s: _builtins.float
+    """CPU seconds of any one process; 0: the attempt's timeout"""
+    @_builtins.property
+    def read_only_paths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """more host paths the harness may read"""
+
+    @_builtins.property
+    def hidden_paths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """host paths masked even inside a read-only path"""
+
+    @_builtins.property
+    def egress(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """host:port the harness may reach besides the gateway: loopback addresses, reached inside
+        at the same address; "*" shares the host's network (everything: logged as such).
+        """
+
+    @_builtins.property
+    def grader_egress(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the same for the per-attempt grader"""
+
+    def __init__(
+        self,
+        *,
+        disabled: _builtins.bool = ...,
+        memory_mb: _builtins.int = ...,
+        max_processes: _builtins.int = ...,
+        cpu_time_s: _builtins.float = ...,
+        read_only_paths: _abc.Iterable[_builtins.str] | None = ...,
+        hidden_paths: _abc.Iterable[_builtins.str] | None = ...,
+        egress: _abc.Iterable[_builtins.str] | None = ...,
+        grader_egress: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cpu_time_s", b"cpu_time_s", "disabled", b"disabled", "egress", b"egress", "grader_egress", b"grader_egress", "hidden_paths", b"hidden_paths", "max_processes", b"max_processes", "memory_mb", b"memory_mb", "read_only_paths", b"read_only_paths"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SandboxSpec: _TypeAlias = SandboxSpec  # noqa: Y015
 
 @_typing.final
 class SamplingPolicy(_message.Message):

@@ -57,6 +57,21 @@ class ControllerConfig(ServiceConfig):
     local_job_cpus: str = Field(
         "", description="local backend: run rollout jobs on these CPUs only (a list such as "
                         "'4-15'), the engine's and trainer's cores left to them; empty: any")
+    sandbox: bool = Field(
+        True, description="local backend: run each attempt's harness and per-attempt grader "
+                          "in a bubblewrap sandbox of its own (docs/sandbox.md); the "
+                          "controller refuses to start where none can be made. false: every "
+                          "rollout of this controller runs unsandboxed, able to forge its "
+                          "reward (logged loudly); a run can opt out alone (sandbox.disabled)")
+    sandbox_hidden_paths: list[str] = Field(
+        default_factory=list, description="more host paths no sandbox may see, even inside a "
+                                          "path it may read (harnessrl up names its state "
+                                          "folder); the secret, the rollout folders and every "
+                                          "run's task file are hidden always")
+    sandbox_doors: str = Field(
+        "", description="folder of the sandboxes' doors out (Unix sockets to the gateway and "
+                        "allowed egress); empty: a short fixed path in the temp folder, one "
+                        "per workdir_root")
     max_jobs: int = Field(
         64, description="harness runs at once over all runs of this controller (each run "
                         "also has its own `concurrency`)", ge=1)

@@ -33,6 +33,7 @@ from typing import TypeGuard
 
 from harnessrl.v1 import common_pb2 as c, store_pb2 as spb
 from services.controller.backends import JobResult, JobSpec
+from services.controller.sandbox.policy import SandboxPolicy
 
 GRADER_STDOUT = "grader.stdout.log"
 GRADER_STDERR = "grader.stderr.log"
@@ -171,12 +172,14 @@ def grader_env(harness_env: dict[str, str], harness: JobResult) -> dict[str, str
 async def run_grader(run_job: Callable[[JobSpec], Awaitable[JobResult]], *, job_id: str,
                      argv: list[str], harness_env: dict[str, str], workdir: Path,
                      timeout_s: float, harness: JobResult, reward_source: int,
-                     labels: dict[str, str] | None = None) -> Grade:
+                     labels: dict[str, str] | None = None, cwd: Path | None = None,
+                     sandbox: SandboxPolicy | None = None) -> Grade:
     """Runs the grader as a job (`run_job` launches a spec on a backend and waits for it) and
-    reads the reward from it."""
+    reads the reward from it; its output goes to `workdir`, it runs in `cwd` (in `sandbox`)."""
     spec = JobSpec(job_id=job_id, argv=list(argv), env=grader_env(harness_env, harness),
                    workdir=workdir, timeout_s=timeout_s, labels=dict(labels or {}),
-                   stdout_name=GRADER_STDOUT, stderr_name=GRADER_STDERR)
+                   stdout_name=GRADER_STDOUT, stderr_name=GRADER_STDERR, cwd=cwd,
+                   sandbox=sandbox)
     return grade_result(await run_job(spec), reward_source, timeout_s)
 
 

@@ -29,7 +29,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harnessrl.credentials import CredentialSigner
@@ -39,9 +39,9 @@ from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as sp
 from services.controller import grading, metrics
 from services.controller.group_grading import GroupGrader
 from services.controller.admission import Admission, started_and_done_groups
+from services.controller.attempt_jobs import AttemptJobs
 from services.controller.backends import GraderStep, JobBackend, JobResult, JobSpec
 from services.controller.config import ControllerConfig
-from services.controller.run_spec import task_env
 from services.controller.store_calls import ResilientStore, StoreUnavailable
 
 log = logging.getLogger("harnessrl.controller")
@@ -55,6 +55,7 @@ class RunContext:
     backends: dict[str, JobBackend]
     signer: CredentialSigner
     job_slots: asyncio.Semaphore  # harness runs at once over all runs (cfg.max_jobs)
+    task_files: set[str] = field(default_factory=set)  # every run's: hidden from sandboxes
 
 
 def group_id_of(run_id: str, task_id: str) -> str:
@@ -72,6 +73,9 @@ class RunExecution:
         self.tasks = {t.task_id: t for t in tasks}
         self.ctx = ctx
         self.backend = ctx.backends[self.spec.backend]
+        if self.spec.tasks_file:
+            ctx.task_files.add(str(Path(self.spec.tasks_file).resolve()))
+        self.jobs = AttemptJobs(run, self.tasks, ctx.cfg, self.backend, ctx.task_files)
         self.rollouts: dict[str, c.Rollout] = {ro.rollout_id: ro for ro in self._planned()}
         for ro in self.rollouts.values():
             metrics.rollout_state_changed(None, ro.status)
@@ -182,6 +186,11 @@ class RunExecution:
         log.info("run started: %d tasks x %d, concurrency %d, backend %s",
                  len(self.tasks), self.spec.group_size, self.spec.concurrency,
                  self.spec.backend, extra=self._extra)
+        if self.backend.shares_workdir and not self.jobs.sandboxed:
+            log.warning("run %s: its harnesses run UNSANDBOXED (%s): they can read the "
+                        "controller's secret and files and reach every service", self.run.run_id,
+                        "the run's sandbox.disabled" if self.spec.sandbox.disabled
+                        else "the controller's --sandbox false", extra=self._extra)
         try:
             # The store's view wins: a resumed run continues where the store says it is.
             for ro in await self.ctx.store.list_rollouts(self.run.run_id):
@@ -367,34 +376,6 @@ class RunExecution:
             await self._changed(await self.ctx.store.start_attempt(rid, attempt, ""))
         await self._finish(rid, attempt, c.ROLLOUT_STATUS_CANCELLED, error="run cancelled")
 
-    def _workdir(self, ro: c.Rollout, attempt: int) -> Path:
-        root = Path(self.ctx.cfg.workdir_root).resolve()
-        return (root / self.run.run_id / f"{grading.safe_name(ro.task_id)}-{ro.index_in_group}"
-                / f"attempt-{attempt}")
-
-    def _job_id(self, rid: str, role: str, attempt: int) -> str:
-        return f"{self.run.run_id}.{grading.short_hash(rid)}.{role}{attempt}"
-
-    def _harness_env(self, ro: c.Rollout, attempt: int, token: str,
-                     workdir: Path) -> dict[str, str]:
-        """spec.env, then the task's fields, then what the controller sets (which wins)."""
-        task = self.tasks[ro.task_id]
-        env = dict(self.spec.env)
-        env.update(task_env(task))
-        env.update({
-            "OPENAI_BASE_URL": self.ctx.cfg.gateway_url,
-            "OPENAI_API_KEY": token,
-            "HARNESSRL_MODEL": self.spec.model,
-            "HARNESSRL_RUN_ID": self.run.run_id,
-            "HARNESSRL_ROLLOUT_ID": ro.rollout_id,
-            "HARNESSRL_GROUP_ID": ro.group_id,
-            "HARNESSRL_INDEX_IN_GROUP": str(ro.index_in_group),
-            "HARNESSRL_ATTEMPT": str(attempt),
-            "HARNESSRL_TASK_FILE": str(workdir / "task.json"),
-            "HARNESSRL_WORKDIR": str(workdir),
-        })
-        return env
-
     async def _run_job(self, rid: str, spec: JobSpec, adopt: bool = False) -> JobResult:
         """Runs a job of this rollout (with `adopt`: takes over the one an earlier controller
         launched from this spec, launching it only if there is none); killed if the run is
@@ -434,14 +415,12 @@ class RunExecution:
     async def _attempt(self, rid: str, attempt: int, resumed: bool = False) -> None:
         """Runs attempt `attempt` of a rollout to its end in the store; `resumed`: the store
         holds it as RUNNING already (its controller died), its jobs are adopted."""
-        ro, spec, ctx = self.rollouts[rid], self.spec, self.ctx
+        ro, spec, ctx, jobs = self.rollouts[rid], self.spec, self.ctx, self.jobs
         extra = {**self._extra, "rollout": rid, "attempt": attempt}
-        workdir = self._workdir(ro, attempt)
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "task.json").write_text(self.tasks[ro.task_id].data_json)
+        workdir, work = jobs.prepare(ro, attempt)
         token = ctx.signer.mint(rid, attempt,
                                 ttl_s=spec.timeout_s + ctx.cfg.credential_ttl_margin_s)
-        env = self._harness_env(ro, attempt, token, workdir)
+        env = jobs.harness_env(ro, attempt, token, work)
         if resumed:
             log.info("attempt %d: resuming it (its controller stopped)", attempt, extra=extra)
         else:
@@ -449,13 +428,22 @@ class RunExecution:
             log.info("attempt %d started in %s", attempt, workdir, extra=extra)
         labels = {"run": self.run.run_id, "rollout": grading.short_hash(rid),
                   "attempt": str(attempt)}
+        setup = jobs.setup(rid, attempt, env, workdir, labels)
+        if setup is not None:
+            done = await self._run_job(rid, setup, adopt=resumed)
+            if not done.succeeded:
+                await self._finish(rid, attempt, c.ROLLOUT_STATUS_FAILED, may_retry=False,
+                                   error="setup failed: " + grading.harness_failure(
+                                       done, spec.setup_timeout_s))
+                return
         in_job = self.backend.grades_in_job and spec.reward_source not in grading.NO_GRADER
         grader = GraderStep(argv=list(spec.grader_command), env=grading.in_job_grader_env(env),
                             timeout_s=spec.grader_timeout_s) if in_job else None
         result = await self._run_job(rid, JobSpec(
-            job_id=self._job_id(rid, "h", attempt), argv=list(spec.harness_command), env=env,
-            workdir=workdir, labels={**labels, "role": "harness"}, grader=grader,
-            timeout_s=spec.timeout_s), adopt=resumed)
+            job_id=jobs.job_id(rid, "h", attempt), argv=list(spec.harness_command), env=env,
+            workdir=workdir, cwd=work if self.backend.shares_workdir else None,
+            labels={**labels, "role": "harness"}, grader=grader, timeout_s=spec.timeout_s,
+            sandbox=jobs.harness_sandbox(work)), adopt=resumed)
         if self.cancelled:
             await self._finish(rid, attempt, c.ROLLOUT_STATUS_CANCELLED, error="run cancelled",
                                exit_code=result.exit_code)
@@ -474,8 +462,9 @@ class RunExecution:
         else:
             grade = await grading.run_grader(
                 lambda job: self._run_job(rid, job, adopt=resumed),
-                job_id=self._job_id(rid, "g", attempt),
-                argv=list(spec.grader_command), workdir=workdir,
+                job_id=jobs.job_id(rid, "g", attempt),
+                argv=list(spec.grader_command), workdir=workdir, cwd=work,
+                sandbox=jobs.grader_sandbox(work, [result.stdout_path, result.stderr_path]),
                 harness_env={**env, "HARNESSRL_STORE_ADDRESS": ctx.store.address},
                 timeout_s=spec.grader_timeout_s, harness=result,
                 reward_source=spec.reward_source, labels={**labels, "role": "grader"})

@@ -51,7 +51,8 @@ class RunManager:
         backend = self.ctx.backends[spec.backend]
         env = dict(spec.env)
         for what, argv in (("harness_command", spec.harness_command),
-                           ("grader_command", spec.grader_command)):
+                           ("grader_command", spec.grader_command),
+                           ("setup_command", spec.setup_command)):
             problem = backend.check_argv(list(argv), env) if argv else None
             if problem:
                 raise InvalidArgument(f"{what}: {problem}")

@@ -17,12 +17,14 @@ from harnessrl.errors import InvalidArgument
 from harnessrl.sampling import unmatched
 from harnessrl.tasks import check_task_ids, load_task_file, task_id, task_object
 from harnessrl.v1 import common_pb2 as c
+from services.controller.sandbox import policy as sandbox_policy
 
 DEFAULT_GROUP_SIZE = 1
 DEFAULT_CONCURRENCY = 4
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_GRADER_TIMEOUT_S = 60.0
 DEFAULT_GROUP_GRADER_TIMEOUT_S = 300.0
+DEFAULT_SETUP_TIMEOUT_S = 300.0
 DEFAULT_MAX_ATTEMPTS = 1
 DEFAULT_STREAM = "train"
 MAX_GROUP_SIZE = 4096
@@ -49,7 +51,7 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
                               "(0 takes the default)")
     if s.group_size > MAX_GROUP_SIZE:
         raise InvalidArgument(f"group_size {s.group_size} is over {MAX_GROUP_SIZE}")
-    for name in ("timeout_s", "grader_timeout_s", "group_grader_timeout_s"):
+    for name in ("timeout_s", "grader_timeout_s", "group_grader_timeout_s", "setup_timeout_s"):
         v = getattr(s, name)
         if v < 0 or not math.isfinite(v) or v > MAX_TIMEOUT_S:
             raise InvalidArgument(f"{name} must be a positive number of seconds up to "
@@ -60,6 +62,8 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
     s.grader_timeout_s = s.grader_timeout_s or DEFAULT_GRADER_TIMEOUT_S
     if s.group_grader_command:
         s.group_grader_timeout_s = s.group_grader_timeout_s or DEFAULT_GROUP_GRADER_TIMEOUT_S
+    if s.setup_command:
+        s.setup_timeout_s = s.setup_timeout_s or DEFAULT_SETUP_TIMEOUT_S
     s.max_attempts = s.max_attempts or DEFAULT_MAX_ATTEMPTS
     s.stream = s.stream or DEFAULT_STREAM
     s.backend = s.backend or default_backend
@@ -72,6 +76,12 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
                               f"{', '.join(backends)}")
     if not s.harness_command or not s.harness_command[0]:
         raise InvalidArgument("harness_command is empty")
+    if s.setup_command and not s.setup_command[0]:
+        raise InvalidArgument("setup_command's program is empty")
+    if s.setup_command and s.backend != "local":
+        raise InvalidArgument("setup_command runs on the local backend only (on Kubernetes, "
+                              "an init container of your Job template does the same)")
+    sandbox_policy.check_spec(s)
     if s.group_grader_command and not s.group_grader_command[0]:
         raise InvalidArgument("group_grader_command's program is empty")
     if s.reward_source == c.REWARD_SOURCE_GROUP_GRADER and not s.group_grader_command:

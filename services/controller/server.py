@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 from harnessrl import rpc
 from harnessrl.credentials import CredentialSigner, load_secret
@@ -13,16 +14,34 @@ from services.controller.backends import JobBackend, LocalBackend
 from services.controller.config import ControllerConfig
 from services.controller.run_execution import RunContext
 from services.controller.run_manager import RunManager
+from services.controller.sandbox import Sandbox, Unavailable, egress
 from services.controller.servicer import ControllerServicer
 from services.controller.store_calls import ResilientStore
 
 log = logging.getLogger("harnessrl.controller")
 
 
-def make_backends(cfg: ControllerConfig) -> dict[str, JobBackend]:
+def make_sandbox(cfg: ControllerConfig) -> Sandbox | None:
+    """The local backend's sandbox, checked; `Unavailable` says why none can be made here."""
+    if not cfg.sandbox:
+        log.warning("SANDBOX OFF (--sandbox false): every rollout of this controller runs "
+                    "unsandboxed, with the controller's user, files and network: a harness "
+                    "can read the secret and forge its reward. Use it for trusted harnesses "
+                    "only.")
+        return None
+    doors = Path(cfg.sandbox_doors) if cfg.sandbox_doors else \
+        egress.default_root(Path(cfg.workdir_root))
+    sandbox = Sandbox(doors)
+    sandbox.check()
+    return sandbox
+
+
+def make_backends(cfg: ControllerConfig, sandbox: Sandbox | None = None
+                  ) -> dict[str, JobBackend]:
     """The local backend always; the kubernetes one when a Job template is configured."""
     backends: dict[str, JobBackend] = {"local": LocalBackend(
-        kill_grace_s=cfg.kill_grace_s, nice=cfg.local_job_nice, cpus=cfg.local_job_cpus)}
+        kill_grace_s=cfg.kill_grace_s, nice=cfg.local_job_nice, cpus=cfg.local_job_cpus,
+        sandbox=sandbox)}
     if cfg.k8s_job_template:
         from services.controller.backends.k8s_manifests import load_template
         from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings
@@ -47,7 +66,12 @@ async def serve(cfg: ControllerConfig) -> None:
     signer = CredentialSigner(load_secret(cfg.secret, cfg.secret_file))
     store = ResilientStore(cfg.store_address, call_timeout_s=cfg.store_call_timeout_s,
                            retry_s=cfg.store_retry_s)
-    backends = make_backends(cfg)
+    try:
+        sandbox = make_sandbox(cfg)
+    except Unavailable as exc:
+        log.error("cannot sandbox rollouts: %s", exc)
+        raise SystemExit(f"controller: cannot sandbox rollouts: {exc}") from None
+    backends = make_backends(cfg, sandbox)
     runs = RunManager(RunContext(cfg=cfg, store=store, backends=backends, signer=signer,
                                  job_slots=asyncio.Semaphore(cfg.max_jobs)))
     # Runs an earlier controller left running are resumed (their jobs adopted) first.

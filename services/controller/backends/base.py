@@ -36,7 +36,10 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.controller.sandbox.policy import SandboxPolicy
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,12 @@ class JobSpec:
     # Backends with `grades_in_job`: a grader to run after the job's command exited 0, in the
     # same working directory (`timeout_s` stays the command's; the grader has its own).
     grader: "GraderStep | None" = None
+    # The folder the command runs in (default `workdir`). A sandboxed job's is its work folder
+    # below `workdir`, so that its records (`workdir`) are out of its reach.
+    cwd: Path | None = None
+    # Local backend: run the command in this sandbox (services/controller/sandbox); None:
+    # unsandboxed, with the backend's base environment.
+    sandbox: "SandboxPolicy | None" = None
 
 
 @dataclass(frozen=True)

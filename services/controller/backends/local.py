@@ -8,7 +8,10 @@ its job. (A process that deliberately leaves the group with `setsid` escapes thi
 or cgroups — the Kubernetes backend — are the remedy for hostile jobs.)
 
 Environment: the controller's own environment without its `HARNESSRL_*` variables (they hold
-the controller's config and may hold the credential secret), plus the spec's `env`.
+the controller's config and may hold the credential secret), plus the spec's `env`. A
+sandboxed job (`JobSpec.sandbox`) gets the spec's `env` only (and a few basics): its command
+runs as `wrapper -> bwrap -> sandbox init -> command` (services/controller/sandbox), with the
+wrapper, the job record and the exit file outside the sandbox.
 
 Restart safety: the group's leader is `job_wrapper.py`, which runs the command as its child
 and writes how it ended to `<workdir>/.<job_id>.exit.json`; the backend records the group
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.controller.backends.base import JobBackend, JobInfo, JobResult, JobSpec
+from services.controller.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
@@ -151,18 +155,21 @@ class LocalBackend(JobBackend):
     name = "local"
 
     def __init__(self, kill_grace_s: float = 2.0, base_env: dict[str, str] | None = None,
-                 reap_timeout_s: float = 5.0, nice: int = 0, cpus: str = "") -> None:
+                 reap_timeout_s: float = 5.0, nice: int = 0, cpus: str = "",
+                 sandbox: Sandbox | None = None) -> None:
         """`kill_grace_s`: between SIGTERM and SIGKILL. `base_env`: environment every job
         starts from (default `base_environment()`). `reap_timeout_s`: how long to wait for a
         SIGKILLed group to disappear before reporting the job done anyway (with a warning).
         `nice` / `cpus` (a CPU list such as "2-7,12"): each job runs that much lower in CPU
-        priority / on those CPUs only, everything it starts too."""
+        priority / on those CPUs only, everything it starts too. `sandbox`: makes the sandbox
+        of each job whose spec has one (checked already); None: such jobs are refused."""
         self.kill_grace_s = kill_grace_s
         self._placement = ([f"--nice={nice}"] if nice else []) + (
             [f"--cpus={','.join(map(str, sorted(parse_cpu_list(cpus))))}"] if cpus else [])
         self.base_env = base_environment() if base_env is None else dict(base_env)
         self.reap_timeout_s = reap_timeout_s
         self._jobs: dict[str, _Job] = {}
+        self.sandbox = sandbox
 
     def check_argv(self, argv: list[str], env: dict[str, str]) -> str | None:
         exe = argv[0] if argv else ""
@@ -187,6 +194,9 @@ class LocalBackend(JobBackend):
             raise ValueError(f"timeout_s must be > 0, got {spec.timeout_s}")
         if spec.grader is not None:
             raise ValueError("the local backend runs graders as jobs of their own")
+        if spec.sandbox is not None and self.sandbox is None:
+            raise ValueError("a sandboxed job, but this backend makes no sandbox (the "
+                             "controller's sandbox is off)")
 
     async def launch(self, spec: JobSpec) -> None:
         self._check_spec(spec)
@@ -195,7 +205,12 @@ class LocalBackend(JobBackend):
         job = _Job(spec, time.time())
         self._jobs[spec.job_id] = job
         job.exit_path.unlink(missing_ok=True)
-        env = {**self.base_env, **spec.env}
+        argv, env, flags = list(spec.argv), {**self.base_env, **spec.env}, list(self._placement)
+        if spec.sandbox is not None:
+            assert self.sandbox is not None
+            argv, env, more = await self.sandbox.prepare(spec.job_id, spec.sandbox, argv,
+                                                         dict(spec.env))
+            flags += more
         deadline = time.monotonic() + spec.timeout_s
         with open(workdir / spec.stdout_name, "wb") as out, \
                 open(workdir / spec.stderr_name, "wb") as err:
@@ -203,9 +218,9 @@ class LocalBackend(JobBackend):
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-I", "-S", _WRAPPER, str(job.exit_path),
                     f"--deadline={job.started_at + spec.timeout_s + self.kill_grace_s + 5:.3f}",
-                    *self._placement, *spec.argv,
+                    *flags, *argv,
                     stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                    cwd=workdir, env=env, start_new_session=True,
+                    cwd=spec.cwd or workdir, env=env, start_new_session=True,
                 )
             except OSError as exc:
                 reason = f"cannot start the job wrapper: {exc}"
@@ -213,6 +228,7 @@ class LocalBackend(JobBackend):
                 done: asyncio.Future[JobResult] = asyncio.get_running_loop().create_future()
                 done.set_result(self._result(job, EXEC_FAILED_EXIT_CODE, False, False, reason))
                 job.task = done
+                self._release(spec)
                 return
         ticks = _start_ticks(proc.pid)
         _write_json(job.record_path, {"pgid": proc.pid, "start_ticks": ticks,
@@ -297,6 +313,7 @@ class LocalBackend(JobBackend):
             await self._wait_group_gone(job.spec.job_id, pgid)
         if leader_exit is not None:
             await exited
+        await asyncio.to_thread(self._release, job.spec)
         outcome = _read_json(job.exit_path)
         if outcome is not None:
             return self._result(job, int(outcome["exit_code"]), timed_out,  # type: ignore[call-overload]
@@ -319,6 +336,11 @@ class LocalBackend(JobBackend):
             await asyncio.sleep(0.02)
 
 
+    def _release(self, spec: JobSpec) -> None:
+        """Frees the job's sandbox (its cgroup) once nothing of it runs."""
+        if spec.sandbox is not None and self.sandbox is not None:
+            self.sandbox.release(spec.job_id)
+
     async def wait(self, job_id: str) -> JobResult:
         return await self._wait_tracked(job_id)
 
@@ -335,6 +357,8 @@ class LocalBackend(JobBackend):
         purpose (after a crash they do, and the next controller adopts them)."""
         await asyncio.gather(*(self.cancel(job_id, "the controller shut down")
                                for job_id in list(self._jobs)))
+        if self.sandbox is not None:
+            await self.sandbox.close()
 
     async def list_jobs(self, labels: dict[str, str] | None = None) -> list[JobInfo]:
         return self._list_tracked(labels)
