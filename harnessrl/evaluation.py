@@ -67,7 +67,9 @@ def eval_spec(*, name: str, tasks: Sequence[tuple[str, dict[str, Any]]], k: int,
               harness_command: Sequence[str], grader_command: Sequence[str], model: str,
               sampling: c.SamplingPolicy | None = None, concurrency: int = 8,
               timeout_s: float = 300.0, grader_timeout_s: float = 60.0, max_attempts: int = 1,
-              env: dict[str, str] | None = None, backend: str = "") -> c.RunSpec:
+              env: dict[str, str] | None = None, backend: str = "",
+              sandbox: c.SandboxSpec | None = None, setup_command: Sequence[str] = (),
+              setup_timeout_s: float = 0.0) -> c.RunSpec:
     """The controller run of an evaluation: each task `k` times, published to no stream."""
     if k < 1:
         raise ValueError(f"k must be >= 1 (got {k})")
@@ -83,6 +85,10 @@ def eval_spec(*, name: str, tasks: Sequence[tuple[str, dict[str, Any]]], k: int,
         backend=backend)
     if sampling is not None:
         spec.sampling.CopyFrom(sampling)
+    if sandbox is not None:
+        spec.sandbox.CopyFrom(sandbox)
+    spec.setup_command[:] = list(setup_command)
+    spec.setup_timeout_s = setup_timeout_s if setup_command else 0.0
     return spec
 
 

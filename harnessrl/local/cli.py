@@ -34,7 +34,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from harnessrl import log as hlog
-from harnessrl.local import evaluate, export, operate, progress, report
+from harnessrl.local import evaluate, export, operate, progress, report, sandbox_flags
 from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import controller_pb2 as cpb
@@ -119,7 +119,7 @@ def summarize_rollouts(store_address: str, run: c.Run) -> None:
 
 def user_spec(args: argparse.Namespace, name: str) -> c.RunSpec:
     """The run of the user's own harness (`--harness`, `--grader`, `--tasks FILE`)."""
-    return c.RunSpec(name=name, tasks_file=str(Path(args.tasks).resolve()),
+    spec = c.RunSpec(name=name, tasks_file=str(Path(args.tasks).resolve()),
                      group_size=args.group_size, harness_command=shlex.split(args.harness),
                      grader_command=shlex.split(args.grader) if args.grader else [],
                      group_grader_command=shlex.split(args.group_grader or ""),
@@ -128,6 +128,7 @@ def user_spec(args: argparse.Namespace, name: str) -> c.RunSpec:
                                     else c.REWARD_SOURCE_HARNESS),
                      concurrency=args.concurrency, timeout_s=args.timeout,
                      max_attempts=args.attempts, model=args.model_name)
+    return sandbox_flags.apply(spec, args, hide=[args.tasks])
 
 
 def _load_config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
@@ -146,6 +147,11 @@ def _load_config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    try:
+        sandbox_flags.fields(args)
+    except ValueError as exc:
+        console.print(f"[red]{exc}")
+        return 2
     if (args.harness is None) != (args.tasks is None):
         console.print("[red]--harness and --tasks go together (your harness command and a JSONL "
                       "file of its tasks); --grader is optional")
@@ -284,8 +290,9 @@ def _rollouts(stack: object, args: argparse.Namespace, state: Path,
     from harnessrl.clients import ControllerClient
 
     ctl = ControllerClient.connect(stack.controller_address)  # type: ignore[attr-defined]
-    spec = user_spec(args, "rollouts") if args.harness else \
-        example_spec(args.num_tasks, args.group_size, args.concurrency, args.model_name)
+    spec = user_spec(args, "rollouts") if args.harness else sandbox_flags.apply(
+        example_spec(args.num_tasks, args.group_size, args.concurrency, args.model_name), args,
+        hide=[str(EXAMPLE / "tasks.jsonl")])
     run = ctl.create_run(spec)
     ctl.close()
     if args.daemon:
@@ -323,7 +330,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         controller = st["controller"]
         if args.model_name == "tiny":  # the default: the stack's own model name
             args.model_name = st.get("served_model_name", "tiny")
-    spec = user_spec(args, args.name)
+    try:
+        spec = user_spec(args, args.name)
+    except ValueError as exc:
+        console.print(f"[red]{exc}")
+        return 2
     ctl = ControllerClient.connect(controller)
     run = ctl.create_run(spec)
     ctl.close()
@@ -373,6 +384,7 @@ def _harness_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300, help="per-attempt harness timeout (s)")
     p.add_argument("--attempts", type=int, default=1, help="attempts per rollout")
     p.add_argument("--model-name", default="tiny", help="model name the engines serve")
+    sandbox_flags.add(p)
 
 
 def main(argv: list[str] | None = None) -> int:

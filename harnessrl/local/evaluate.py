@@ -47,7 +47,7 @@ from rich.table import Table
 
 from harnessrl import evaluation as ev
 from harnessrl.errors import InvalidArgument
-from harnessrl.local import progress
+from harnessrl.local import progress, sandbox_flags
 from harnessrl.sampling import unmatched
 from harnessrl.tasks import load_task_file
 
@@ -185,6 +185,10 @@ def check_options(args: argparse.Namespace) -> Options:
     sampling = ev.sampling_policy(args.temperature, args.top_p, args.max_tokens)
     if sampling is not None and (problem := unmatched(sampling, ev.EVAL_STREAM)):
         raise EvalError(problem)
+    try:
+        sandbox_flags.fields(args)
+    except ValueError as exc:
+        raise EvalError(str(exc)) from None
     return Options(tasks_file, tasks, in_file, harness, grader, sampling)
 
 
@@ -262,6 +266,7 @@ def _evaluate(stack: Any, args: argparse.Namespace, opts: Options, model: ModelC
                         model=model.served_name, sampling=opts.sampling,
                         concurrency=args.concurrency, timeout_s=args.timeout,
                         max_attempts=args.attempts)
+    sandbox_flags.apply(spec, args, hide=[str(opts.tasks_file)])
     started = time.time()
     t0 = time.monotonic()
     ctl = ControllerClient.connect(stack.controller_address)
@@ -427,6 +432,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="model name to serve it as / that the "
                    "engine at the URL serves (default: tiny; for a URL, its first /v1/models)")
     p.add_argument("--tasks", default=None, help="JSONL task file (default: examples/calc's)")
+    sandbox_flags.add(p)
     p.add_argument("--harness", default=None, help="harness command line (default: the calc "
                    "example's)")
     p.add_argument("--grader", default=None, help="grader command line; its last stdout line "

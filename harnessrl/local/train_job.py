@@ -17,7 +17,7 @@ from rich.live import Live
 from rich.table import Table
 
 from harnessrl import procs
-from harnessrl.local import progress
+from harnessrl.local import progress, sandbox_flags
 from harnessrl.local.progress import fmt_s
 from harnessrl.local.engine import LoraEngine
 from harnessrl.local.stack import Stack
@@ -159,6 +159,8 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
                  "--tasks-file", str(Path(args.tasks).resolve()),
                  "--group-size", str(args.group_size), "--concurrency", str(args.concurrency),
                  "--rollout-timeout-s", str(args.timeout), "--max-attempts", str(args.attempts)]
+    if hasattr(args, "no_sandbox"):  # the runs' sandbox and setup step (docs/sandbox.md)
+        argv += sandbox_flags.trainer_flags(args)
     if getattr(args, "tasks_per_step", None):
         argv += ["--tasks-per-step", str(args.tasks_per_step)]
     if getattr(args, "eval_tasks", None):  # evaluation during training (evaluation.py)

@@ -250,6 +250,15 @@ class TrainerConfig(ServiceConfig):
         "once per group after its rollouts ended (docs/judge.md); empty: none")
     harness_env: dict[str, str] = Field(default_factory=dict,
                                         description="extra environment of harness and grader")
+    setup_command: list[str] = Field(
+        default_factory=list, description="argv of the trusted setup step: the controller "
+        "runs it outside the sandbox before each attempt's harness, in its work folder "
+        "(docs/sandbox.md); empty: none")
+    setup_timeout_s: float = Field(300.0, gt=0, description="setup step timeout")
+    sandbox: dict[str, Any] = Field(
+        default_factory=dict, description="the runs' sandbox, SandboxSpec fields as JSON "
+        "(docs/sandbox.md): {\"read_only_paths\": [...], \"egress\": [...]}, or "
+        "{\"disabled\": true} for a trusted harness; the task files are hidden always")
     served_model_name: str = Field("tiny", description="model name the harness is told to use "
                                                        "(HARNESSRL_MODEL)")
     concurrency: int = Field(8, ge=1, description="harness runs at once within a step's run")

@@ -57,6 +57,7 @@ from harnessrl.tasks import load_task_file
 from harnessrl.v1 import common_pb2 as c
 
 from .config import TrainerConfig
+from .rollouts import run_sandbox
 from .outputs import append_jsonl, read_jsonl
 
 if TYPE_CHECKING:
@@ -113,7 +114,9 @@ def evaluate_if_due(t: "Trainer") -> dict[str, Any] | None:
                      grader_command=grader, model=cfg.served_model_name, sampling=sampling,
                      concurrency=cfg.concurrency, timeout_s=cfg.rollout_timeout_s,
                      grader_timeout_s=cfg.grader_timeout_s, max_attempts=cfg.max_attempts,
-                     env=cfg.harness_env, backend=cfg.rollout_backend)
+                     env=cfg.harness_env, backend=cfg.rollout_backend,
+                     sandbox=run_sandbox(cfg), setup_command=cfg.setup_command,
+                     setup_timeout_s=cfg.setup_timeout_s)
     run_id = eval_run_id(t.state.run_prefix, step)
     started, t0 = time.time(), time.perf_counter()
     log.info("step %d: evaluating policy version %d on %d tasks x %d (run %s)", step,

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import grpc
 
 from harnessrl.clients import ControllerClient, StoreClient
+from harnessrl.run_sandbox import sandbox_spec
 from harnessrl.tasks import load_task_file
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import controller_pb2 as cpb
@@ -307,4 +308,12 @@ def step_spec(cfg: Any, tasks: Sequence[dict[str, Any]]) -> c.RunSpec:
         concurrency=cfg.concurrency, timeout_s=cfg.rollout_timeout_s,
         grader_timeout_s=cfg.grader_timeout_s, max_attempts=cfg.max_attempts,
         env=cfg.harness_env, stream=cfg.stream, model=cfg.served_model_name,
-        backend=cfg.rollout_backend)
+        backend=cfg.rollout_backend, sandbox=run_sandbox(cfg),
+        setup_command=cfg.setup_command,
+        setup_timeout_s=cfg.setup_timeout_s if cfg.setup_command else 0.0)
+
+
+def run_sandbox(cfg: Any) -> c.SandboxSpec:
+    """The runs' sandbox (cfg: `TrainerConfig`): its `sandbox` fields, with the training and
+    evaluation task files hidden."""
+    return sandbox_spec(cfg.sandbox, hide=[cfg.tasks_file, cfg.eval.tasks_file])
