@@ -112,6 +112,7 @@ class Sandbox:
                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
                *_mounts(policy), *door_binds,
                "--ro-bind", str(INIT), str(INSIDE / "init.py"),
+               "--remount-ro", "/",  # writable: the work folder and /tmp, nothing else
                "--chdir", str(policy.work), "--",
                sys.executable, "-I", "-S", str(INSIDE / "init.py"), *forwards, "--", *argv]
         inside_env = {**BASE_ENV, "HOME": str(policy.work), **env, **policy.env}
