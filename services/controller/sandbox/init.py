@@ -57,8 +57,8 @@ def main() -> int:
     args = sys.argv[1:]
     forwards = []
     while args and args[0] == "--forward":
-        port, _, door = args[1].partition("=")
-        forwards.append((int(port), door))
+        port_text, _, door = args[1].partition("=")
+        forwards.append((int(port_text), door))
         args = args[2:]
     if args[:1] == ["--"]:
         args = args[1:]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -144,7 +145,7 @@ def inside_url(url: str) -> tuple[str, tuple[Target, int]]:
 
 def build(spec: c.RunSpec, *, argv: list[str], work: Path, timeout_s: float,
           hidden: list[Path], egress: list[str], gateway_url: str = "",
-          read_only: list[Path] = ()) -> SandboxPolicy:
+          read_only: Sequence[Path] = ()) -> SandboxPolicy:
     """The policy of one job of the run `spec` (its harness or its grader)."""
     sb = spec.sandbox
     egress_targets, host_net = parse_egress(egress)
