@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Sets up harnessrl on a fresh Linux machine: system packages it needs (redis-server, wrk,
+# Sets up harnessrl on a fresh Linux machine: system packages it needs (redis-server, bubblewrap
+# (docs/sandbox.md: every rollout runs in a sandbox of its own), wrk,
 # libjemalloc2, docker-compose: tests/test_deploy.py validates docker-compose.yml with it,
 # chromium: tests/test_tracking.py renders the run report in it; docker.io and debootstrap:
 # scripts/images.sh builds the images, tests/test_compose_real.py runs them),
@@ -22,6 +23,8 @@ command -v debootstrap >/dev/null || need_apt+=(debootstrap)
 # fixes with patch, as an agent's command would.
 command -v git >/dev/null || need_apt+=(git)
 command -v patch >/dev/null || need_apt+=(patch)
+# Rollouts run sandboxed (docs/sandbox.md): bubblewrap makes each attempt's namespaces.
+command -v bwrap >/dev/null || need_apt+=(bubblewrap)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "setup: installing ${need_apt[*]}"

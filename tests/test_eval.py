@@ -69,6 +69,8 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory, vllm_engine: Any,
         "eval", "--model", vllm_engine.openai_base_url, "--tasks", str(tasks), "--limit", "3",
         "--harness", f"{sys.executable} {tmp / 'harness.py'} {ids[1]}",
         "--grader", f"{sys.executable} {tmp / 'grader.py'} {ids[2]}",
+        # the wrappers exec the calc example's scripts, which their argv does not name
+        "--sandbox", json.dumps({"read_only_paths": [str(CALC)]}),
         "-k", str(K), "--temperature", "0.8", "--max-tokens", "48", "--out", str(out),
         "--state-dir", str(tmp / "state"), "--redis-url", redis_url, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

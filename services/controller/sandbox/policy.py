@@ -123,9 +123,13 @@ def code_paths(argv: list[str]) -> list[Path]:
 
 
 def runtime_paths() -> list[Path]:
-    """The Python this controller runs on (the sandbox's first process runs on it)."""
+    """The Python this controller runs on (the sandbox's first process runs on it) and the
+    `harnessrl` package (its graders, such as the judge, and client helpers; code only)."""
+    import harnessrl
+
     exe = Path(sys.executable)
-    return [Path(sys.prefix), Path(sys.base_prefix), exe.resolve().parent.parent]
+    return [Path(sys.prefix), Path(sys.base_prefix), exe.resolve().parent.parent,
+            Path(harnessrl.__file__).resolve().parent]
 
 
 GATEWAY_LOW_PORT_INSIDE = 18080  # the gateway's port inside when its own is below 1024
