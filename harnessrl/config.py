@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, ClassVar, Self, get_args, get_origin
@@ -162,4 +163,12 @@ class ServiceConfig(BaseSettings):
         for k in self.secret_fields:
             if data.get(k):
                 data[k] = "***"
-        return json.dumps(data, sort_keys=True)
+        return mask_passwords(json.dumps(data, sort_keys=True))
+
+
+_URL_PASSWORD = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@\"']*:)[^\s/@\"']+@")
+
+
+def mask_passwords(text: str) -> str:
+    """`text` with the password of every URL in it (`scheme://user:PASSWORD@host`) masked."""
+    return _URL_PASSWORD.sub(r"\1***@", text)

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import redis
 
@@ -132,35 +133,96 @@ def redis_alive(url: str) -> bool:
         return False
 
 
-def start_redis(data_dir: Path, port: int | None = None, appendfsync: str = "everysec"
+def redis_refuses(url: str) -> bool:
+    """A Redis answers at `url` but refuses its credentials (or their absence)."""
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=0.5).ping()
+    except redis.AuthenticationError:
+        return True
+    except redis.ResponseError as exc:
+        return str(exc).startswith(("NOAUTH", "WRONGPASS"))
+    except (redis.RedisError, OSError):
+        return False
+    return False
+
+
+def redis_url(port: int, password: str | None = None, username: str | None = None,
+              host: str = "127.0.0.1", db: int = 0) -> str:
+    auth = ""
+    if password:
+        auth = f"{quote(username or '', safe='')}:{quote(password, safe='')}@"
+    return f"redis://{auth}{host}:{port}/{db}"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Writes `text` to `path`, readable by this user only (0600) from its first byte."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _conf_str(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def start_redis(data_dir: Path, port: int | None = None, appendfsync: str = "everysec",
+                password: str | None = None, username: str | None = None
                 ) -> tuple[str, ServiceProcess]:
     """Starts a private redis-server with AOF persistence in `data_dir`; returns its URL and
     process. `appendfsync everysec` (the default, and what `harnessrl up` uses): every write
     is in the AOF (the OS page cache) before Redis replies, so a kill -9 of Redis loses no
     acknowledged write; a crash of the machine loses at most about the last second. `always`
-    fsyncs before replying (nothing lost even then, at several times the write cost)."""
+    fsyncs before replying (nothing lost even then, at several times the write cost).
+    `password` becomes its requirepass (and `username`'s, an ACL user with every right, when
+    that is not "default"); the URL returned carries it. The settings are in
+    `<data_dir>/redis.conf` (0600), not on the command line, which any user can read; a
+    `respawn` of the process reads the same file: same port, same password."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server not found: install Redis 7 (apt-get install "
                            "redis-server) or point --redis-url at a running server")
     port = port or free_port()
+    data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
-            "--appendonly", "yes", "--appendfsync", appendfsync, "--save", "",
-            "--daemonize", "no"]
-    proc = ServiceProcess("redis", argv, data_dir).start()
-    url = f"redis://127.0.0.1:{port}/0"
+    conf = [f"port {port}", "bind 127.0.0.1", f"dir {_conf_str(str(data_dir))}",
+            "appendonly yes", f"appendfsync {appendfsync}", 'save ""', "daemonize no"]
+    if password:
+        conf.append(f"requirepass {_conf_str(password)}")
+        if username and username != "default":
+            conf.append(f"user {_conf_str(username)} on {_conf_str('>' + password)} ~* &* "
+                        "+@all")
+    write_private(data_dir / "redis.conf", "\n".join(conf) + "\n")
+    proc = ServiceProcess("redis", [exe, str(data_dir / "redis.conf")], data_dir).start()
+    url = redis_url(port, password, username)
     deadline = time.monotonic() + 20
     while not redis_alive(url):
         if not proc.alive or time.monotonic() > deadline:
+            proc.stop()
             raise RuntimeError(f"redis-server did not start: {proc.log_tail()}")
         time.sleep(0.05)
     return url, proc
 
 
+LOOPBACK = ("localhost", "127.0.0.1", "::1")
+
+
 def ensure_redis(url: str, data_dir: Path) -> tuple[str, ServiceProcess | None]:
-    """`url` when a Redis answers there; otherwise starts one with AOF on that URL's port."""
+    """`url` as given when a Redis answers there; otherwise, when `url` is on this machine,
+    starts one with AOF on its port (its password, if any, as requirepass) and returns `url`."""
     if redis_alive(url):
         return url, None
-    port = redis.connection.parse_url(url).get("port", 6379)
-    return start_redis(data_dir, int(port))
+    from harnessrl.config import mask_passwords
+
+    if redis_refuses(url):
+        raise RuntimeError(f"the Redis at {mask_passwords(url)} refuses these credentials")
+    parts = redis.connection.parse_url(url)
+    host = str(parts.get("host", ""))
+    if "path" in parts or not (host in LOOPBACK or host.startswith("127.")):
+        raise RuntimeError(f"no Redis answers at {mask_passwords(url)} (only a Redis on this "
+                           "machine's loopback is started when none answers)")
+    _, proc = start_redis(data_dir, int(parts.get("port", 6379)), password=parts.get("password"),
+                          username=parts.get("username"))
+    return url, proc

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harnessrl import procs
+from harnessrl import procs, redis_server
+from harnessrl.config import mask_passwords
 from harnessrl.credentials import load_secret
 
 if TYPE_CHECKING:
@@ -43,8 +44,10 @@ def default_weight_backend(mode: str = "sync") -> str:
 class StackConfig:
     state_dir: Path = field(default_factory=lambda: Path(".harnessrl"))
     """Where logs, the secret, rollout workdirs and a started Redis's data live."""
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis to use; when none answers there, one is started (AOF on) on that port."""
+    redis_url: str | None = None
+    """Redis to use, as given (credentials included); when none answers there and it is on this
+    machine, one is started there (AOF on; the URL's password as requirepass). None: a Redis
+    of the stack's own with a password (`harnessrl.redis_server`)."""
     key_prefix: str = "hrl:"
     """Prefix of every Redis key of this deployment."""
     model_dir: Path | None = None
@@ -80,7 +83,8 @@ class Stack:
         self.logs = self.state / "logs"
         self.secret_file = self.state / "secret"
         self.procs: dict[str, procs.ServiceProcess] = {}
-        self.redis_url = cfg.redis_url
+        self.redis_url = cfg.redis_url or ""
+        """The Redis URL, password included (never logged or written out: `addresses`)."""
         self.store_address = self.gateway_url = self.gateway_admin_address = ""
         self.controller_address = self.trainer_address = ""
         self.engines: list = []  # harnessrl.local.engine.EngineProcess
@@ -111,12 +115,14 @@ class Stack:
                                    extra_args=self.cfg.engine_extra_args, lora=self.cfg.lora)
                 self.engines.append(eng)
                 self.procs[f"engine{i}"] = eng
-        self.redis_url, redis_proc = procs.ensure_redis(self.cfg.redis_url, self.state / "redis")
+        self.redis_url, redis_proc = procs.ensure_redis(self.cfg.redis_url, self.redis_dir) \
+            if self.cfg.redis_url else redis_server.start_private(self.redis_dir)
         if redis_proc is not None:
-            log.info("started redis-server with AOF at %s", self.redis_url)
+            log.info("started redis-server with AOF at %s", mask_passwords(self.redis_url))
             self.procs["redis"] = redis_proc
         self._service("store", "services.store", "--bind", f"127.0.0.1:{procs.free_port()}",
-                      "--redis-url", self.redis_url, "--key-prefix", self.cfg.key_prefix)
+                      "--key-prefix", self.cfg.key_prefix,
+                      env={"HARNESSRL_STORE_REDIS_URL": self.redis_url})  # not on its argv
         self.store_address = self._address("store", "--bind")
         for eng in self.engines:
             eng.wait_healthy(600)
@@ -149,9 +155,14 @@ class Stack:
                              *self.cfg.controller_flags)
         self.controller_address = self._address("controller", "--bind")
 
-    def _service(self, name: str, module: str, *args: str) -> dict:  # type: ignore[type-arg]
-        self.procs[name], info = procs.start_service(name, module, list(args), self.logs)
+    def _service(self, name: str, module: str, *args: str,
+                 env: dict[str, str] | None = None) -> dict:  # type: ignore[type-arg]
+        self.procs[name], info = procs.start_service(name, module, list(args), self.logs, env)
         return info
+
+    @property
+    def redis_dir(self) -> Path:
+        return self.state / "redis"
 
     def _address(self, name: str, flag: str) -> str:
         argv = self.procs[name].argv
@@ -186,7 +197,10 @@ class Stack:
         return {"store": self.store_address, "gateway_url": self.gateway_url,
                 "gateway_admin": self.gateway_admin_address,
                 "controller": self.controller_address, "trainer": self.trainer_address,
-                "redis_url": self.redis_url, "key_prefix": self.cfg.key_prefix,
+                "redis_url": mask_passwords(self.redis_url),  # stack.json is world-readable
+                "redis_password_file": "" if self.cfg.redis_url else
+                str(self.redis_dir / redis_server.PASSWORD_FILE),
+                "key_prefix": self.cfg.key_prefix,
                 "served_model_name": self.cfg.served_model_name,
                 "model_dir": str(self.cfg.model_dir or ""),
                 "engines": [e.base_url for e in self.engines] + list(self.cfg.external_engines),

@@ -15,7 +15,9 @@ class StoreConfig(ServiceConfig):
     model_config = SettingsConfigDict(env_prefix="HARNESSRL_STORE_", extra="forbid")
 
     bind: str = Field("127.0.0.1:50051", description="host:port of the gRPC server (port 0: any)")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis to keep everything in")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis to keep everything in "
+                           "(with a password in it, set HARNESSRL_STORE_REDIS_URL rather than "
+                           "the flag, which ps shows; logs mask it)")
     key_prefix: str = Field("hrl:", description="prefix of every Redis key (one deployment each)")
     start_redis: bool = Field(
         False, description="start a private redis-server with AOF when none answers at redis_url"

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from harnessrl import procs, rpc
+from harnessrl.config import mask_passwords
 from harnessrl.metrics import serve_metrics
 from harnessrl.v1 import store_pb2, store_pb2_grpc
 from services.store.config import StoreConfig
@@ -20,10 +21,11 @@ log = logging.getLogger("harnessrl.store")
 
 async def serve(cfg: StoreConfig) -> None:
     redis_proc = None
+    shown = mask_passwords(cfg.redis_url)  # the URL as logs, health and the ready file show it
     if cfg.start_redis:
         cfg.redis_url, redis_proc = procs.ensure_redis(cfg.redis_url, Path(cfg.redis_data_dir))
         if redis_proc is not None:
-            log.info("started redis-server (AOF on) at %s, data in %s", cfg.redis_url,
+            log.info("started redis-server (AOF on) at %s, data in %s", shown,
                      cfg.redis_data_dir)
     client = connect(cfg.redis_url, socket_keepalive=True, health_check_interval=10)
     await client.ping()
@@ -34,7 +36,7 @@ async def serve(cfg: StoreConfig) -> None:
         try:
             await asyncio.wait_for(client.ping(), cfg.health_interval_s)
         except Exception as exc:  # noqa: BLE001 - any failure: Redis unreachable
-            return False, f"redis unreachable at {cfg.redis_url}: {type(exc).__name__} {exc}"
+            return False, f"redis unreachable at {shown}: {type(exc).__name__} {exc}"
         return True, ""
 
     server, port, _ = await rpc.start_server(cfg.bind, [
@@ -42,12 +44,12 @@ async def serve(cfg: StoreConfig) -> None:
          StoreServicer(store, cfg.max_state_value_bytes, cfg.max_state_keys),
          store_pb2.DESCRIPTOR.services_by_name["Store"].full_name),
     ], ready=ready, ready_interval_s=cfg.health_interval_s)
-    log.info("store serving on port %d, redis %s, prefix %r", port, cfg.redis_url,
+    log.info("store serving on port %d, redis %s, prefix %r", port, shown,
              cfg.key_prefix)
     metrics_port = serve_metrics(cfg.metrics_bind)
     refresh = asyncio.create_task(refresh_streams(store, cfg.metrics_refresh_s)) \
         if metrics_port is not None else None
-    rpc.write_ready_file(cfg.ready_file, grpc_port=port, redis_url=cfg.redis_url,
+    rpc.write_ready_file(cfg.ready_file, grpc_port=port, redis_url=shown,
                          metrics_port=metrics_port)
     try:
         await rpc.wait_for_termination(server)
