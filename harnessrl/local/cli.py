@@ -397,8 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--config", default=None, help="YAML/TOML/JSON file with any of these "
                     "flags as keys (flags given on the command line win)")
     up.add_argument("--state-dir", default=".harnessrl", help=state_help)
-    up.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
-                    help="Redis to use; one is started (AOF on) there when none answers")
+    up.add_argument("--redis-url", default=None,
+                    help="Redis to use, as given (credentials included; one is started there "
+                    "when none answers on this machine); default: a Redis of the stack's own, "
+                    "with a password (AOF on)")
     up.add_argument("--key-prefix", default="hrl:", help="prefix of this stack's Redis keys")
     up.add_argument("--model-dir", default=None, help="model to serve and train (default: the "
                     "tiny model, built on first use)")

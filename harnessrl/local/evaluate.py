@@ -46,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from harnessrl import evaluation as ev
+from harnessrl.config import mask_passwords
 from harnessrl.errors import InvalidArgument
 from harnessrl.local import progress, sandbox_flags
 from harnessrl.sampling import unmatched
@@ -297,7 +298,8 @@ def _evaluate(stack: Any, args: argparse.Namespace, opts: Options, model: ModelC
         threshold=args.threshold, harness=opts.harness, grader=opts.grader,
         sampling=opts.sampling, run_id=run_id, started_at=started, timings=timings,
         limit=args.limit, seed=args.seed, grader_output=ev.read_grader_output,
-        store={"redis_url": stack.redis_url, "key_prefix": stack.cfg.key_prefix})
+        store={"redis_url": mask_passwords(stack.redis_url),
+               "key_prefix": stack.cfg.key_prefix})
 
 
 # -- showing and comparing results -------------------------------------------------------------
@@ -463,8 +465,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="compare two results side by side (starts nothing)")
     p.add_argument("--state-dir", default=".harnessrl/eval", help="state directory of the "
                    "evaluation's stack (logs, rollout workdirs, results)")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="Redis to use; one "
-                   "is started (AOF on) there when none answers")
+    p.add_argument("--redis-url", default=None, help="Redis to use, as given (one is started "
+                   "there when none answers on this machine); default: a Redis of the "
+                   "evaluation's own, with a password")
     return p
 
 

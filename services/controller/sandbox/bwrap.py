@@ -81,7 +81,7 @@ class Sandbox:
             raise Unavailable(f"bubblewrap cannot make a sandbox here ({probe.stderr.strip()}"
                               f"); {FIX_USERNS}")
         try:
-            self.cgroups = cgroups.Cgroups.detect()
+            self.cgroups = cgroups.Cgroups.detect(f"harnessrl-{self.doors.root.name[-10:]}")
         except cgroups.Unavailable as exc:
             raise Unavailable(str(exc)) from None
         self.runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -127,7 +127,14 @@ class Sandbox:
             self.cgroups.remove(job_id)
 
     async def close(self) -> None:
+        """Controller shutdown, after its jobs were ended: the doors and the cgroup folder go
+        (after a crash they stay, for the jobs the next controller adopts)."""
         await self.doors.close()
+        shutil.rmtree(self.doors.root, ignore_errors=True)
+        if self.runtime != self.doors.root:
+            shutil.rmtree(self.runtime, ignore_errors=True)
+        if self.cgroups is not None:
+            self.cgroups.close()
 
 
 def _namespaces(host_network: bool = False) -> list[str]:

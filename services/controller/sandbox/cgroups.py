@@ -1,6 +1,6 @@
 """Per-attempt limits through cgroups: memory and processes of the attempt as a whole.
 
-Each sandboxed job gets a cgroup `<base>/harnessrl/<job_id>` (on cgroup v1: one in the memory
+Each sandboxed job gets a cgroup `<base>/harnessrl-<tag>/<job_id>` (tag: the controller's) (on cgroup v1: one in the memory
 and one in the pids hierarchy) with `memory` and `pids` limits; the job's wrapper joins it
 before it starts the sandbox, so everything the harness starts counts against the attempt's
 limits. A fork bomb meets `pids.max`; a memory hog meets the OOM killer inside its own cgroup;
@@ -79,7 +79,10 @@ class Cgroups:
         self.bases = bases  # v1: controller -> <hierarchy>/<own>/harnessrl; v2: "" -> the same
 
     @classmethod
-    def detect(cls) -> "Cgroups":
+    def detect(cls, name: str = "harnessrl") -> "Cgroups":
+        """The cgroups of this machine for the jobs of one controller: `<own cgroup>/<name>`
+        (name it after what the controller owns, its rollout folder, so that two controllers
+        never share one, and a restarted one finds its jobs')."""
         try:
             mounts, own = _mounts(), _own_paths()
         except OSError as exc:
@@ -90,12 +93,12 @@ class Cgroups:
         problems: list[str] = []
         if v2 is not None and "" in own:
             try:
-                return cls._v2(v2, own[""])
+                return cls._v2(v2, own[""], name)
             except (OSError, Unavailable) as exc:
                 problems.append(f"cgroup v2 at {v2[1]}: {exc}")
         if all(c in v1 for c in _CONTROLLERS):
             try:
-                return cls._v1(v1, own)
+                return cls._v1(v1, own, name)
             except OSError as exc:
                 problems.append(f"cgroup v1: {exc}")
         else:
@@ -109,18 +112,18 @@ class Cgroups:
             "switch the sandbox off (controller --sandbox false, logged as unsafe)")
 
     @classmethod
-    def _v1(cls, v1: dict[str, tuple[str, str, str, set[str]]], own: dict[str, str]
-            ) -> "Cgroups":
+    def _v1(cls, v1: dict[str, tuple[str, str, str, set[str]]], own: dict[str, str],
+            name: str) -> "Cgroups":
         bases = {}
         for c in _CONTROLLERS:
             root, point, _, _ = v1[c]
-            base = _under(root, point, own.get(c, "/")) / "harnessrl"
+            base = _under(root, point, own.get(c, "/")) / name
             base.mkdir(exist_ok=True)
             bases[c] = base
         return cls(1, bases)
 
     @classmethod
-    def _v2(cls, mount: tuple[str, str, str, set[str]], own: str) -> "Cgroups":
+    def _v2(cls, mount: tuple[str, str, str, set[str]], own: str, name: str) -> "Cgroups":
         here = _under(mount[0], mount[1], own)
         available = set((here / "cgroup.controllers").read_text().split())
         missing = [c for c in _CONTROLLERS if c not in available]
@@ -134,7 +137,7 @@ class Cgroups:
             leaf.mkdir(exist_ok=True)
             _write(leaf / "cgroup.procs", str(os.getpid()))
             _write(here / "cgroup.subtree_control", enable)
-        base = here / "harnessrl"
+        base = here / name
         base.mkdir(exist_ok=True)
         _write(base / "cgroup.subtree_control", enable)
         return cls(2, {"": base})
@@ -183,3 +186,11 @@ class Cgroups:
                         log.warning("cgroup %s: not removed (processes %s remain)", path, pids)
                         break
                     time.sleep(0.02)
+
+    def close(self) -> None:
+        """Removes the controller's cgroup folder(s) when no job's is left in them."""
+        for base in self.bases.values():
+            try:
+                base.rmdir()
+            except OSError:
+                pass
