@@ -69,7 +69,7 @@ def check_trajectories(stack: Stack, run: c.Run, tok: PreTrainedTokenizerFast) -
         assert ro.status == c.ROLLOUT_STATUS_SUCCEEDED, (ro.rollout_id, ro.error)
         assert ro.has_reward and 0.0 <= ro.reward <= 1.0
         workdir = Path(ro.attempts[-1].workdir)
-        received = [json.loads(x) for x in (workdir / "transcript.jsonl").read_text()
+        received = [json.loads(x) for x in (workdir / "work" / "transcript.jsonl").read_text()
                     .splitlines()]
         # A model that fails to call the tool ends its run after one call (reward 0).
         assert len(ro.calls) == len(received) >= 1, ro.rollout_id

@@ -209,6 +209,8 @@ def test_openai_agents_sdk_runs_unchanged_under_the_controller(world: World) -> 
         env={"OPENAI_DEFAULT_MODEL": env.model, "OPENAI_AGENTS_DISABLE_TRACING": "1"},
         sampling=c.SamplingPolicy(temperature=1.0, max_tokens=64),
         tasks=[c.Task(data_json=json.dumps(t)) for t in tasks])
+    # sandboxed: the harness imports the calc example, which its command does not name
+    spec.sandbox.read_only_paths.append(str(REPO / "examples" / "calc"))
     run = world.controller.create_run(spec)
     events = list(world.controller.watch_run(run.run_id, timeout=600))
     assert events[-1].kind == cpb.RunEvent.KIND_RUN_DONE
@@ -220,7 +222,7 @@ def test_openai_agents_sdk_runs_unchanged_under_the_controller(world: World) -> 
         workdir = Path(attempt.workdir)
         assert ro.status == c.ROLLOUT_STATUS_SUCCEEDED, (attempt.error, _tail(workdir))
         received = [json.loads(line) for line in
-                    (workdir / "transcript.jsonl").read_text().splitlines()]
+                    (workdir / "work" / "transcript.jsonl").read_text().splitlines()]
         assert len(received) == len(ro.calls) >= 1
         for call, got in zip(ro.calls, received):
             assert call.api == "responses" and not call.aborted

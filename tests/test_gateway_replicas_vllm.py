@@ -98,7 +98,7 @@ def test_rollouts_continue_across_gateway_restarts_between_turns(world: World) -
     deadline = time.monotonic() + 120
     while True:
         rollouts = world.controller.list_rollouts(run.run_id).rollouts
-        workdirs = [Path(ro.attempts[-1].workdir) for ro in rollouts if ro.attempts]
+        workdirs = [Path(ro.attempts[-1].workdir) / "work" for ro in rollouts if ro.attempts]
         if len(workdirs) == 2:
             break
         assert time.monotonic() < deadline, "the rollouts did not start"
@@ -124,7 +124,8 @@ def test_rollouts_continue_across_gateway_restarts_between_turns(world: World) -
         c.SEGMENT_START_FIRST, c.SEGMENT_START_CONTINUED, c.SEGMENT_START_CONTINUED]
     assert all(_extends(chat.calls[k], chat.calls[k - 1]) for k in (1, 2))
     resp, workdir = by_mode["responses"]
-    said = [json.loads(line) for line in (workdir / "transcript.jsonl").read_text().splitlines()]
+    said = [json.loads(line)
+            for line in (workdir / "work" / "transcript.jsonl").read_text().splitlines()]
     assert [s["previous"] for s in said] == [None, said[0]["id"], said[1]["id"]]
     assert [call.api for call in resp.calls] == ["responses"] * 3
     # the chain resolved across both restarts: each turn's prompt is the last one's + answer

@@ -29,7 +29,12 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-T = json.loads(os.environ.get("REDTEAM_TARGETS", "{}"))
+# Targets: REDTEAM_TARGETS, or the first argument (JSON) for a run where the operator cannot
+# set the environment (`harnessrl run --harness "python redteam_harness.py '{...}'"`).
+T = json.loads(os.environ.get("REDTEAM_TARGETS") or (sys.argv[1] if len(sys.argv) > 1 else "{}"))
+T.setdefault("bomb", 200)
+T.setdefault("hog_mb", 600)
+T.setdefault("repo", "")
 ME = os.environ.get("HARNESSRL_ROLLOUT_ID", "")
 ATTEMPT = int(os.environ.get("HARNESSRL_ATTEMPT", "1"))
 BASE = os.environ.get("OPENAI_BASE_URL", "")
