@@ -181,22 +181,31 @@ def test_a_timeout_ends_everything_the_sandboxed_job_started(tmp_path: Path) -> 
 # -- through the controller ------------------------------------------------------------------
 
 class Controller:
-    def __init__(self, tmp: Path, redis_url: str, *flags: str) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp: Path, redis_url: str, *flags: str,
+                 gateway_url: str = "http://127.0.0.1:9/v1") -> None:
+        self.tmp, self.flags, self.gateway_url = tmp, flags, gateway_url
         self.store, info = procs.start_service(
             "store", "services.store", ["--bind", "127.0.0.1:0", "--redis-url", redis_url,
                                         "--key-prefix", f"sbx{time.monotonic_ns()}:"],
             tmp, timeout=30)
         self.store_address = f"127.0.0.1:{info['grpc_port']}"
+        self.start()
+
+    def start(self) -> None:
         self.proc, info = procs.start_service(
             "controller", "services.controller",
             ["--bind", "127.0.0.1:0", "--store-address", self.store_address,
-             "--gateway-url", "http://127.0.0.1:9/v1", "--workdir-root", str(tmp / "rollouts"),
-             "--kill-grace-s", "0.5", *flags], tmp, {"HARNESSRL_SECRET": SECRET}, timeout=30)
+             "--gateway-url", self.gateway_url, "--workdir-root", str(self.tmp / "rollouts"),
+             "--kill-grace-s", "0.5", *self.flags], self.tmp, {"HARNESSRL_SECRET": SECRET},
+            timeout=30)
         self.ctl = ControllerClient.connect(f"127.0.0.1:{info['grpc_port']}")
 
     def run(self, spec: c.RunSpec) -> tuple[c.Run, list[c.Rollout]]:
-        run = self.ctl.create_run(spec)
+        return self.run_after(self.ctl.create_run(spec).run_id)
+
+    def run_after(self, run_id: str) -> tuple[c.Run, list[c.Rollout]]:
+        """The run's record and rollouts once it ended."""
+        run = c.Run(run_id=run_id)
         for ev in self.ctl.stub.WatchRun(cpb.WatchRunRequest(run_id=run.run_id), timeout=120):
             if ev.kind == cpb.RunEvent.KIND_RUN_DONE:
                 run = ev.run
@@ -329,3 +338,61 @@ def test_the_controller_refuses_to_start_where_no_sandbox_can_be_made(
     finally:
         proc.kill()
         proc.wait()
+
+
+WAITING_HARNESS = """
+import os, time, urllib.request
+open("started", "w").close()
+while not os.path.exists("go"):
+    time.sleep(0.05)
+with urllib.request.urlopen(os.environ["OPENAI_BASE_URL"] + "/models", timeout=10) as r:
+    open("answer.txt", "w").write(r.read().decode())
+"""
+
+
+def test_an_adopted_sandboxed_job_still_reaches_the_gateway(tmp_path: Path,
+                                                              redis_url: str) -> None:
+    """kill -9 of the controller while a sandboxed harness runs: the next controller adopts
+    the job and opens the sandbox's door again, and the harness's next call goes through."""
+    import socket
+    import threading
+
+    gateway = socket.socket()
+    gateway.bind(("127.0.0.1", 0))
+    gateway.listen()
+
+    def answer() -> None:
+        while True:
+            try:
+                conn, _ = gateway.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 9\r\n\r\nthe reply")
+            conn.close()
+    threading.Thread(target=answer, daemon=True).start()
+    ctl = Controller(tmp_path, redis_url,
+                     gateway_url=f"http://127.0.0.1:{gateway.getsockname()[1]}/v1")
+    try:
+        (tmp_path / "h.py").write_text(WAITING_HARNESS)
+        spec = c.RunSpec(name="adopt", tasks=[c.Task(task_id="t", data_json="{}")],
+                         harness_command=[sys.executable, str(tmp_path / "h.py")],
+                         grader_command=["true"], reward_source=c.REWARD_SOURCE_GRADER_EXIT_CODE,
+                         stream="-", timeout_s=60)
+        run = ctl.ctl.create_run(spec)
+        work = tmp_path / "rollouts" / run.run_id / "t-0" / "attempt-1" / "work"
+        deadline = time.monotonic() + 30
+        while not (work / "started").exists():
+            assert time.monotonic() < deadline, "the harness did not start"
+            time.sleep(0.05)
+        ctl.proc.kill()  # kill -9: the harness runs on, its door closed
+        ctl.ctl.close()
+        ctl.start()
+        (work / "go").write_text("")
+        _, (ro,) = ctl.run_after(run.run_id)
+        assert ro.status == c.ROLLOUT_STATUS_SUCCEEDED, ro
+        assert (work / "answer.txt").read_text() == "the reply"
+        assert "adopted from an earlier controller (still running)" in ctl.log()
+    finally:
+        ctl.stop()
+        gateway.close()

@@ -244,6 +244,8 @@ class LocalBackend(JobBackend):
             return False
         job = _Job(spec, float(record["launched_at"]))  # type: ignore[arg-type]
         self._jobs[spec.job_id] = job
+        if spec.sandbox is not None and self.sandbox is not None:
+            await self.sandbox.reopen(spec.sandbox)
         pgid = int(record["pgid"])  # type: ignore[call-overload]
         left = job.started_at + float(record["timeout_s"]) - time.time()  # type: ignore[arg-type]
         deadline = time.monotonic() + max(0.0, left)

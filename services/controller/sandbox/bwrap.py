@@ -121,6 +121,12 @@ class Sandbox:
             flags.append(f"--rlimit-cpu={policy.cpu_time_s}")
         return cmd, inside_env, flags
 
+    async def reopen(self, policy: SandboxPolicy) -> None:
+        """Opens the doors of a job an earlier controller launched (adopted after a crash):
+        its sandbox reaches them through the same folders."""
+        for target, _ in policy.targets:
+            await self.doors.open(target)
+
     def release(self, job_id: str) -> None:
         """Empties and removes the job's cgroup (after the job ended)."""
         if self.cgroups is not None:
