@@ -49,6 +49,7 @@ from harnessrl import evaluation as ev
 from harnessrl.config import mask_passwords
 from harnessrl.errors import InvalidArgument
 from harnessrl.local import progress, sandbox_flags
+from harnessrl.local.follow import follow_run
 from harnessrl.sampling import unmatched
 from harnessrl.tasks import load_task_file
 
@@ -259,7 +260,6 @@ def _evaluate(stack: Any, args: argparse.Namespace, opts: Options, model: ModelC
               run_id: str, timings: dict[str, float], console: Console
               ) -> dict[str, Any] | None:
     from harnessrl.clients import ControllerClient, StoreClient
-    from harnessrl.local.cli import follow_run
     from harnessrl.v1 import common_pb2 as c
 
     spec = ev.eval_spec(name="eval", tasks=opts.tasks, k=args.samples,
@@ -281,7 +281,7 @@ def _evaluate(stack: Any, args: argparse.Namespace, opts: Options, model: ModelC
         ctl.close()
     progress.line(console, f"[harnessrl] eval run {run_id}: {len(opts.tasks)} tasks x "
                   f"{args.samples} samples, model {model.served_name} ({model.kind})")
-    done = follow_run(stack.controller_address, run_id)
+    done = follow_run(stack.controller_address, run_id, console)
     timings["rollouts_s"] = time.monotonic() - t0
     if done.status not in (c.RUN_STATUS_SUCCEEDED, c.RUN_STATUS_CANCELLED):
         console.print(f"[red]harnessrl eval: run {run_id} ended "

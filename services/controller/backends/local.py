@@ -4,8 +4,8 @@ The job's main process starts in a new session (`start_new_session=True`), so it
 process group and everything it spawns stays in that group. A timeout or a cancel sends
 SIGTERM to the whole group, then SIGKILL after `kill_grace_s`; when the main process has
 ended (for any reason) whatever is left of the group is killed too, so no grandchild outlives
-its job. (A process that deliberately leaves the group with `setsid` escapes this; containers
-or cgroups — the Kubernetes backend — are the remedy for hostile jobs.)
+its job. (An unsandboxed process that leaves the group with `setsid` escapes this; a
+sandboxed job's processes end with its pid namespace, whatever group they are in.)
 
 Environment: the controller's own environment without its `HARNESSRL_*` variables (they hold
 the controller's config and may hold the credential secret), plus the spec's `env`. A
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.controller.backends.base import JobBackend, JobInfo, JobResult, JobSpec
+from services.controller.backends.process_group import group_members, signal_group, start_ticks
 from services.controller.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
@@ -71,45 +72,6 @@ def parse_cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in process group `pgid`."""
-    members: list[int] = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # no procfs: ask the kernel whether the group still exists at all
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return []
-        return [pgid]
-    for name in entries:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            members.append(int(name))
-    return members
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The process's start time (clock ticks since boot), or None when it does not run; with
-    the pid it names one process, whatever pids the kernel reuses later."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2:].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
-
-
 def _write_json(path: Path, data: dict[str, object]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data))
@@ -121,17 +83,6 @@ def _read_json(path: Path) -> dict[str, object] | None:
         return json.loads(path.read_text())  # type: ignore[no-any-return]
     except (OSError, ValueError):
         return None
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Sends `sig` to the group; False when the group no longer exists."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # only zombies left, or a member changed uid: nothing to signal
-        return False
-    return True
 
 
 @dataclass
@@ -230,7 +181,7 @@ class LocalBackend(JobBackend):
                 job.task = done
                 self._release(spec)
                 return
-        ticks = _start_ticks(proc.pid)
+        ticks = start_ticks(proc.pid)
         _write_json(job.record_path, {"pgid": proc.pid, "start_ticks": ticks,
                                       "launched_at": job.started_at,
                                       "timeout_s": spec.timeout_s})
@@ -250,7 +201,7 @@ class LocalBackend(JobBackend):
         left = job.started_at + float(record["timeout_s"]) - time.time()  # type: ignore[arg-type]
         deadline = time.monotonic() + max(0.0, left)
         alive = record.get("start_ticks") is not None and \
-            _start_ticks(pgid) == record["start_ticks"]
+            start_ticks(pgid) == record["start_ticks"]
         log.info("job %s: adopted from an earlier controller (%s)", spec.job_id,
                  "still running" if alive else "ended meanwhile")
         job.task = asyncio.ensure_future(self._supervise(
@@ -260,7 +211,7 @@ class LocalBackend(JobBackend):
 
     @staticmethod
     async def _leader_gone(pid: int, ticks: object) -> None:
-        while _start_ticks(pid) == ticks:
+        while start_ticks(pid) == ticks:
             await asyncio.sleep(_POLL_S)
 
     def _result(self, job: _Job, exit_code: int, timed_out: bool, cancelled: bool,
@@ -297,7 +248,7 @@ class LocalBackend(JobBackend):
                         **(_read_json(job.record_path) or {}),
                         "ended_by": "cancel" if cancelled else "timeout",
                         "cancel_reason": job.cancel_reason})
-                    _signal_group(pgid, signal.SIGTERM)
+                    signal_group(pgid, signal.SIGTERM)
                     try:
                         await asyncio.wait_for(asyncio.shield(exited), self.kill_grace_s)
                     except asyncio.TimeoutError:
@@ -311,7 +262,7 @@ class LocalBackend(JobBackend):
             job.cancel_reason = str(record.get("cancel_reason", ""))
         # Whatever is left of the group (the leader past its grace period, or children it
         # left behind) is killed now.
-        if _signal_group(pgid, signal.SIGKILL):
+        if signal_group(pgid, signal.SIGKILL):
             await self._wait_group_gone(job.spec.job_id, pgid)
         if leader_exit is not None:
             await exited
@@ -328,13 +279,13 @@ class LocalBackend(JobBackend):
     async def _wait_group_gone(self, job_id: str, pgid: int) -> None:
         deadline = time.monotonic() + self.reap_timeout_s
         while True:
-            members = await asyncio.to_thread(_group_members, pgid)
+            members = await asyncio.to_thread(group_members, pgid)
             if not members:
                 return
             if time.monotonic() > deadline:
                 log.warning("job %s: processes %s of its group survive SIGKILL", job_id, members)
                 return
-            _signal_group(pgid, signal.SIGKILL)
+            signal_group(pgid, signal.SIGKILL)
             await asyncio.sleep(0.02)
 
 
