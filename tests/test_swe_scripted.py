@@ -1,9 +1,11 @@
 """The swe recipe wired end to end, without a capable model: mini-swe-agent 2.4.6, unchanged,
 under the controller, with a scripted model.
 
-Real Redis, store, gateway and controller (local backend) as processes (`Stack`), the real
-harness (`examples/swe/harness.py`: mini from its own hash-locked venv, `harness_env.py`), the
-real grader (`examples/swe/grader.py`), and in place of vLLM the scripted engine
+Real Redis, store, gateway and controller (local backend, every harness and grader in its
+sandbox) as processes (`Stack`), the recipe's setup step (`examples/swe/setup_attempt.py`: it
+lays out each attempt's work folder from the full task file), the real harness (its copy in
+the work folder: mini from its own hash-locked venv, `harness_env.py`), the real grader
+(`examples/swe/grader.py`), and in place of vLLM the scripted engine
 (`harnessrl.testing.scripted_engine`), a named test double that answers like vLLM (token ids,
 logprobs) with the replies of a script, in mini's protocol: `bash` tool calls, the last one
 `echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT`. Each case's rollout finds its script by a marker
@@ -23,16 +25,22 @@ costs one stack start and the rollouts share the machine's two cores:
   leaves out of its history: the next call starts a new token segment) and shows the
   environment mini's commands get (no task variables, no credential);
 - the model's API failing (the engine answers 400) -> the harness exits non-zero, the rollout
-  fails.
+  fails;
+- a look for the fix (`no-peeking`): the agent's command searches every file its sandbox shows
+  (/ but /usr, /proc, /sys, /dev; the processes' environments and command lines) for the gold
+  patch's lines and the hidden tests, and finds none (a control: the broken line is found in
+  its workspace).
 Every call mini made is in the store with prompt and completion token ids and logprobs; the
 share of calls that continue a token segment is printed (`-s` shows it).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -59,8 +67,7 @@ CONTEXT_FULL = ("This model's maximum context length is 32768 tokens. However, y
                 "length of the messages or completion.")
 
 
-def grader_command(tasks: Path) -> list[str]:
-    return [sys.executable, str(SWE / "grader.py"), "--tasks", str(tasks)]
+PROBE_TIMEOUT_S = 90  # each of the no-peeking case's two searches (its command's limit: 2x+)
 
 
 # -- the cases ------------------------------------------------------------------------------
@@ -235,10 +242,100 @@ def build_cases(tasks: list[Any]) -> list[Case]:
         cases.append(Case(name, a, _fix_then_submit("Making the tests pass.", command), 0.0,
                           dropped=dropped))
 
+    # A look for the fix: everything the sandbox shows holds neither the gold patch's lines
+    # nor the hidden tests (the workspace's broken lines are found: the search reads files).
+    with tempfile.TemporaryDirectory(prefix="swe-peek-") as tmp:
+        peek = peek_task(tasks, Path(tmp))
+
+    def no_peeking(workdir: Path, ro: c.Rollout) -> None:
+        from examples.swe.harness_env import venv_dir
+
+        got = peek_result(workdir)
+        assert got["secret_exit"] in (1, 2) and got["control_exit"] in (0, 2), got["output"]
+        tops = {"/tmp", "/etc", *(f"/{Path(p).parts[1]}" for p in (sys.prefix, venv_dir()))}
+        assert tops <= set(got["roots"]), got["roots"]  # the work folder, Python and mini
+        assert got["secret_hits"] == 0, f"the fix is readable in the sandbox:\n{got['output']}"
+        assert got["control_hits"] >= 1 and all(
+            p.startswith(f"{workdir}/repo/") for p in got["control"]), got["output"]
+    cases.append(Case("no-peeking", peek, _fix_then_submit(
+        "Looking around first.", peek_command(secrets_of(peek), _patch_lines(peek.patch, "-"))),
+        0.0, check=no_peeking))
+
     def api_error(workdir: Path, ro: c.Rollout) -> None:
         assert "harness exited with code" in ro.error, ro.error
     cases.append(Case("api-error", a, [], None, check=api_error))  # no script: HTTP 400
     return cases
+
+
+def _patch_lines(patch: str, sign: str) -> list[str]:
+    """The added (`+`) or removed (`-`) lines of a unified diff, stripped, non-empty."""
+    return [line[1:].strip() for line in patch.splitlines()
+            if line.startswith(sign) and not line.startswith(sign * 3) and line[1:].strip()]
+
+
+def secrets_of(task: Any) -> list[str]:
+    """What a rollout must not find anywhere: the gold patch's new lines and the definitions of
+    the hidden tests (test_patch's, those the problem statement does not show), each as source
+    and as JSON text (a task file's)."""
+    hidden = [line for line in _patch_lines(task.test_patch, "+")
+              if line.startswith("def test_") and line not in task.problem_statement]
+    out = [v for line in [*_patch_lines(task.patch, "+"), *hidden]
+           for v in (line, json.dumps(line)[1:-1])]
+    return list(dict.fromkeys(out))
+
+
+def peek_task(tasks: list[Any], tmp: Path) -> Any:
+    """A task whose secrets are in no file of its broken workspace and not in its problem
+    statement, and whose broken lines are in its workspace (the search's control)."""
+    from examples.swe.workspace import prepare_workspace
+
+    for t in sorted(tasks, key=lambda t: t.instance_id):
+        secret, control = secrets_of(t), _patch_lines(t.patch, "-")
+        if not control or min(map(len, secret + control)) < 16:
+            continue  # short lines might be anywhere
+        ws = tmp / t.instance_id
+        prepare_workspace(t, ws)
+        text = "\n".join(p.read_text(errors="replace") for p in ws.rglob("*") if p.is_file())
+        if not any(n in text or n in t.problem_statement for n in secret) and \
+                all(n in text for n in control):
+            return t
+    raise AssertionError("no task fits the no-peeking case")
+
+
+def peek_command(secret: list[str], control: list[str]) -> str:
+    """The agent's search of everything its sandbox shows (but /usr, /proc, /sys, /dev: the
+    system; and the processes' environments and command lines) for `secret` and, as its
+    control, for `control`. The needles travel base64-encoded (so that neither this command
+    line nor mini's trajectory holds them); it prints counts, then a few paths."""
+    def enc(lines: list[str]) -> str:
+        return base64.b64encode("\n".join(lines).encode() + b"\n").decode()
+    grep = f"timeout {PROBE_TIMEOUT_S} grep -rIlsF -D skip --exclude='*.probe'"
+    return "\n".join([
+        f"echo {enc(secret)} | base64 -d > /tmp/s.probe",
+        f"echo {enc(control)} | base64 -d > /tmp/c.probe",
+        'roots=""; for p in /*; do case "$p" in /proc|/sys|/dev|/usr) continue;; esac; '
+        '[ -L "$p" ] || roots="$roots $p"; done; echo "roots:$roots"',
+        f"{grep} -f /tmp/s.probe $roots /proc/[0-9]*/environ /proc/[0-9]*/cmdline "
+        '> /tmp/s.hits.probe; echo "secret-exit: $?"',
+        'echo "secret-hits: $(wc -l < /tmp/s.hits.probe)"',
+        f'{grep} -f /tmp/c.probe $roots > /tmp/c.hits.probe; echo "control-exit: $?"',
+        'echo "control-hits: $(wc -l < /tmp/c.hits.probe)"',
+        "head -5 /tmp/s.hits.probe | sed 's/^/secret: /'",
+        "head -5 /tmp/c.hits.probe | sed 's/^/control: /'"])
+
+
+def peek_result(workdir: Path) -> dict[str, Any]:
+    """The no-peeking search's output, from mini's trajectory."""
+    traj = json.loads((workdir / "mini.traj.json").read_text())
+    out = next(m["content"] for m in traj["messages"]
+               if m["role"] == "tool" and "secret-hits:" in (m.get("content") or ""))
+    field_ = dict(re.findall(r"^([a-z-]+): ?(.*)$", out, re.M))
+    return {"output": out, "roots": re.search(r"^roots:(.*)$", out, re.M).group(1).split(),
+            "secret_exit": int(field_["secret-exit"]), "secret_hits": int(field_["secret-hits"]),
+            "control_exit": int(field_["control-exit"]),
+            "control_hits": int(field_["control-hits"]),
+            "secret": re.findall(r"^secret: (.*)$", out, re.M),
+            "control": re.findall(r"^control: (.*)$", out, re.M)}
 
 
 def script_of(cases: list[Case]) -> dict[str, Any]:
@@ -302,6 +399,7 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def outcome(swe_stack: SweStack) -> Outcome:
+    from examples.swe.setup_attempt import commands
     from examples.swe.swe_tasks import rollout_view
 
     tasks = load_tasks()
@@ -315,12 +413,17 @@ def outcome(swe_stack: SweStack) -> Outcome:
         view = rollout_view(k.task)
         view["problem_statement"] += f"\n\n{k.marker}"
         views.append(c.Task(task_id=k.name, data_json=json.dumps(view)))
+    # The no-peeking case's search may take a while on a cold page cache: mini's command and
+    # wall-time limits, and the attempt's, are raised for it.
+    cmds = commands([full], swe_stack.mini, mini_config=[
+        f"environment.timeout={3 * PROBE_TIMEOUT_S}",
+        f"agent.wall_time_limit_seconds={4 * PROBE_TIMEOUT_S}"])
     spec = c.RunSpec(
         name="swe-scripted", tasks=views, group_size=1, model=MODEL,
-        harness_command=[sys.executable, str(SWE / "harness.py"), "--tasks", str(full),
-                         "--mini", str(swe_stack.mini)],
-        grader_command=grader_command(full), reward_source=c.REWARD_SOURCE_GRADER_JSON,
-        concurrency=3, timeout_s=240, grader_timeout_s=180, max_attempts=1, stream="-")
+        setup_command=cmds["setup"], setup_timeout_s=120,
+        harness_command=cmds["harness"], grader_command=cmds["grader"],
+        reward_source=c.REWARD_SOURCE_GRADER_JSON, concurrency=3,
+        timeout_s=5 * PROBE_TIMEOUT_S, grader_timeout_s=180, max_attempts=1, stream="-")
     ctl = ControllerClient.connect(swe_stack.stack.controller_address)
     t0 = time.monotonic()
     run = ctl.create_run(spec)
@@ -334,16 +437,22 @@ def outcome(swe_stack: SweStack) -> Outcome:
     return Outcome(cases, run, rollouts, seconds)
 
 
-def _workdir(ro: c.Rollout) -> Path:
+def _attempt(ro: c.Rollout) -> Path:
+    """The attempt's folder: the controller's records of its jobs (their output)."""
     return Path(ro.attempts[-1].workdir)
 
 
+def _workdir(ro: c.Rollout) -> Path:
+    """The attempt's work folder: the harness's and the grader's."""
+    return _attempt(ro) / "work"
+
+
 def _why(ro: c.Rollout) -> str:
-    wd = _workdir(ro)
     tails = []
-    for name in ("stdout.log", "stderr.log", "swe-report.json"):
-        if (wd / name).exists():
-            tails.append(f"--- {name}\n{(wd / name).read_text(errors='replace')[-3000:]}")
+    for path in [_attempt(ro) / f"{job}{name}" for job in ("setup.", "", "grader.")
+                 for name in ("stdout.log", "stderr.log")] + [_workdir(ro) / "swe-report.json"]:
+        if path.exists():
+            tails.append(f"--- {path.name}\n{path.read_text(errors='replace')[-3000:]}")
     return f"{ro.task_id}: status {ro.status}, reward {ro.reward}, error {ro.error!r}\n" + \
         "\n".join(tails)
 
@@ -506,23 +615,81 @@ def test_image_and_job_template_keep_rollouts_to_the_gateway() -> None:
         ["harness", "grader"]
 
 
-def test_harness_workspace_from_an_image_equals_the_one_it_makes(tmp_path: Path) -> None:
-    """`--workspaces DIR` (what the harness image ships, made by `workspace build`) gives the
-    same `./repo` as `--tasks FILE` (made by `prepare_workspace` in the rollout)."""
+def _tree(root: Path) -> dict[str, bytes]:
+    from examples.swe.swe_tasks import snapshot_files
+
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in snapshot_files(root)}
+
+
+def test_setup_lays_out_only_what_a_rollout_may_see(tmp_path: Path) -> None:
+    """The setup step (as the controller runs it: a command in the work folder, the rollout
+    view in HARNESSRL_TASK_JSON) makes the workspace, the issue and the harness's own code,
+    and nothing in the work folder holds the fix or a hidden test; the workspace equals the
+    one an image ships (`--workspaces`, made by `workspace build`)."""
+    import os
+    import subprocess
+
     assert TASK_FILES, "no task file in examples/swe/tasks (python -m examples.swe.make_tasks)"
-    from examples.swe.harness import prepare
-    from examples.swe.swe_tasks import load_swe_tasks, rollout_view, snapshot_files
+    from examples.swe.harness import from_image
+    from examples.swe.setup_attempt import HARNESS, commands
+    from examples.swe.swe_tasks import load_swe_tasks, rollout_view
     from examples.swe.workspace import build_workspaces
 
     task = load_swe_tasks(TASK_FILES[0])[0]
+    work = tmp_path / "work"
+    work.mkdir()
+    setup = commands(TASK_FILES, "/nonexistent/mini")["setup"]
+    env = {**os.environ, "HARNESSRL_TASK_JSON": json.dumps(rollout_view(task)),
+           "HARNESSRL_WORKDIR": str(work)}
+    out = subprocess.run(setup, cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in work.iterdir()) == ["harness", "issue.md", "repo"]
+    assert (work / HARNESS).is_file() and (work / "harness" / "mini.yaml").is_file()
+    assert (work / "harness" / "tools" / "suspects").is_file()
+    assert (work / "issue.md").read_text() == task.problem_statement
+    text = "\n".join(p.read_text(errors="replace") for p in work.rglob("*") if p.is_file())
+    assert not [n for n in secrets_of(task) if n in text]
+    assert not any(p.name == ".git" for p in work.rglob("*"))
     build_workspaces([task], tmp_path / "image")
-    prepare(rollout_view(task), tmp_path / "a", tmp_path / "image", None)
-    prepare(rollout_view(task), tmp_path / "b", None, TASK_FILES[0])
+    (tmp_path / "from-image").mkdir()
+    from_image(rollout_view(task), tmp_path / "from-image", tmp_path / "image")
+    assert _tree(work / "repo") == _tree(tmp_path / "from-image" / "repo") != {}
 
-    def tree(root: Path) -> dict[str, bytes]:
-        return {p.relative_to(root).as_posix(): p.read_bytes() for p in snapshot_files(root)}
-    assert tree(tmp_path / "a") == tree(tmp_path / "b") and tree(tmp_path / "a")
-    assert not any(p.name == ".git" for p in (tmp_path / "a").rglob("*"))
+    # A controller handed the full records (the fix among the harness's task fields): refused.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    out = subprocess.run(setup, cwd=bare, env={**env, "HARNESSRL_WORKDIR": str(bare),
+                                               "HARNESSRL_TASK_JSON": task.model_dump_json()},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "rollout view" in out.stderr and "patch" in out.stderr
+    assert not list(bare.iterdir())
+
+
+def test_harness_command_names_nothing_of_the_recipe(tmp_path: Path) -> None:
+    """What the harness's sandbox makes readable besides the system (its Python, what its
+    command names: `policy.code_paths`, the sandbox's own rule) holds neither the recipe's
+    folder (its libraries are the fixes), nor the task files, nor the libraries; the grader's
+    holds both (it needs them)."""
+    from examples.swe.setup_attempt import commands
+    from services.controller.sandbox.policy import code_paths, runtime_paths
+
+    full = tmp_path / "tasks" / "full.jsonl"
+    full.parent.mkdir()
+    full.write_text("")
+    mini = tmp_path / "venv" / "bin" / "mini"
+    mini.parent.mkdir(parents=True)
+    mini.touch()
+    cmds = commands([full, TASK_FILES[0]], mini)
+    secret = [SWE, SWE / "repos", SWE / "tasks", full.parent]
+
+    def sees(paths: list[Path], p: Path) -> bool:  # p, or a folder above it, is bound
+        return any(p == q or q in p.parents for q in paths)
+    harness_view = [*runtime_paths(), *code_paths(cmds["harness"])]
+    assert not [(p, q) for p in secret for q in harness_view
+                if p == q or q in p.parents or p in q.parents], harness_view
+    assert mini.parent in harness_view  # mini's folder (a real venv's pyvenv.cfg: all of it)
+    assert all(sees(code_paths(cmds["grader"]), p) for p in secret)
+    assert not [a for a in cmds["harness"] if str(SWE) in a or str(full) in a]
 
 
 def test_harness_env_installs_once_for_concurrent_callers(tmp_path: Path,

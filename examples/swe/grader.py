@@ -19,12 +19,15 @@
 Reward: 1.0 when every FAIL_TO_PASS and PASS_TO_PASS test passed, else 0.0. With `--partial`:
 the share of FAIL_TO_PASS tests that passed, and 0.0 when any PASS_TO_PASS test did not pass.
 `swe-report.json` (each test's outcome, kept and dropped files, the agent's patch) is written
-in the working directory (the attempt's folder); the last stdout line is `{"reward": x, ...}`.
+in the working directory (the attempt's work folder); the last stdout line is
+`{"reward": x, ...}`.
 
 Limits, by design of this example: the tests run the agent's code in the grader's process
-tree, so code that forges the report file itself is not caught here; on the local backend
-nothing is sandboxed (an agent can read this machine, the task files included). Kubernetes
-pods, with the grader in a container of its own image, are the isolation.
+tree, so code that forges the report file itself is not caught here. On the local backend the
+grader runs in a sandbox of its own (the attempt's work folder writable, no network), which
+sees what its command names: this folder (the libraries) and its task files' folders; the
+harness's sandbox sees neither (`setup_attempt.py`). Kubernetes pods, with the grader in a
+container of its own image, are the isolation there.
 
 Usage: `python examples/swe/grader.py --tasks FULL.jsonl [--tasks MORE.jsonl] [--partial]`; the
 task's `instance_id` comes from HARNESSRL_TASK_JSON (the rollout view the controller was given).

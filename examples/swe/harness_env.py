@@ -6,7 +6,8 @@
 locks/swe-harness.txt`, and returns the path of its `mini` executable. A changed lock is a new
 folder; an install that did not finish (killed, failed) is not used and is redone. Two callers
 at once (two rollouts, setup.sh and a test) are serialised by a lock file: the second waits
-and then finds the venv done. Stdlib only: the harness imports it from any Python.
+and then finds the venv done. Stdlib only. The harness never installs it: its command names the
+`mini` this prints (`setup_attempt.commands`), so nothing is installed during a rollout.
 
 `python examples/swe/harness_env.py` installs it if needed and prints the `mini` path
 (scripts/setup.sh runs it; it returns at once when the venv is there).

@@ -7,7 +7,7 @@
 1. `slice`: the tasks in the policy's slice (`examples/swe/policy.py`; checked by running the
    list move in each broken workspace), split by function: held out (the validation split's
    functions, then train-split functions until `--heldout-min`) and warm-up/RL (the rest),
-   as full task files (harness, grader) and rollout views (controller).
+   as full task files (setup step, grader) and rollout views (controller).
 2. `warmup`: the warm-up dialogues (`examples/swe/dialogues.py`: mini-swe-agent's own messages
    for the policy's moves on the warm-up tasks and their variants, each with the right and the
    wrong fix, mixed `--right-fraction` : rest) and the swe model built on them
@@ -15,7 +15,7 @@
 3. `eval`: `harnessrl eval` of a model on the held-out slice, k samples a task, through
    mini-swe-agent (unchanged), the grader and the controller; also the share of mini's calls
    that continue a token segment (from the store's recorded calls).
-4. `train`: `harnessrl up` with the swe harness and grader on the train slice's tasks.
+4. `train`: `harnessrl up` with the swe setup step, harness and grader on the train slice's tasks.
 
 Every phase prints one JSON line; `all` prints the summary (pass@1 before and after per seed,
 the gain and its 95% confidence interval: a paired bootstrap over tasks, samples pooled over
@@ -169,7 +169,7 @@ def phase_slice(a: argparse.Namespace) -> dict[str, Any]:
         forms = {"rl_form_tasks": len(kept), "rl_forms_dropped": dropped}
     write_slice(held, a.out, "heldout")
     write_slice(rl, a.out, "rl-train")
-    write_slice(held + rl, a.out, "all")  # full records for the harness and the grader
+    write_slice(held + rl, a.out, "all")  # full records: the setup step and the grader
     fns_val = {(t["library"], t["function"]) for t in held}
     fns_train = {(t["library"], t["function"]) for t in rl}
     assert not fns_val & fns_train
@@ -181,13 +181,16 @@ def phase_slice(a: argparse.Namespace) -> dict[str, Any]:
             **forms, "dir": str(a.out)}
 
 
-def harness_cmd(a: argparse.Namespace, full: Path) -> str:
-    return shlex.join([sys.executable, str(a.harness), "--tasks", str(full),
-                       "--config", str(a.mini_config)])
+def recipe_cmds(a: argparse.Namespace, full: Path) -> dict[str, str]:
+    """The runs' setup, harness and grader commands (`setup_attempt.commands`): the setup step
+    lays out each attempt's work folder from the full task file `full`; the harness runs from
+    its copy there and names only its Python and mini (installed now, never in a rollout), so
+    its sandbox sees neither `full` nor the libraries."""
+    from examples.swe.harness_env import ensure
+    from examples.swe.setup_attempt import commands
 
-
-def grader_cmd(full: Path) -> str:
-    return shlex.join([sys.executable, str(HERE / "grader.py"), "--tasks", str(full)])
+    cmds = commands([full], ensure(), config=a.mini_config)
+    return {k: shlex.join(v) for k, v in cmds.items()}
 
 
 def harnessrl_cli(a: argparse.Namespace) -> tuple[list[str], Path]:
@@ -199,8 +202,9 @@ def phase_eval(a: argparse.Namespace, model: str, name: str) -> dict[str, Any]:
     full = a.out / "heldout.jsonl"
     argv, cwd = harnessrl_cli(a)
     result = a.out / f"eval-{name}.json"
+    cmds = recipe_cmds(a, full)
     cmd = [*argv, "eval", "--model", str(model), "--tasks", str(a.out / "heldout.rollout.jsonl"),
-           "--harness", harness_cmd(a, full), "--grader", grader_cmd(full),
+           "--setup", cmds["setup"], "--harness", cmds["harness"], "--grader", cmds["grader"],
            "-k", str(a.k), "--concurrency", str(a.concurrency), "--timeout", "300",
            "--state-dir", str(a.out / f"state-eval-{name}"), "--out", str(result)]
     if a.limit:
@@ -250,6 +254,8 @@ def phase_verify(a: argparse.Namespace) -> dict[str, Any]:
     messages `dialogues.dialogue` synthesises (both variants)."""
     import tempfile
 
+    from examples.swe.harness_env import ensure
+    from examples.swe.setup_attempt import HARNESS, lay_out
     from harnessrl import procs
 
     chosen = split_slice(a)[1][: a.verify_tasks]  # warm-up tasks
@@ -279,15 +285,18 @@ def phase_verify(a: argparse.Namespace) -> dict[str, Any]:
                     task = {**t, "problem_statement": t["problem_statement"] + "\n\n" + marker}
                     wd = tmp / f"run-{checked}"
                     wd.mkdir()
+                    view = {k: task[k] for k in ("instance_id", "repo", "base_commit",
+                                                 "problem_statement")}
                     env = os.environ | {
                         "OPENAI_BASE_URL": f"http://127.0.0.1:{info_e['http_port']}/v1",
                         "OPENAI_API_KEY": "verify", "HARNESSRL_MODEL": "tiny",
-                        "HARNESSRL_TASK_JSON": json.dumps(
-                            {k: task[k] for k in ("instance_id", "repo", "base_commit",
-                                                  "problem_statement")})}
-                    p = subprocess.run([sys.executable, str(a.harness), "--tasks", str(full),
-                                        "--config", str(a.mini_config)], cwd=wd, env=env,
-                                       text=True, capture_output=True, timeout=300)
+                        "HARNESSRL_TASK_JSON": json.dumps(view)}
+                    # as a run does it: the setup step lays out the work folder, then the
+                    # harness runs from its copy there
+                    lay_out(view, [full], wd, a.mini_config)
+                    p = subprocess.run([sys.executable, HARNESS, "--mini", str(ensure())],
+                                       cwd=wd, env=env, text=True, capture_output=True,
+                                       timeout=300)
                     traj = json.loads((wd / "mini.traj.json").read_text())
                     got = policy.strip_for_api(traj["messages"])
                     want = policy.strip_for_api(
@@ -311,9 +320,11 @@ def phase_train(a: argparse.Namespace, seed: int) -> dict[str, Any]:
     argv, cwd = harnessrl_cli(a)
     out = a.out / f"train-seed{seed}"
     prefix = f"swe-learn-{seed}-{int(time.time())}:"
+    cmds = recipe_cmds(a, full)
     cmd = [*argv, "up", "--model-dir", str(a.model_dir), "--tasks",
-           str(a.out / "rl-train.rollout.jsonl"), "--harness", harness_cmd(a, full),
-           "--grader", grader_cmd(full), "--group-size", str(a.group_size),
+           str(a.out / "rl-train.rollout.jsonl"), "--setup", cmds["setup"],
+           "--harness", cmds["harness"], "--grader", cmds["grader"],
+           "--group-size", str(a.group_size),
            "--concurrency", str(a.concurrency), "--timeout", "300",
            "--steps", str(a.steps), "--tasks-per-step", str(a.tasks_per_step),
            "--output-dir", str(out), "--state-dir", str(a.out / f"state-train-{seed}"),
@@ -381,7 +392,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / ".harnessrl" / "swe-learning")
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--mini-config", type=Path, default=HERE / "mini.yaml")
-    ap.add_argument("--harness", type=Path, default=HERE / "harness.py")
     ap.add_argument("--cli-repo", type=Path, default=REPO,
                     help="the checkout whose `harnessrl` CLI runs eval and up")
     ap.add_argument("--seed", type=int, default=0)

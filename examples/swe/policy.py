@@ -136,7 +136,7 @@ def mini_templates(config: Path = MINI_CONFIG) -> dict[str, str]:
 def command_env(templates: dict[str, Any], statement: str, workdir: Path) -> dict[str, str]:
     """What the agent's commands see besides the process's environment: mini.yaml's
     `environment.env` and the harness's tools (as `harness.mini_env` gives mini), with the
-    problem statement written to `workdir/issue.md` as the harness writes it."""
+    problem statement written to `workdir/issue.md` as the setup step writes it."""
     from examples.swe.harness import tools_env
 
     workdir.mkdir(parents=True, exist_ok=True)
