@@ -84,13 +84,17 @@ class Sandbox:
             self.cgroups = cgroups.Cgroups.detect(f"harnessrl-{self.doors.root.name[-10:]}")
         except cgroups.Unavailable as exc:
             raise Unavailable(str(exc)) from None
+        self._write_runtime()
+        log.info("sandbox: bubblewrap %s, cgroup v%d", self.bwrap, self.cgroups.version)
+
+    def _write_runtime(self) -> None:
+        """The sandbox's /etc/passwd and /etc/group (its user's name)."""
         self.runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.runtime / "passwd").write_text(
             f"root:x:0:0:root:/root:/bin/sh\nagent:x:{UID}:{UID}:agent:/tmp:/bin/sh\n"
             "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n")
         (self.runtime / "group").write_text(
             f"root:x:0:\nagent:x:{UID}:\nnogroup:x:65534:\n")
-        log.info("sandbox: bubblewrap %s, cgroup v%d", self.bwrap, self.cgroups.version)
 
     async def prepare(self, job_id: str, policy: SandboxPolicy, argv: list[str],
                       env: dict[str, str]) -> tuple[list[str], dict[str, str], list[str]]:
@@ -99,6 +103,8 @@ class Sandbox:
         assert self.cgroups is not None, "check() first"
         limits = cgroups.Limits(policy.memory_mb * 1024 * 1024, policy.max_processes)
         procs = await asyncio.to_thread(self.cgroups.create, job_id, limits)
+        if not (self.runtime / "group").exists():  # (a temp folder cleaner took it)
+            self._write_runtime()
         forwards: list[str] = []
         door_binds: list[str] = []
         for target, port in policy.targets:
