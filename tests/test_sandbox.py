@@ -396,3 +396,71 @@ def test_an_adopted_sandboxed_job_still_reaches_the_gateway(tmp_path: Path,
     finally:
         ctl.stop()
         gateway.close()
+
+
+# -- found by a second read (each reproduced first, then fixed) --------------------------------
+
+def test_a_hidden_file_stays_hidden_through_a_symlinked_spelling(tmp_path: Path) -> None:
+    from services.controller.sandbox import policy as sandbox_policy
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "agent.py").write_text("print('agent ran')")
+    (proj / "tasks.jsonl").write_text('{"answer": 42}')
+    (tmp_path / "link").symlink_to(proj)
+    spec = c.RunSpec()
+    spec.sandbox.hidden_paths.append(str(proj / "tasks.jsonl"))
+    code = (f"import os\nfor p in ({str(tmp_path / 'link' / 'tasks.jsonl')!r}, "
+            f"{str(proj / '..' / 'proj' / 'tasks.jsonl')!r}):\n"
+            "    try:\n        open(p).read(); print('READ', p)\n"
+            "    except OSError:\n        print('hidden', p)\n"
+            f"exec(open({str(tmp_path / 'link' / 'agent.py')!r}).read())\n")
+    policy = sandbox_policy.build(spec, argv=["python3", str(tmp_path / "link" / "agent.py")],
+                                  work=tmp_path / "attempt" / "work", timeout_s=30,
+                                  hidden=[], egress=[])
+    rc, out, err = _run(tmp_path, code, policy)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert [ln.split()[0] for ln in lines] == ["hidden", "hidden", "agent"], out
+
+
+def test_a_link_the_harness_left_as_task_json_is_not_followed_on_resume(tmp_path: Path) -> None:
+    """A resumed attempt rewrites task.json outside the sandbox: a link planted there by the
+    harness must not carry that write to another file."""
+    from services.controller.attempt_jobs import AttemptJobs
+    from services.controller.config import ControllerConfig
+
+    victim = tmp_path / "secret"
+    victim.write_text(SECRET)
+    run = c.Run(run_id="r", spec=c.RunSpec())
+    jobs = AttemptJobs(run, {"t": c.Task(task_id="t", data_json='{"q": 1}')},
+                       ControllerConfig(workdir_root=str(tmp_path / "rollouts"),
+                                        secret_file=str(victim)),
+                       LocalBackend(), set())
+    ro = c.Rollout(rollout_id="r/t/0", task_id="t")
+    _, work = jobs.prepare(ro, 1)
+    (work / "task.json").unlink()
+    (work / "task.json").symlink_to(victim)  # what the harness did
+    _, work = jobs.prepare(ro, 1)  # the attempt resumed by a restarted controller
+    assert victim.read_text() == SECRET
+    assert (work / "task.json").read_text() == '{"q": 1}' and not (work / "task.json").is_symlink()
+    # the rollout folders are the controller's alone (a setuid file made in a sandbox is
+    # owned by the user the sandbox maps to: other users must not reach it)
+    assert (tmp_path / "rollouts").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_file_in_a_shared_folder_is_shown_alone(tmp_path: Path) -> None:
+    from services.controller.sandbox.policy import SHARED_FOLDERS, code_paths
+
+    import tempfile
+    shared = Path(tempfile.gettempdir())
+    assert shared in SHARED_FOLDERS
+    f = shared / f"hrl-agent-{os.getpid()}.py"
+    f.write_text("")
+    try:
+        assert code_paths(["python3", str(f)]) == [f]
+        assert code_paths(["python3", str(tmp_path / "x.py")]) == []  # (not there)
+        (tmp_path / "x.py").write_text("")
+        assert code_paths(["python3", str(tmp_path / "x.py")]) == [tmp_path]
+    finally:
+        f.unlink()

@@ -45,6 +45,8 @@ class World:
         redis_host = self.stack.redis_url.rsplit("@", 1)[-1].split("/")[0].split("//")[-1]
         self.targets = {
             "secret_file": str(self.stack.secret_file),
+            "more_secrets": [str(self.stack.state / "redis" / "password"),
+                             str(self.stack.state / "stack.json")],
             "workdir_root": str(self.stack.state / "rollouts"),
             "tasks_file": str(self.tasks), "repo": str(REPO),
             "redis": redis_host, "gateway_port": int(self.stack.gateway_url.split(":")[2]
@@ -94,7 +96,10 @@ def _results(ro: c.Rollout) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def sandboxed(world: World) -> tuple[c.Run, list[c.Rollout]]:
-    return world.run("sandboxed", c.SandboxSpec(memory_mb=256, max_processes=64))
+    # the folder that holds the stack's state, the task file and the stub engine readable as a
+    # whole: what the sandbox hides inside it must stay hidden
+    return world.run("sandboxed", c.SandboxSpec(memory_mb=256, max_processes=64,
+                                                read_only_paths=[str(world.tmp)]))
 
 
 @pytest.fixture(scope="module")

@@ -152,6 +152,8 @@ class Stack:
                              "--gateway-url", self.gateway_url,
                              "--secret-file", str(self.secret_file),
                              "--workdir-root", str(self.state / "rollouts"),
+                             # sandboxed rollouts see nothing of the stack's state folder
+                             "--sandbox-hidden-paths", json.dumps([str(self.state)]),
                              *self.cfg.controller_flags)
         self.controller_address = self._address("controller", "--bind")
 

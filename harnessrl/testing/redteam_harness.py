@@ -79,8 +79,9 @@ def probe_proc() -> tuple[str, str]:
 
 
 def probe_read_secret() -> tuple[str, str]:
-    text = _read(T["secret_file"])
-    return ("succeeded", f"{len(text)} bytes") if text else ("refused", "not readable")
+    """The credential secret, and the stack's other files (Redis's password, stack.json)."""
+    read = [p for p in [T["secret_file"], *T.get("more_secrets", [])] if _read(p)]
+    return ("succeeded", f"read {read}") if read else ("refused", "not readable")
 
 
 def probe_read_task_file() -> tuple[str, str]:

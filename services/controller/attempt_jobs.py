@@ -12,6 +12,7 @@ pod of its own.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from harnessrl.v1 import common_pb2 as c
@@ -34,6 +35,10 @@ class AttemptJobs:
                           and not self.spec.sandbox.disabled)
         self._task_files = task_files  # every run's, shared: a harness sees none of them
         self._root = Path(cfg.workdir_root).resolve()
+        # The rollouts' folders are the controller's alone: files a sandbox made there (a
+        # setuid binary owned by the user the sandbox maps to) are out of other users' reach.
+        self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._root.chmod(0o700)
 
     def hidden(self) -> list[Path]:
         """What no sandbox of this controller may see, even inside a path it may read."""
@@ -71,7 +76,12 @@ class AttemptJobs:
         folder = self.folder(ro, attempt)
         work = folder / WORK
         work.mkdir(parents=True, exist_ok=True)
-        (work / "task.json").write_text(self.tasks[ro.task_id].data_json)
+        # A resumed attempt's harness may have left a link named task.json: never follow it.
+        task = work / "task.json"
+        task.unlink(missing_ok=True)
+        fd = os.open(task, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.tasks[ro.task_id].data_json)
         return folder, work
 
     def setup(self, rid: str, attempt: int, env: dict[str, str], folder: Path,

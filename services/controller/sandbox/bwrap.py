@@ -116,7 +116,7 @@ class Sandbox:
                "--ro-bind", str(self.runtime / "passwd"), "/etc/passwd",
                "--ro-bind", str(self.runtime / "group"), "/etc/group",
                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-               *_mounts(policy), *door_binds,
+               *_mounts(policy, (self.doors.root, self.runtime)), *door_binds,
                "--ro-bind", str(INIT), str(INSIDE / "init.py"),
                "--remount-ro", "/",  # writable: the work folder and /tmp, nothing else
                "--chdir", str(policy.work), "--",
@@ -169,19 +169,23 @@ def _inside(path: Path, parents: tuple[Path, ...]) -> bool:
     return any(path == p or p in path.parents for p in parents)
 
 
-def _mounts(policy: SandboxPolicy) -> list[str]:
+def _mounts(policy: SandboxPolicy, own: tuple[Path, ...] = ()) -> list[str]:
     """Read-only binds, then the masks over what they must not show, then the work folder and
     the read-only paths named inside a hidden folder (the grader's view of the harness's
-    output); a path hidden itself is never bound."""
+    output); a path hidden itself is never bound. `own`: the sandbox's own folders (doors,
+    runtime), hidden too."""
     args: list[str] = []
-    later = [p for p in policy.read_only if _inside(p, policy.hidden)]
+    hidden = (*policy.hidden, *(Path(os.path.realpath(p)) for p in own))
+    later = [p for p in policy.read_only if _inside(p, hidden)]
     for p in policy.read_only:
         if p not in later:
             args += ["--ro-bind", str(p), str(p)]
     emptied = []
-    for h in policy.hidden:
+    for h in hidden:
         if not _inside(h, policy.read_only) or not h.exists():
             continue  # not under anything bound: not there to hide
+        if _inside(h, tuple(o for o in hidden if o != h and o.is_dir())):
+            continue  # inside a folder hidden as a whole
         if h.is_dir():
             args += ["--tmpfs", str(h)]
             emptied.append(h)
@@ -189,8 +193,11 @@ def _mounts(policy: SandboxPolicy) -> list[str]:
             args += ["--ro-bind", "/dev/null", str(h)]
     args += ["--bind", str(policy.work), str(policy.work)]
     for p in later:
-        if p not in policy.hidden:
+        if p not in hidden:
             args += ["--ro-bind", str(p), str(p)]
+    for spelled, target in policy.aliases:  # the command's spelling, a link to what is bound
+        if not _inside(spelled, policy.read_only) and not _inside(spelled, (policy.work,)):
+            args += ["--symlink", str(target), str(spelled)]
     for h in emptied:  # read-only once the work folder's mount point is made in it
         args += ["--remount-ro", str(h)]
     return args

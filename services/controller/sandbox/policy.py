@@ -42,6 +42,9 @@ class SandboxPolicy:
     max_processes: int = DEFAULT_MAX_PROCESSES
     cpu_time_s: int = 0  # CPU seconds of one process (RLIMIT_CPU); 0: none
     env: dict[str, str] = field(default_factory=dict)  # set inside over the job's env
+    # read-only paths as the command spells them, where that goes through a symlink:
+    # (spelled, real); the real path is what is bound (and masked), the spelled one links to it
+    aliases: tuple[tuple[Path, Path], ...] = ()
 
 
 def is_loopback(host: str) -> bool:
@@ -90,6 +93,10 @@ def check_spec(spec: c.RunSpec) -> None:
         for p in getattr(sb, what):
             if not os.path.isabs(p):
                 raise InvalidArgument(f"sandbox.{what}: {p!r} is not an absolute path")
+    for p in sb.read_only_paths:
+        if Path(os.path.realpath(p)) in SHARED_FOLDERS:
+            raise InvalidArgument(f"sandbox.read_only_paths: {p!r} is a folder the whole "
+                                  "machine shares; name the files or folders the harness needs")
     parse_egress(list(sb.egress))
     parse_egress(list(sb.grader_egress), "grader_egress")
 
@@ -108,18 +115,35 @@ def _venv_paths(exe: Path) -> list[Path]:
     return paths
 
 
+# Folders shared by everything on a machine: a file named in one of them is shown alone, never
+# the folder with it (a harness at /tmp/agent.py must not see the rest of /tmp).
+SHARED_FOLDERS = frozenset(map(Path, ("/", "/tmp", "/var", "/var/tmp", "/home", "/root", "/run",
+                                      "/dev", "/dev/shm", "/srv", "/mnt", "/media", "/opt",
+                                      "/etc", os.path.expanduser("~"))))
+
+
 def code_paths(argv: list[str]) -> list[Path]:
-    """What a command names of the machine: each absolute path in it (a file's folder, a
-    folder itself, a venv interpreter's venv and base Python)."""
+    """What a command names of the machine: each absolute path in it (a file's folder, or the
+    file alone in a shared folder such as /tmp; a folder itself; a venv interpreter's venv and
+    base Python)."""
     paths: list[Path] = []
     for arg in argv:
         if not os.path.isabs(arg) or not os.path.exists(arg):
             continue
-        p = Path(arg)
-        paths.append(p if p.is_dir() else p.parent)
+        p = Path(os.path.abspath(arg))
+        if p.is_dir():
+            paths.append(p)
+        else:
+            paths.append(p if p.parent in SHARED_FOLDERS or
+                         Path(os.path.realpath(p.parent)) in SHARED_FOLDERS else p.parent)
         if p.is_file():
             paths.extend(_venv_paths(p))
     return paths
+
+
+def real(path: Path) -> Path:
+    """`path` with every symlink and `..` resolved (what a bind or a mask must name)."""
+    return Path(os.path.realpath(path))
 
 
 def runtime_paths() -> list[Path]:
@@ -158,10 +182,16 @@ def build(spec: c.RunSpec, *, argv: list[str], work: Path, timeout_s: float,
     if gateway_url and not host_net:
         env["OPENAI_BASE_URL"], gw = inside_url(gateway_url)
         targets.insert(0, gw)
-    ro = [*runtime_paths(), *code_paths(argv), *map(Path, sb.read_only_paths), *read_only]
+    spelled = [*runtime_paths(), *code_paths(argv), *map(Path, sb.read_only_paths), *read_only]
+    ro, aliases = [], []
+    for p in spelled:  # bound where they really are, so that the masks below cover them
+        if p.exists():
+            ro.append(real(p))
+            if Path(os.path.abspath(p)) != real(p):
+                aliases.append((Path(os.path.abspath(p)), real(p)))
     return SandboxPolicy(
-        work=work, read_only=tuple(dict.fromkeys(p for p in ro if p.exists())),
-        hidden=tuple(dict.fromkeys([*hidden, *map(Path, sb.hidden_paths)])),
+        work=work, read_only=tuple(dict.fromkeys(ro)), aliases=tuple(dict.fromkeys(aliases)),
+        hidden=tuple(dict.fromkeys(real(p) for p in [*hidden, *map(Path, sb.hidden_paths)])),
         targets=tuple(dict.fromkeys(targets)), host_network=host_net,
         memory_mb=sb.memory_mb or DEFAULT_MEMORY_MB,
         max_processes=sb.max_processes or DEFAULT_MAX_PROCESSES,
