@@ -107,6 +107,8 @@ def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.
         "--harness-env", json.dumps({"HARNESSRL_BENCH_TOOL_MEDIAN_S": str(latency),
                                      "HARNESSRL_BENCH_TOOL_SIGMA": str(a.sigma),
                                      "PYTHONPATH": str(REPO)}),
+        # sandboxed: the harness imports the calc example, which its command does not name
+        "--sandbox", json.dumps({"read_only_paths": [str(REPO / "examples" / "calc")]}),
         "--mode.kind", mode, "--mode.max-staleness", str(a.max_staleness),
         "--optimizer.lr", str(a.lr),
         "--rollout-timeout-s", "600", "--checkpoint-every", str(a.steps), "--no-resume")

@@ -218,7 +218,10 @@ def run_chaos(workdir: Path, model_dir: Path, *, seed: int = 0, steps: int = 3,
                 "--tasks-file", str(tasks_file), "--harness-command", json.dumps(harness),
                 "--no-trim-stream", "--no-advantage.filter-zero-variance",
                 "--mode.pool-factor", str(pool_factor),
-                "--mode.max-staleness", str(max_staleness)])
+                "--mode.max-staleness", str(max_staleness),
+                # the chaos harness logs every rollout's start and end into one shared file
+                # (the instrument the accounting reads), which a sandbox rightly forbids
+                "--sandbox", json.dumps({"disabled": True})])
         from rich.console import Console
         start_trainer(stack, model_dir, args, Console(file=io.StringIO()))
         t0 = time.monotonic()
