@@ -63,10 +63,10 @@ class Unavailable(RuntimeError):
 class Sandbox:
     """The local backend's sandboxes: checks the machine once, then wraps each job."""
 
-    def __init__(self, doors_root: Path, runtime_dir: Path | None = None) -> None:
+    def __init__(self, doors_root: Path) -> None:
         self.bwrap = shutil.which("bwrap") or ""
         self.doors = Doors(doors_root)
-        self.runtime = Path(runtime_dir or doors_root)
+        self.runtime = Path(doors_root)  # the sandbox's passwd and group, beside the doors
         self.cgroups: cgroups.Cgroups | None = None
 
     def check(self) -> None:
@@ -116,7 +116,7 @@ class Sandbox:
                "--ro-bind", str(self.runtime / "passwd"), "/etc/passwd",
                "--ro-bind", str(self.runtime / "group"), "/etc/group",
                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-               *_mounts(policy, (self.doors.root, self.runtime)), *door_binds,
+               *_mounts(policy, (self.doors.root,)), *door_binds,
                "--ro-bind", str(INIT), str(INSIDE / "init.py"),
                "--remount-ro", "/",  # writable: the work folder and /tmp, nothing else
                "--chdir", str(policy.work), "--",
@@ -142,9 +142,7 @@ class Sandbox:
         """Controller shutdown, after its jobs were ended: the doors and the cgroup folder go
         (after a crash they stay, for the jobs the next controller adopts)."""
         await self.doors.close()
-        shutil.rmtree(self.doors.root, ignore_errors=True)
-        if self.runtime != self.doors.root:
-            shutil.rmtree(self.runtime, ignore_errors=True)
+        shutil.rmtree(self.doors.root, ignore_errors=True)  # (the runtime files with it)
         if self.cgroups is not None:
             self.cgroups.close()
 
@@ -173,7 +171,7 @@ def _mounts(policy: SandboxPolicy, own: tuple[Path, ...] = ()) -> list[str]:
     """Read-only binds, then the masks over what they must not show, then the work folder and
     the read-only paths named inside a hidden folder (the grader's view of the harness's
     output); a path hidden itself is never bound. `own`: the sandbox's own folders (doors,
-    runtime), hidden too."""
+    runtime files), hidden too."""
     args: list[str] = []
     hidden = (*policy.hidden, *(Path(os.path.realpath(p)) for p in own))
     later = [p for p in policy.read_only if _inside(p, hidden)]
