@@ -14,6 +14,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from harnessrl import rpc
+from harnessrl.identity import Identity
 from harnessrl.v1 import (
     common_pb2 as c,
     controller_pb2 as cpb,
@@ -34,6 +35,7 @@ AsyncStoreClient = Any
 
 class _Client(Generic[S]):
     _stub_cls: Any
+    peer: str  # the service's identity, which TLS verifies (harnessrl/identity.py)
 
     def __init__(self, channel: grpc.Channel | grpc.aio.Channel, timeout: float = 30.0) -> None:
         self.channel = channel
@@ -41,12 +43,16 @@ class _Client(Generic[S]):
         self.timeout = timeout
 
     @classmethod
-    def connect(cls, address: str, timeout: float = 30.0):  # type: ignore[no-untyped-def]
-        return cls(rpc.channel(address), timeout)
+    def connect(cls, address: str, timeout: float = 30.0,  # type: ignore[no-untyped-def]
+                ident: Identity | None = rpc.OWN):
+        """A client on a blocking channel, as `ident` (default: this process's identity,
+        harnessrl/identity.py: $HARNESSRL_TLS_DIR, or a local stack's operator identity)."""
+        return cls(rpc.channel(address, cls.peer, ident), timeout)
 
     @classmethod
-    def connect_async(cls, address: str, timeout: float = 30.0):  # type: ignore[no-untyped-def]
-        return cls(rpc.aio_channel(address), timeout)
+    def connect_async(cls, address: str, timeout: float = 30.0,  # type: ignore[no-untyped-def]
+                      ident: Identity | None = rpc.OWN):
+        return cls(rpc.aio_channel(address, cls.peer, ident), timeout)
 
     def close(self) -> Any:
         return self.channel.close()
@@ -54,6 +60,7 @@ class _Client(Generic[S]):
 
 class StoreClient(_Client[store_pb2_grpc.StoreStub]):
     _stub_cls = store_pb2_grpc.StoreStub
+    peer = "store"
 
     def put_run(self, run: c.Run) -> c.Run:
         return self.stub.PutRun(spb.PutRunRequest(run=run), timeout=self.timeout)
@@ -195,6 +202,7 @@ def dead_letters(store_address: str, stream: str = "train", limit: int = 100
 
 class ControllerClient(_Client[controller_pb2_grpc.ControllerStub]):
     _stub_cls = controller_pb2_grpc.ControllerStub
+    peer = "controller"
 
     def create_run(self, spec: c.RunSpec, run_id: str = "") -> c.Run:
         return self.stub.CreateRun(cpb.CreateRunRequest(spec=spec, run_id=run_id),
@@ -226,6 +234,7 @@ class ControllerClient(_Client[controller_pb2_grpc.ControllerStub]):
 
 class GatewayAdminClient(_Client[gateway_pb2_grpc.GatewayAdminStub]):
     _stub_cls = gateway_pb2_grpc.GatewayAdminStub
+    peer = "gateway"
 
     def register_engine(self, name: str, base_url: str, model: str = "",
                         policy_version: int = 0, lora: gpb.LoraSupport | None = None
@@ -279,6 +288,7 @@ class GatewayAdminClient(_Client[gateway_pb2_grpc.GatewayAdminStub]):
 
 class TrainerClient(_Client[trainer_pb2_grpc.TrainerStub]):
     _stub_cls = trainer_pb2_grpc.TrainerStub
+    peer = "trainer"
 
     def get_status(self) -> tpb.TrainerStatus:
         return self.stub.GetStatus(tpb.GetStatusRequest(), timeout=self.timeout)

@@ -30,6 +30,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from harnessrl import identity
+from harnessrl.authz import Authorize
 from harnessrl.errors import HarnessRLError
 
 log = logging.getLogger(__name__)
@@ -78,14 +80,38 @@ CLIENT_OPTIONS = OPTIONS + [("grpc.service_config", _SERVICE_CONFIG), ("grpc.ena
                             ("grpc.max_reconnect_backoff_ms", 5_000)]
 
 
-def channel(address: str) -> grpc.Channel:
-    """A blocking channel with the project's limits and retry policy."""
-    return grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+OWN = identity.Identity(b"", b"", b"")  # "this process's identity": identity.resolve()
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
-    """An asyncio channel with the project's limits and retry policy."""
-    return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+def _credentials(address: str, peer: str, ident: identity.Identity | None
+                 ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, Any]]]:
+    if ident is OWN:
+        ident = identity.resolve()
+    if ident is None:
+        identity.insecure_address(address, f"channel to the {peer} at")
+        return None, CLIENT_OPTIONS
+    return ident.channel_credentials(), CLIENT_OPTIONS + identity.target_options(peer)
+
+
+def channel(address: str, peer: str, ident: identity.Identity | None = OWN) -> grpc.Channel:
+    """A blocking mTLS channel to the service `peer` (store, controller, gateway, trainer; TLS
+    checks the server is that identity) as `ident` (default: this process's identity,
+    harnessrl/identity.py; None: plaintext, loopback only), with the project's limits and
+    retry policy."""
+    creds, options = _credentials(address, peer, ident)
+    if creds is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, creds, options=options)
+
+
+def aio_channel(address: str, peer: str, ident: identity.Identity | None = OWN,
+                extra_options: list[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
+    """An asyncio channel, as `channel`."""
+    creds, options = _credentials(address, peer, ident)
+    options = options + (extra_options or [])
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, creds, options=options)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -219,15 +245,25 @@ async def start_server(
     services: Iterable[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
     ready: Readiness | None = None,
     ready_interval_s: float = 1.0,
+    ident: identity.Identity | None = OWN,
 ) -> tuple[grpc.aio.Server, int, health_aio.HealthServicer]:
     """Starts an asyncio gRPC server on `bind` ("host:port"; port 0 picks a free one).
+
+    It serves mTLS as `ident` (default: this process's identity, harnessrl/identity.py) and
+    authorizes every call by harnessrl/authz.py's table; `ident` None (explicit insecure
+    mode) serves plaintext on loopback only, with no authorization.
 
     `services` holds (add_XServicer_to_server, servicer, full service name) triples. Health
     (SERVING for each service and overall; with `ready`, whatever it answers, checked every
     `ready_interval_s`) and reflection are added. Returns the server, the bound port and the
     health servicer.
     """
-    server = grpc.aio.server(options=OPTIONS, interceptors=[_RefuseUndecodable()])
+    if ident is OWN:
+        ident = identity.resolve()
+    interceptors: list[grpc.aio.ServerInterceptor] = [_RefuseUndecodable()]
+    if ident is not None:
+        interceptors.insert(0, Authorize(ident.ca))
+    server = grpc.aio.server(options=OPTIONS, interceptors=interceptors)
     health = health_aio.HealthServicer()
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME]
@@ -236,7 +272,13 @@ async def start_server(
         names.append(name)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(bind)
+    if ident is None:
+        identity.insecure_address(bind, "gRPC server on")
+        port = server.add_insecure_port(bind)
+    else:
+        port = server.add_secure_port(bind, identity.server_credentials(ident))
+        log.info("gRPC on %s: mTLS as %r, calls authorized by harnessrl/authz.py", bind,
+                 ident.name)
     if port == 0:
         raise RuntimeError(f"could not bind gRPC server to {bind}")
     await server.start()
@@ -327,9 +369,14 @@ def write_ready_file(path: str | os.PathLike[str] | None, **info: Any) -> None:
     tmp.replace(p)
 
 
-def health_check(address: str, service: str = "", timeout: float = 2.0) -> bool:
-    """True when the server at `address` answers SERVING for `service`."""
-    with channel(address) as ch:
+def health_check(address: str, service: str = "", timeout: float = 2.0, peer: str = "",
+                 ident: identity.Identity | None = OWN) -> bool:
+    """True when the server at `address`, the service `peer` (default: this process's own
+    identity, as a container's probe checks its own service), answers SERVING for
+    `service`."""
+    if ident is OWN:
+        ident = identity.resolve()
+    with channel(address, peer or (ident.name if ident else "any"), ident) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout

@@ -42,8 +42,7 @@ class ResilientStore:
                  retry_s: float = 120.0) -> None:
         self.address = address
         self.retry_s = retry_s
-        channel = grpc.aio.insecure_channel(address, options=rpc.CLIENT_OPTIONS +
-                                            _RECONNECT_OPTIONS)
+        channel = rpc.aio_channel(address, StoreClient.peer, extra_options=_RECONNECT_OPTIONS)
         self.client: AsyncStoreClient = StoreClient(channel, timeout=call_timeout_s)
 
     async def close(self) -> None:

@@ -186,7 +186,7 @@ class ReplicaSet:
 
     def _stub(self, address: str) -> gateway_pb2_grpc.GatewayAdminStub:
         if address not in self._clients:
-            self._channels[address] = rpc.aio_channel(address)
+            self._channels[address] = rpc.aio_channel(address, "gateway")
             self._clients[address] = gateway_pb2_grpc.GatewayAdminStub(self._channels[address])
         return self._clients[address]
 
