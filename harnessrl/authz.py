@@ -109,7 +109,7 @@ class Scope:
 SCOPED: dict[str, Callable[[Any, Scope], bool]] = {
     "/harnessrl.v1.Store/GetRollout": lambda r, s: r.rollout_id in s.rollout_ids,
     "/harnessrl.v1.Store/ListRollouts": lambda r, s: bool(s.group_id) and (
-        r.run_id, r.group_id) == (s.run_id, s.group_id),
+        r.group_id == s.group_id and r.run_id in ("", s.run_id)),
     "/harnessrl.v1.Store/GetState": lambda r, s: r.namespace == judge_namespace(s.run_id),
     "/harnessrl.v1.Store/PutState": lambda r, s: r.namespace == judge_namespace(s.run_id),
 }

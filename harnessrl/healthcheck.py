@@ -7,7 +7,8 @@ store), `http` expects a 200 (vLLM's `/health`, the gateway's `/health`). With `
 asks for the `liveness` service instead, SERVING while the process answers at all. Container
 healthchecks (docker-compose.yml) use it, so the images need no grpc_health_probe binary or
 curl. `--wait S` retries for up to S seconds before giving up (a one-shot "wait until ready"
-step).
+step). gRPC checks are mTLS like every call (harnessrl/identity.py): in a container the probe
+runs with the service's own identity and checks that service (`--peer` names another).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import sys
 import time
 
 
-def healthy(kind: str, target: str, timeout: float, live: bool = False) -> bool:
+def healthy(kind: str, target: str, timeout: float, live: bool = False, peer: str = "") -> bool:
     if kind == "grpc":
         from harnessrl.rpc import LIVENESS_SERVICE, health_check
 
-        return health_check(target, service=LIVENESS_SERVICE if live else "", timeout=timeout)
+        return health_check(target, service=LIVENESS_SERVICE if live else "", timeout=timeout,
+                            peer=peer)
     import httpx  # the images that probe over HTTP (engine, trainer) have it
 
     try:
@@ -39,10 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wait", type=float, default=0.0, help="retry for this many seconds")
     ap.add_argument("--live", action="store_true",
                     help="grpc: only whether the process answers (liveness), not readiness")
+    ap.add_argument("--peer", default="", help="grpc: the service expected at target (store, "
+                    "controller, gateway, trainer); default: this process's own identity, "
+                    "as a container's probe checks its own service with its own identity "
+                    "(harnessrl/identity.py)")
     args = ap.parse_args(argv)
     deadline = time.monotonic() + args.wait
     while True:
-        if healthy(args.kind, args.target, args.timeout, args.live):
+        if healthy(args.kind, args.target, args.timeout, args.live, args.peer):
             return 0
         if time.monotonic() >= deadline:
             print(f"{args.target}: not healthy", file=sys.stderr)

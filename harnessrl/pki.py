@@ -97,9 +97,10 @@ class Pki:
             _write(key, _key_pem(k), private=True)
             _write(crt, cert.public_bytes(serialization.Encoding.PEM))
         cert = x509.load_pem_x509_certificate(crt.read_bytes())
-        k = serialization.load_pem_private_key(key.read_bytes(), None)
-        assert isinstance(k, ec.EllipticCurvePrivateKey)
-        return cert, k
+        loaded = serialization.load_pem_private_key(key.read_bytes(), None)
+        if not isinstance(loaded, ec.EllipticCurvePrivateKey):
+            raise ValueError(f"{key}: not an EC key (harnessrl.pki makes EC P-256 keys)")
+        return cert, loaded
 
     def issue(self, identity: str, days: int = 365, dns: tuple[str, ...] = ()) -> Path:
         """Issues (or re-issues) `identity` a key and certificate; returns its folder."""

@@ -19,6 +19,16 @@ from urllib.parse import quote
 
 import redis
 
+from harnessrl import identity
+
+
+# A launcher's PKI folder (harnessrl/pki.py): each service it starts gets its own identity.
+TLS_ROOT_ENV = "HARNESSRL_TLS_ROOT"
+SERVICE_IDENTITY = {"services.store": "store", "services.controller": "controller",
+                    "services.gateway": "gateway", "services.trainer": "trainer"}
+_NOT_INHERITED = (TLS_ROOT_ENV, identity.TLS_DIR_ENV, identity.TLS_PEM_ENV,
+                  identity.SCOPE_TOKEN_ENV)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -28,17 +38,22 @@ def free_port() -> int:
 
 class ServiceProcess:
     """A child process (its own process group) whose output goes to a log file and which
-    writes a JSON ready file once it serves."""
+    writes a JSON ready file once it serves. It inherits no identity; a harnessrl service
+    (`python -m services.X`) gets its own from the PKI folder `tls_root` (`identity_env`)."""
 
     def __init__(self, name: str, argv: list[str], workdir: Path,
-                 env: dict[str, str] | None = None, ready_file: Path | None = None) -> None:
+                 env: dict[str, str] | None = None, ready_file: Path | None = None,
+                 tls_root: str | os.PathLike[str] | None = None) -> None:
         self.name = name
         self.argv = argv
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / f"{name}.log"
         self.ready_file = ready_file
-        self.env = {**os.environ, **(env or {})}
+        # No child inherits its parent's identity: a service gets its own (`identity_env`).
+        module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+        self.env = {**{k: v for k, v in os.environ.items() if k not in _NOT_INHERITED},
+                    **identity_env(module, tls_root), **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.restart = "always"
         """Supervisor policy: "always" (any exit), "on-failure" (non-zero exit), "no"."""
@@ -115,14 +130,30 @@ def python_module(module: str, *args: str) -> list[str]:
     return [sys.executable, "-m", module, *args]
 
 
+def identity_env(module: str, tls_root: str | os.PathLike[str] | None = None
+                 ) -> dict[str, str]:
+    """The environment that gives the service `module` its own identity from the PKI folder
+    `tls_root` (harnessrl/pki.py; default $HARNESSRL_TLS_ROOT): $HARNESSRL_TLS_DIR, and the
+    controller the `grader` identity it hands its graders. Empty for other modules."""
+    root = tls_root or os.environ.get(TLS_ROOT_ENV, "")
+    own = SERVICE_IDENTITY.get(module)
+    if not root or own is None:
+        return {}
+    env = {identity.TLS_DIR_ENV: str(Path(root) / own)}
+    if own == "controller":
+        env["HARNESSRL_CONTROLLER_GRADER_TLS_DIR"] = str(Path(root) / "grader")
+    return env
+
+
 def start_service(name: str, module: str, args: list[str], workdir: Path,
-                  env: dict[str, str] | None = None, timeout: float = 60.0
+                  env: dict[str, str] | None = None, timeout: float = 60.0,
+                  tls_root: str | os.PathLike[str] | None = None
                   ) -> tuple[ServiceProcess, dict[str, Any]]:
     """Starts `python -m module *args --ready-file <workdir>/<name>.ready` and waits for its
     ready file; returns the process and what the file announced (ports, pid)."""
     ready = Path(workdir) / f"{name}.ready"
     proc = ServiceProcess(name, python_module(module, *args, "--ready-file", str(ready)),
-                          workdir, env=env, ready_file=ready).start()
+                          workdir, env=env, ready_file=ready, tls_root=tls_root).start()
     return proc, proc.wait_ready(timeout)
 
 

@@ -1,4 +1,11 @@
-"""Shared fixtures: a private Redis with AOF, service processes on port 0."""
+"""Shared fixtures: a private Redis with AOF, service processes on port 0, the session's PKI.
+
+Authentication is on in every test, as in production: `pytest_configure` makes a CA with every
+identity (harnessrl/pki.py) once per session. Services the tests start get their own identity
+from it ($HARNESSRL_TLS_ROOT, harnessrl/procs.py `identity_env`); the test process itself calls
+as `admin` (allowed everything), so a test reads any state from outside; tests/test_auth*.py
+check the table with each identity.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +17,32 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl import procs
+from harnessrl import identity, pki, procs
 from harnessrl.clients import StoreClient
 
 REPO = Path(__file__).resolve().parent.parent
+TEST_PKI: Path | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global TEST_PKI
+    import tempfile
+    TEST_PKI = Path(tempfile.mkdtemp(prefix="harnessrl-pki-"))
+    pki.Pki(TEST_PKI).ensure(pki.ALL_IDENTITIES)
+    os.environ[procs.TLS_ROOT_ENV] = str(TEST_PKI)
+    os.environ[identity.TLS_DIR_ENV] = str(TEST_PKI / "admin")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+    if TEST_PKI is not None:
+        shutil.rmtree(TEST_PKI, ignore_errors=True)
+
+
+def as_identity(name: str) -> identity.Identity:
+    """The session PKI's `name` identity (to call a service as that identity)."""
+    assert TEST_PKI is not None
+    return identity.Identity.from_folder(TEST_PKI / name)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
+import conftest
 from harnessrl import procs
 from harnessrl.clients import ControllerClient, StoreClient
 from harnessrl.credentials import CredentialSigner
@@ -51,7 +52,10 @@ if behavior == "sleep":
 if behavior == "report":
     sys.path.insert(0, os.environ["EXTRA_REPO"])
     from harnessrl.clients import StoreClient
-    StoreClient.connect(os.environ["EXTRA_STORE"]).report_reward(
+    from harnessrl.identity import Identity
+    # plays the gateway, with its identity (a harness has none of its own)
+    StoreClient.connect(os.environ["EXTRA_STORE"],
+                        ident=Identity.from_folder(os.environ["EXTRA_GATEWAY_TLS"])).report_reward(
         os.environ["HARNESSRL_ROLLOUT_ID"], attempt, float(task["reward"]))
 x = int(task.get("x", 0))
 right = int(os.environ["HARNESSRL_INDEX_IN_GROUP"]) % 2 == 0
@@ -134,6 +138,7 @@ class Services:
             name="test", harness_command=[PY, str(self.harness)],
             grader_command=[PY, str(self.grader)], concurrency=4, timeout_s=30,
             env={"EXTRA_STORE": f"127.0.0.1:{self.store_port}",
+                 "EXTRA_GATEWAY_TLS": str(conftest.TEST_PKI / "gateway"),
                  "EXTRA_REPO": str(Path(__file__).resolve().parent.parent)},
             tasks=[c.Task(data_json=json.dumps(t)) for t in tasks])
         for k, v in kw.items():

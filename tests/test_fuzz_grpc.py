@@ -60,7 +60,7 @@ def _rpcs(pb2: object, service: str, seeds: dict[str, object]) -> list[Rpc]:
 def fuzz(name: str, address: str, rpcs: list[Rpc], examples: int = EXAMPLES) -> list[str]:
     """Runs `examples` generated calls; returns the problems found (empty: none)."""
     problems: list[str] = []
-    ch = rpc.channel(address)
+    ch = rpc.channel(address, name.split("-")[0])
 
     def one(data: st.DataObject) -> None:
         r = data.draw(st.sampled_from(rpcs), label="rpc")
@@ -92,8 +92,8 @@ def fuzz(name: str, address: str, rpcs: list[Rpc], examples: int = EXAMPLES) -> 
     return problems
 
 
-def serving(address: str) -> bool:
-    return rpc.health_check(address, timeout=5)
+def serving(address: str, peer: str) -> bool:
+    return rpc.health_check(address, timeout=5, peer=peer)
 
 
 # -- the store -------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_fuzz_store(store_service: StoreService, redis_url: str, key_prefix: str
         problems = fuzz("store", store_service.address,
                         _rpcs(store_pb2, "Store", STORE_SEEDS))
         assert store_service.proc is not None and store_service.proc.alive
-        assert serving(store_service.address)
+        assert serving(store_service.address, "store")
         assert _store_snapshot(store, r, key_prefix) == before, "the canary data changed"
         assert not problems, "\n".join(problems[:20])
     finally:
@@ -218,7 +218,7 @@ def test_fuzz_gateway_admin(tmp_path: Path, store_service: StoreService,
                         _rpcs(gateway_pb2, "GatewayAdmin", seeds))
         assert gateway.proc.alive
         admin.resume()  # a fuzzed Pause of every engine is legitimate
-        assert serving(gateway.admin_address)
+        assert serving(gateway.admin_address, "gateway")
         assert canary() == before, "the canary engine changed"
         assert not problems, "\n".join(problems[:20])
     finally:
@@ -258,7 +258,7 @@ def test_fuzz_controller(tmp_path: Path, store_service: StoreService) -> None:
         }
         problems = fuzz("controller", address, _rpcs(controller_pb2, "Controller", seeds))
         assert controller.alive
-        assert serving(address)
+        assert serving(address, "controller")
         after = (client.get_run("canary-run-c").SerializeToString(),
                  [r.SerializeToString() for r in client.list_rollouts("canary-run-c").rollouts])
         assert after == before, "the canary run changed"
@@ -304,7 +304,7 @@ def test_fuzz_trainer(trainer_server: tuple[str, object]) -> None:
                                 "Stop": tpb.StopRequest(skip_checkpoint=True)}
     problems = fuzz("trainer", address, _rpcs(trainer_pb2, "Trainer", seeds),
                     examples=max(20, EXAMPLES // 3))
-    assert serving(address)
+    assert serving(address, "trainer")
     assert not problems, "\n".join(problems[:20])
 
 

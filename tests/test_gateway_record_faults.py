@@ -250,7 +250,7 @@ def test_the_store_killed_mid_stream_is_held_not_refused(
 
     async def run() -> None:
         # (the channel reconnects within 0.2 s of the store's return, not grpc's default 1-120)
-        channel = grpc.aio.insecure_channel(rig.store_address, options=rpc.CLIENT_OPTIONS + [
+        channel = rpc.aio_channel(rig.store_address, "store", extra_options=[
             ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200)])
         store = _KillBeforeNextWrite(StoreClient(channel), rig.store_proc.kill)
         recorder = CallRecorder(store, hold_timeout_s=60)

@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import pytest
 
+import conftest
 from harnessrl.v1 import common_pb2 as c, store_pb2 as spb
 from test_controller import PY, Services, process_alive
 from test_controller_kubernetes import k8s_services
@@ -35,7 +36,10 @@ if task.get("crash_index") == i:
 answer = f"answer {i}"
 req = {"model": "m", "messages": [{"role": "system", "content": "be brief"},
                                   {"role": "user", "content": task["question"]}]}
-store = StoreClient.connect(os.environ["EXTRA_STORE"])
+from harnessrl.identity import Identity
+# plays the gateway recording the harness's call, with its identity (a harness has none)
+store = StoreClient.connect(os.environ["EXTRA_STORE"],
+                            ident=Identity.from_folder(os.environ["EXTRA_GATEWAY_TLS"]))
 store.append_calls([c.Call(
     rollout_id=os.environ["HARNESSRL_ROLLOUT_ID"], attempt=int(os.environ["HARNESSRL_ATTEMPT"]),
     seq=0, api="chat.completions", model="m", request_json=json.dumps(req).encode(),
@@ -60,14 +64,18 @@ from harnessrl.clients import StoreClient
 from harnessrl.v1 import common_pb2 as c
 data = json.load(open(os.environ["HARNESSRL_GROUP_INPUT"]))
 mode = data["task"].get("group", "ok")
-store = StoreClient.connect(os.environ["HARNESSRL_STORE_ADDRESS"])
+from harnessrl.identity import Identity
+store = StoreClient.connect(os.environ["HARNESSRL_STORE_ADDRESS"])  # as its scoped grader
 gid = os.environ["HARNESSRL_GROUP_ID"]
 held = [c.GroupGrading.Name(r.group_grading)
         for r in store.list_rollouts("", group_id=gid).rollouts]
-on_stream = [g.group_id for g in store.read_groups(
+probe = StoreClient.connect(os.environ["HARNESSRL_STORE_ADDRESS"],  # the test's eye
+                            ident=Identity.from_folder(os.environ["EXTRA_ADMIN_TLS"]))
+on_stream = [g.group_id for g in probe.read_groups(
     data["task"]["stream"], consumer_group="probe-" + uuid.uuid4().hex, max_groups=100,
     include_calls=False).groups]
 store.close()
+probe.close()
 json.dump({"held": held, "on_stream": on_stream, "input": data}, open("probe.json", "w"))
 open(os.path.join(os.environ["EXTRA_PROBES"], f"{os.getpid()}.pid"), "w").write(gid)
 if mode == "crash":
@@ -106,6 +114,7 @@ class GroupRun:
         spec.harness_command.extend([PY, str(self.tmp / "h.py")])
         spec.group_grader_command.extend([PY, str(self.tmp / "gg.py")])
         spec.env["EXTRA_PROBES"] = str(self.probes)
+        spec.env["EXTRA_ADMIN_TLS"] = str(conftest.TEST_PKI / "admin")
         return spec
 
     def stream_groups(self) -> list[c.Group]:

@@ -129,7 +129,7 @@ def test_detached_stack_with_own_harness_status_rollouts_show_down(
         deadline = time.monotonic() + 60
         while True:
             now = json.loads((state / "stack.json").read_text())["procs"]["controller"]["pid"]
-            if now != old and health_check(st["controller"], timeout=1):
+            if now != old and health_check(st["controller"], timeout=1, peer="controller"):
                 break
             assert time.monotonic() < deadline, "controller not restarted"
             time.sleep(0.3)

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from conftest import StoreService
-from harnessrl import procs
+from harnessrl import procs, rpc
 from harnessrl.clients import StoreClient
 from harnessrl.rpc import health_check
 from harnessrl.v1 import common_pb2 as c
@@ -51,11 +51,11 @@ def client(store_service) -> StoreClient:  # type: ignore[no-untyped-def]
 
 
 def test_serves_health_and_reflection(store_service) -> None:  # type: ignore[no-untyped-def]
-    assert health_check(store_service.address, "harnessrl.v1.Store")
+    assert health_check(store_service.address, "harnessrl.v1.Store", peer="store")
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
         ProtoReflectionDescriptorDatabase,
     )
-    with grpc.insecure_channel(store_service.address) as ch:
+    with rpc.channel(store_service.address, "store") as ch:
         services = ProtoReflectionDescriptorDatabase(ch).get_services()
     assert "harnessrl.v1.Store" in services and "grpc.health.v1.Health" in services
 

@@ -56,8 +56,8 @@ def test_each_service_killed_comes_back_on_its_port_with_the_event_recorded(
             assert stack.procs[name].alive
         assert (stack.store_address, stack.gateway_admin_address, stack.controller_address,
                 stack.redis_url) == addresses
-        for addr in addresses[:3]:
-            _wait(lambda: health_check(addr, timeout=1), 30)  # noqa: B023
+        for addr, peer in zip(addresses[:3], ("store", "gateway", "controller")):
+            _wait(lambda: health_check(addr, timeout=1, peer=peer), 30)  # noqa: B023
         assert store.get_run("kept").run_id == "kept"  # Redis came back from its AOF
         # the restarted gateway kept the engine's policy version (calls must carry it)
         assert admin.list_engines().engines[0].policy_version == 7

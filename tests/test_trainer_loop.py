@@ -61,7 +61,7 @@ def test_two_steps_push_versions_that_later_calls_carry_and_grpc_stop(
                             "--no-advantage.filter-zero-variance")
     port = trainer.wait_ready(60)["grpc_port"]
     address = f"127.0.0.1:{port}"
-    assert health_check(address, "harnessrl.v1.Trainer")
+    assert health_check(address, "harnessrl.v1.Trainer", peer="trainer")
     client = TrainerClient.connect(address, timeout=600)
     metrics_file = tmp_path / "out" / "metrics.jsonl"
     try:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from harnessrl import identity
 from harnessrl import log as hlog
 from harnessrl.local import evaluate, export, operate, progress, report, sandbox_flags
 from harnessrl.local.follow import follow_run
@@ -442,7 +443,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "up":
         _load_config(args, up)
     hlog.setup("cli", "WARNING")
+    _operator_identity(args)
     return int(args.fn(args))
+
+
+def _operator_identity(args: argparse.Namespace) -> None:
+    """The CLI calls the services as the operator identity of the stack in --state-dir (which
+    `up` and `eval` make), unless $HARNESSRL_TLS_DIR names another (docs/security.md)."""
+    state = getattr(args, "state_dir", None)
+    if state is None or os.environ.get(identity.TLS_DIR_ENV):
+        return
+    operator = Path(state).resolve() / "tls" / "operator"
+    if args.cmd in ("up", "eval") or operator.is_dir():
+        os.environ[identity.TLS_DIR_ENV] = str(operator)
 
 
 if __name__ == "__main__":

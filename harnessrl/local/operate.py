@@ -74,11 +74,11 @@ def _state(x: Any) -> str:
     return "MARKED: " + x.reason if x.state == gpb.ENGINE_STATE_MARKED else "READY"
 
 
-def _health(address: str) -> str:
+def _health(address: str, peer: str) -> str:
     from harnessrl.rpc import health_check
 
     try:
-        return "serving" if health_check(address, timeout=2) else "NOT SERVING"
+        return "serving" if health_check(address, timeout=2, peer=peer) else "NOT SERVING"
     except Exception:  # noqa: BLE001 - unreachable
         return "unreachable"
 
@@ -99,7 +99,7 @@ def status(st: dict[str, Any], console: Console) -> int:
         addr = addresses.get(name) or info.get("address", "")
         live = pid is not None and pid_alive(int(pid))
         if name in ("store", "gateway", "controller", "trainer") and addr and live:
-            health = _health(addr)
+            health = _health(addr, name)
         else:
             health = "running" if live else "down"
         if info.get("exited"):

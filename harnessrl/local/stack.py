@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from harnessrl import procs, redis_server
+from harnessrl import pki, procs, redis_server
 from harnessrl.config import mask_passwords
 from harnessrl.credentials import load_secret
 
@@ -82,6 +82,8 @@ class Stack:
         self.state = Path(cfg.state_dir).resolve()
         self.logs = self.state / "logs"
         self.secret_file = self.state / "secret"
+        self.tls = self.state / "tls"
+        """The stack's CA and identities (harnessrl/pki.py); the CLI acts as tls/operator."""
         self.procs: dict[str, procs.ServiceProcess] = {}
         self.redis_url = cfg.redis_url or ""
         """The Redis URL, password included (never logged or written out: `addresses`)."""
@@ -105,6 +107,9 @@ class Stack:
     def _start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
         load_secret(None, self.secret_file)
+        issued = pki.Pki(self.tls).ensure()
+        if issued:
+            log.info("issued identities in %s: %s", self.tls, ", ".join(issued))
         if self.cfg.model_dir is not None:  # slowest first: vLLM starts while the rest comes up
             from harnessrl.local.engine import start_engine
             for i in range(self.cfg.num_engines):
@@ -159,7 +164,8 @@ class Stack:
 
     def _service(self, name: str, module: str, *args: str,
                  env: dict[str, str] | None = None) -> dict:  # type: ignore[type-arg]
-        self.procs[name], info = procs.start_service(name, module, list(args), self.logs, env)
+        self.procs[name], info = procs.start_service(name, module, list(args), self.logs, env,
+                                                     tls_root=self.tls)
         return info
 
     @property

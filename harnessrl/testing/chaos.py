@@ -150,7 +150,7 @@ def _serving(stack: Stack, name: str) -> bool:
     else:
         addr = {"store": stack.store_address, "controller": stack.controller_address,
                 "trainer": stack.trainer_address}[name]
-    return health_check(addr, timeout=1)
+    return health_check(addr, timeout=1, peer="gateway" if name.startswith("gateway") else name)
 
 
 def _in_flight(log: Path) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from harnessrl import identity
 from harnessrl.v1 import common_pb2 as c
 from services.controller import grading
 from services.controller.backends import JobBackend, JobSpec
@@ -42,8 +43,10 @@ class AttemptJobs:
 
     def hidden(self) -> list[Path]:
         """What no sandbox of this controller may see, even inside a path it may read."""
+        keys = [os.environ.get(identity.TLS_DIR_ENV, ""), self.cfg.grader_tls_dir]
         return [Path(p).resolve() for p in (self.cfg.secret_file, self.cfg.workdir_root,
-                                            *self.cfg.sandbox_hidden_paths, *self._task_files)]
+                                            *self.cfg.sandbox_hidden_paths, *self._task_files,
+                                            *filter(None, keys))]
 
     def folder(self, ro: c.Rollout, attempt: int) -> Path:
         return (self._root / self.run.run_id / f"{grading.safe_name(ro.task_id)}-"

@@ -37,6 +37,11 @@ class ControllerConfig(ServiceConfig):
         ".harnessrl/rollouts",
         description="each attempt runs in <workdir_root>/<run>/<rollout>/attempt-<k>, which "
                     "keeps its stdout/stderr and the grader's")
+    grader_tls_dir: str = Field(
+        "", description="folder of the `grader` identity (ca.crt, tls.crt, tls.key) that the "
+                        "controller hands its graders with a scope token per job "
+                        "(services/controller/grader_access.py); empty: graders get no store "
+                        "access")
     credential_ttl_margin_s: float = Field(
         120.0, description="a rollout credential expires this long after the attempt's "
                            "harness timeout")

@@ -44,6 +44,7 @@ from typing import Any
 from harnessrl.v1 import common_pb2 as c, store_pb2 as spb
 from services.controller.grading import QUOTE_LIMIT, quote, read_tail, reward_fields, safe_name
 from harnessrl.transcripts import last_call_transcript
+from services.controller.grader_access import GraderAccess, without_identity
 from services.controller.store_calls import ResilientStore
 
 log = logging.getLogger("harnessrl.controller")
@@ -108,8 +109,10 @@ _DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, 
 
 
 class GroupGrader:
-    def __init__(self, spec: c.RunSpec, store: ResilientStore, workdir: Path) -> None:
+    def __init__(self, spec: c.RunSpec, store: ResilientStore, workdir: Path,
+                 graders: GraderAccess) -> None:
         self.argv = list(spec.group_grader_command)
+        self.graders = graders
         self.timeout_s = spec.group_grader_timeout_s  # run_spec.normalize fills it in
         self.env = dict(spec.env)
         self.store, self.workdir = store, workdir
@@ -143,7 +146,10 @@ class GroupGrader:
         wd = base / f"try-{len(list(base.glob('try-*'))) + 1}"
         wd.mkdir()
         (wd / "input.json").write_text(json.dumps(data))
-        env = {**os.environ, **self.env, "HARNESSRL_RUN_ID": data["run_id"],
+        scope = self.graders.env(data["run_id"], data["group_id"],
+                                 [r["rollout_id"] for r in data["rollouts"]], self.timeout_s + 300)
+        env = {**without_identity(os.environ), **self.env, **scope,
+               "HARNESSRL_RUN_ID": data["run_id"],
                "HARNESSRL_GROUP_ID": data["group_id"],
                "HARNESSRL_TASK_JSON": json.dumps(data["task"]),
                "HARNESSRL_GROUP_INPUT": str(wd / "input.json"),

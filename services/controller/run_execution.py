@@ -42,6 +42,7 @@ from services.controller.admission import Admission, started_and_done_groups
 from services.controller.attempt_jobs import AttemptJobs
 from services.controller.backends import GraderStep, JobBackend, JobResult, JobSpec
 from services.controller.config import ControllerConfig
+from services.controller.grader_access import GraderAccess
 from services.controller.store_calls import ResilientStore, StoreUnavailable
 
 log = logging.getLogger("harnessrl.controller")
@@ -55,6 +56,7 @@ class RunContext:
     backends: dict[str, JobBackend]
     signer: CredentialSigner
     job_slots: asyncio.Semaphore  # harness runs at once over all runs (cfg.max_jobs)
+    graders: GraderAccess  # what a grader job may read of the store
     task_files: set[str] = field(default_factory=set)  # every run's: hidden from sandboxes
 
 
@@ -92,7 +94,8 @@ class RunExecution:
                                    self.spec.admission_batch_groups) \
             if self.spec.admission_batch_groups > 0 else None
         self.group_grader = GroupGrader(self.spec, ctx.store, Path(ctx.cfg.workdir_root).resolve()
-                                        / run.run_id) if self.spec.group_grader_command else None
+                                        / run.run_id, ctx.graders) \
+            if self.spec.group_grader_command else None
         self._group_rids = {group_id_of(run.run_id, t): [rollout_id_of(run.run_id, t, i) for i in
                             range(self.spec.group_size)] for t in self.tasks}  # (as _planned)
         self._group_ended = {g: asyncio.Event() for g in self._group_rids} \
@@ -465,7 +468,9 @@ class RunExecution:
                 job_id=jobs.job_id(rid, "g", attempt),
                 argv=list(spec.grader_command), workdir=workdir, cwd=work,
                 sandbox=jobs.grader_sandbox(work, [result.stdout_path, result.stderr_path]),
-                harness_env={**env, "HARNESSRL_STORE_ADDRESS": ctx.store.address},
+                harness_env={**env, "HARNESSRL_STORE_ADDRESS": ctx.store.address,
+                             **ctx.graders.env(self.run.run_id, ro.group_id, [rid],
+                                               spec.grader_timeout_s + 300)},
                 timeout_s=spec.grader_timeout_s, harness=result,
                 reward_source=spec.reward_source, labels={**labels, "role": "grader"})
         if self.cancelled:

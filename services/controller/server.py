@@ -16,6 +16,7 @@ from services.controller.run_execution import RunContext
 from services.controller.run_manager import RunManager
 from services.controller.sandbox import Sandbox, Unavailable, egress
 from services.controller.servicer import ControllerServicer
+from services.controller.grader_access import GraderAccess
 from services.controller.store_calls import ResilientStore
 
 log = logging.getLogger("harnessrl.controller")
@@ -73,7 +74,8 @@ async def serve(cfg: ControllerConfig) -> None:
         raise SystemExit(f"controller: cannot sandbox rollouts: {exc}") from None
     backends = make_backends(cfg, sandbox)
     runs = RunManager(RunContext(cfg=cfg, store=store, backends=backends, signer=signer,
-                                 job_slots=asyncio.Semaphore(cfg.max_jobs)))
+                                 job_slots=asyncio.Semaphore(cfg.max_jobs),
+                                 graders=GraderAccess(cfg.grader_tls_dir)))
     # Runs an earlier controller left running are resumed (their jobs adopted) first.
     await runs.recover()
     async def ready() -> tuple[bool, str]:
