@@ -26,6 +26,10 @@ command -v patch >/dev/null || need_apt+=(patch)
 # examples/node_sdk (tests/test_node_sdk.py): a Node harness on the openai npm package; Debian's
 # npm brings its nodejs (NodeSource's nodejs has npm in it).
 command -v npm >/dev/null || need_apt+=(npm)
+# grpcurl (tests/test_auth_clients.py runs docs/security.md's grpcurl commands): where apt has a
+# package (Debian 12 has none: that test then skips).
+command -v grpcurl >/dev/null || ! apt-cache policy grpcurl 2>/dev/null | grep -q 'Candidate: [0-9]' \
+  || need_apt+=(grpcurl)
 # Rollouts run sandboxed (docs/sandbox.md): bubblewrap makes each attempt's namespaces.
 command -v bwrap >/dev/null || need_apt+=(bubblewrap)
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -53,16 +57,20 @@ stamp=".venv/.harnessrl-setup-$(sha256sum pyproject.toml | cut -c1-16)-$extra"
 # examples/swe's harness: mini-swe-agent in a venv of its own (locks/swe-harness.txt, in the
 # cache, once per lock: about 2 minutes; a no-op when it is there).
 swe_harness() { .venv/bin/python examples/swe/harness_env.py >/dev/null; }
-# examples/node_sdk's packages: `npm ci` from its package-lock.json, once per lock (a stamp in
+# The Node examples' packages: `npm ci` from each package-lock.json, once per lock (a stamp in
 # node_modules, which npm ci empties first); a no-op when they are there, skipped without npm.
+# examples/node_sdk: openai (tests/test_node_sdk.py); examples/grpc_node: @grpc/grpc-js and
+# @grpc/proto-loader (tests/test_auth_clients.py).
 node_sdk() {
-  local dir=examples/node_sdk
-  local lock_stamp="$dir/node_modules/.harnessrl-lock-$(sha256sum "$dir/package-lock.json" | cut -c1-16)"
-  [ -f "$lock_stamp" ] && return 0
-  command -v npm >/dev/null || { echo "setup: npm missing: $dir not installed" >&2; return 0; }
-  echo "setup: npm ci in $dir (openai, pinned by its package-lock.json)"
-  (cd "$dir" && npm ci --omit=dev --no-audit --no-fund --loglevel=error >/dev/null)
-  touch "$lock_stamp"
+  local dir lock_stamp
+  for dir in examples/node_sdk examples/grpc_node; do
+    lock_stamp="$dir/node_modules/.harnessrl-lock-$(sha256sum "$dir/package-lock.json" | cut -c1-16)"
+    [ -f "$lock_stamp" ] && continue
+    command -v npm >/dev/null || { echo "setup: npm missing: $dir not installed" >&2; return 0; }
+    echo "setup: npm ci in $dir (pinned by its package-lock.json)"
+    (cd "$dir" && npm ci --omit=dev --no-audit --no-fund --loglevel=error >/dev/null)
+    touch "$lock_stamp"
+  done
 }
 if [ -f "$stamp" ]; then
   swe_harness
