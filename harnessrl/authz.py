@@ -43,9 +43,10 @@ VIEW = (OPERATOR, READER)  # get, list and watch
 # Full method name -> identities allowed (ADMIN is allowed everything, see `allowed`).
 RULES: dict[str, tuple[str, ...]] = {
     # Store: rollouts and attempts are the controller's, calls and gateway state the gateway's,
-    # completed groups the trainer's.
+    # completed groups the trainer's. The gateway reads a rollout and its run when it first
+    # sees a key (services/gateway/sessions.py: the running attempt, next seq, model, sampling).
     "/harnessrl.v1.Store/PutRun": (CONTROLLER,),
-    "/harnessrl.v1.Store/GetRun": (CONTROLLER, TRAINER, *VIEW),
+    "/harnessrl.v1.Store/GetRun": (CONTROLLER, GATEWAY, TRAINER, *VIEW),
     "/harnessrl.v1.Store/ListRuns": (CONTROLLER, TRAINER, *VIEW),
     "/harnessrl.v1.Store/CreateRollouts": (CONTROLLER,),
     "/harnessrl.v1.Store/StartAttempt": (CONTROLLER,),
@@ -55,7 +56,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "/harnessrl.v1.Store/GetGatewayState": (GATEWAY,),
     "/harnessrl.v1.Store/FinishAttempt": (CONTROLLER,),
     "/harnessrl.v1.Store/SetGroupRewards": (CONTROLLER,),
-    "/harnessrl.v1.Store/GetRollout": (CONTROLLER, TRAINER, *VIEW, GRADER),
+    "/harnessrl.v1.Store/GetRollout": (CONTROLLER, GATEWAY, TRAINER, *VIEW, GRADER),
     "/harnessrl.v1.Store/ListRollouts": (CONTROLLER, TRAINER, *VIEW, GRADER),
     "/harnessrl.v1.Store/ReadGroups": (TRAINER,),
     "/harnessrl.v1.Store/AckGroups": (TRAINER,),
