@@ -200,15 +200,17 @@ def _conf_str(value: str) -> str:
 
 
 def start_redis(data_dir: Path, port: int | None = None, appendfsync: str = "everysec",
-                password: str | None = None, username: str | None = None
-                ) -> tuple[str, ServiceProcess]:
+                password: str | None = None, username: str | None = None,
+                acl: str | None = None) -> tuple[str, ServiceProcess]:
     """Starts a private redis-server with AOF persistence in `data_dir`; returns its URL and
     process. `appendfsync everysec` (the default, and what `harnessrl up` uses): every write
     is in the AOF (the OS page cache) before Redis replies, so a kill -9 of Redis loses no
     acknowledged write; a crash of the machine loses at most about the last second. `always`
     fsyncs before replying (nothing lost even then, at several times the write cost).
     `password` becomes its requirepass (and `username`'s, an ACL user with every right, when
-    that is not "default"); the URL returned carries it. The settings are in
+    that is not "default"); the URL returned carries it. With `acl` (ACL rules, such as
+    `~* +@all -@admin -@dangerous`), `username` alone gets in, with those rights: the default
+    user is off and there is no requirepass. The settings are in
     `<data_dir>/redis.conf` (0600), not on the command line, which any user can read; a
     `respawn` of the process reads the same file: same port, same password."""
     exe = shutil.which("redis-server")
@@ -220,7 +222,16 @@ def start_redis(data_dir: Path, port: int | None = None, appendfsync: str = "eve
     data_dir.mkdir(parents=True, exist_ok=True)
     conf = [f"port {port}", "bind 127.0.0.1", f"dir {_conf_str(str(data_dir))}",
             "appendonly yes", f"appendfsync {appendfsync}", 'save ""', "daemonize no"]
-    if password:
+    if acl is not None:
+        if not (password and username and username != "default"):
+            raise ValueError("acl needs a password and a username other than default")
+        # default: off, no password (none logs in as it), but every right: Redis replays its
+        # AOF as the default user and re-checks each MULTI/EXEC against that user's rights, so
+        # a default user with none silently drops every transaction on restart (seen with
+        # Redis 7.0.15; redis/redis#14541, valkey-io/valkey#3983).
+        conf += ["user default off resetpass ~* &* +@all",
+                 f"user {_conf_str(username)} on {_conf_str('>' + password)} {acl}"]
+    elif password:
         conf.append(f"requirepass {_conf_str(password)}")
         if username and username != "default":
             conf.append(f"user {_conf_str(username)} on {_conf_str('>' + password)} ~* &* "

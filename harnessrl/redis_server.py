@@ -1,10 +1,13 @@
 """The Redis of a stack of its own (`harnessrl up` when no --redis-url is given): a
-redis-server bound to 127.0.0.1 on a free port, AOF on, that answers only with a password.
+redis-server bound to 127.0.0.1 on a free port, AOF on, that answers only the store.
 
 Redis belongs to the store alone (the design's trust boundaries): an open Redis on this
-machine would let any local process, a rollout's included, rewrite rewards and runs. The
-password is generated once and kept in `<data_dir>/password` (0600); the port and password are
-in `<data_dir>/redis.conf` (0600), which the server reads, so neither is on a command line.
+machine would let any local process, a rollout's included, rewrite rewards and runs. Only one
+ACL user gets in, `harnessrl-store`, with a password the store alone is given (by env var);
+the default user is off, so a client without that user and password gets NOAUTH or WRONGPASS.
+The user may run every command but Redis's @admin and @dangerous ones (STORE_ACL says why).
+The password is generated once and kept in `<data_dir>/password` (0600); the port and password
+are in `<data_dir>/redis.conf` (0600), which the server reads, so neither is on a command line.
 Both are reused by the next start in the same state directory (`up --resume`: the AOF data
 and the password stay together) and by the supervisor's restart (the same argv, the same
 file: same port, same password).
@@ -24,6 +27,15 @@ from harnessrl import procs
 log = logging.getLogger("harnessrl.redis")
 
 PASSWORD_FILE = "password"
+STORE_USER = "harnessrl-store"
+# Every key (`~*`: the store is this server's only client and owns all of it; a key pattern of
+# its prefix would guard nothing more) and every command but @admin and @dangerous: the store
+# runs none of those (services/store: strings, hashes, lists, sets, a sorted set, streams,
+# SCAN, MULTI/WATCH and EVALSHA scripts, whose calls Redis checks against the same rules), and
+# they are what turns a leaked password into more than the data: CONFIG SET dir/dbfilename
+# (writing files as the Redis user), MODULE LOAD, DEBUG, REPLICAOF, MIGRATE, SHUTDOWN, ACL,
+# MONITOR, FLUSHALL, KEYS. No pub/sub channel (the store subscribes to none).
+STORE_ACL = "~* resetchannels +@all -@admin -@dangerous"
 
 
 def password(data_dir: Path) -> str:
@@ -64,10 +76,10 @@ def start_private(data_dir: Path) -> tuple[str, procs.ServiceProcess | None]:
     pw = password(data_dir)
     port = _saved_port(data_dir)
     if port is not None:
-        url = procs.redis_url(port, pw)
+        url = procs.redis_url(port, pw, STORE_USER)
         if procs.redis_alive(url):
             log.warning("the Redis of %s still answers on port %d: using it", data_dir, port)
             return url, None
         if not _port_free(port):
             port = None
-    return procs.start_redis(data_dir, port, password=pw)
+    return procs.start_redis(data_dir, port, password=pw, username=STORE_USER, acl=STORE_ACL)

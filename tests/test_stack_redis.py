@@ -1,8 +1,10 @@
-"""The Redis of `harnessrl up` (issue #39): with no Redis URL given the stack starts its own,
-bound to 127.0.0.1 on a free port, AOF on, that answers only with a password kept in
-`<state>/redis/password` (0600); the password is on no command line, in no log and not in
-stack.json; a restart (the supervisor's, or the next `up` in the same state dir) keeps the
-port, the password and the data. A URL the user gives is used as it is, credentials included."""
+"""The Redis of `harnessrl up` (issues #39, #40): with no Redis URL given the stack starts its
+own, bound to 127.0.0.1 on a free port, AOF on, that lets in only the store's ACL user
+`harnessrl-store`, whose password is kept in `<state>/redis/password` (0600): no password, the
+default user or a wrong password are refused, and the store's user may not run Redis's admin
+commands. The password is on no command line, in no log and not in stack.json; a restart (the
+supervisor's, or the next `up` in the same state dir) keeps the port, the password and the
+data, transactions included. A URL the user gives is used as it is, credentials included."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import redis
 
 from harnessrl import procs, redis_server
 from harnessrl.clients import StoreClient
+from harnessrl.identity import Identity
 from harnessrl.local.stack import Stack, StackConfig
 from harnessrl.v1 import common_pb2 as c
 
@@ -33,8 +36,13 @@ def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
+def _as_controller(stack: Stack) -> Identity:
+    """The stack's own controller identity (its PKI is not the test session's)."""
+    return Identity.from_folder(stack.tls / "controller")
+
+
 def _store_round_trip(stack: Stack, run_id: str) -> None:
-    store = StoreClient.connect(stack.store_address, timeout=10)
+    store = StoreClient.connect(stack.store_address, timeout=10, ident=_as_controller(stack))
     try:
         store.put_run(c.Run(run_id=run_id, status=c.RUN_STATUS_RUNNING))
         assert store.get_run(run_id).run_id == run_id
@@ -51,18 +59,20 @@ def test_the_stacks_own_redis_answers_only_with_its_password(tmp_path: Path) -> 
         assert len(password) >= 32
         assert _mode(pw_file) == 0o600 and _mode(state / "redis" / "redis.conf") == 0o600
         assert _mode(state / "redis") == 0o700
-        port = redis.Redis.from_url(stack.redis_url).connection_pool.connection_kwargs["port"]
-        assert port != 6379
-        with pytest.raises(redis.AuthenticationError):
-            redis.Redis(host="127.0.0.1", port=port, socket_timeout=2).ping()
-        with pytest.raises(redis.AuthenticationError):
-            redis.Redis(host="127.0.0.1", port=port, password="guess", socket_timeout=2).ping()
-        r = redis.Redis(host="127.0.0.1", port=port, password=password)
-        assert r.ping() and r.config_get("appendonly")["appendonly"] == "yes"
-        assert r.config_get("bind")["bind"] == "127.0.0.1"
+        kwargs = redis.Redis.from_url(stack.redis_url).connection_pool.connection_kwargs
+        port = kwargs["port"]
+        assert port != 6379 and kwargs["username"] == redis_server.STORE_USER
+        _assert_only_the_stores_user_gets_in(port, password)
+        r = redis.Redis(host="127.0.0.1", port=port, username=redis_server.STORE_USER,
+                        password=password)
+        conf = (state / "redis" / "redis.conf").read_text()  # CONFIG GET is refused (admin)
+        assert "appendonly yes" in conf and "bind 127.0.0.1" in conf.splitlines()
 
         _store_round_trip(stack, "kept")  # the store reaches it (the URL came by env var)
         assert any(r.scan_iter("tsr:*"))
+        # Redis replays its AOF as the default user: a transaction must survive the restart
+        # below although that user is off (procs.start_redis gives it rights for the replay)
+        r.pipeline(transaction=True).set("tsr:tx:a", "1").hset("tsr:tx:b", "f", "2").execute()
 
         # the password is on no command line, in no log or ready file, not in stack.json
         for name in ("redis", "store"):
@@ -86,12 +96,15 @@ def test_the_stacks_own_redis_answers_only_with_its_password(tmp_path: Path) -> 
             assert time.monotonic() < deadline, seen
             time.sleep(0.1)
         assert stack.procs["redis"] is not old and procs.redis_alive(stack.redis_url)
+        r = redis.Redis.from_url(stack.redis_url)
+        assert r.get("tsr:tx:a") == b"1" and r.hget("tsr:tx:b", "f") == b"2", \
+            "a MULTI/EXEC written before the kill -9 is lost from the AOF"
         url = stack.redis_url
     # the next `up` in this state dir: same password and data (AOF); the same port when free
     with Stack(_cfg(state)) as again:
         assert pw_file.read_text().strip() == password
         assert again.redis_url == url
-        store = StoreClient.connect(again.store_address, timeout=10)
+        store = StoreClient.connect(again.store_address, timeout=10, ident=_as_controller(again))
         deadline = time.monotonic() + 20
         while True:  # the store reconnects to Redis on its own
             try:
@@ -102,6 +115,28 @@ def test_the_stacks_own_redis_answers_only_with_its_password(tmp_path: Path) -> 
                     raise
                 time.sleep(0.2)
         store.close()
+
+
+def _assert_only_the_stores_user_gets_in(port: int, password: str) -> None:
+    """No password, a guessed one, the default user (even with the store's password) and a
+    wrong user are refused; the store's user gets in but may not run admin commands."""
+    def client(**kw: str) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2, **kw)
+
+    for kw in ({}, {"password": "guess"}, {"password": password},
+               {"username": "default", "password": password},
+               {"username": redis_server.STORE_USER, "password": "guess"},
+               {"username": "admin", "password": password}):
+        with pytest.raises(redis.AuthenticationError):  # NOAUTH or WRONGPASS
+            client(**kw).ping()
+    store = client(username=redis_server.STORE_USER, password=password)
+    assert store.ping() and store.acl_whoami() == redis_server.STORE_USER
+    for refused in (lambda: store.config_set("dir", "/tmp"), lambda: store.config_get("*"),
+                    store.flushall, lambda: store.keys("*"), lambda: store.acl_list(),
+                    lambda: store.execute_command("MODULE", "LIST"),
+                    lambda: store.eval("return redis.call('CONFIG', 'GET', 'dir')", 0)):
+        with pytest.raises(redis.ResponseError, match="NOPERM|no permission|not allowed"):
+            refused()
 
 
 def test_a_user_url_with_a_password_is_used_as_given(tmp_path: Path) -> None:
