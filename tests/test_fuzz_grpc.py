@@ -28,7 +28,7 @@ import redis
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from conftest import GatewayService, StoreService, StubEngineService
+from conftest import GatewayService, StoreService, StubEngineService, as_identity
 from harnessrl import procs, rpc
 from harnessrl.clients import ControllerClient, GatewayAdminClient, StoreClient
 from harnessrl.testing.grpc_fuzz import Rpc, call, request_strategy
@@ -277,7 +277,7 @@ def trainer_server() -> Iterator[tuple[str, object]]:
     from services.trainer.server import ServerThread
 
     control = TrainerControl()
-    server = ServerThread("127.0.0.1:0", control).start()
+    server = ServerThread("127.0.0.1:0", control, ident=as_identity("trainer")).start()
     stop = threading.Event()
 
     def loop() -> None:

@@ -9,7 +9,7 @@ import signal
 import threading
 from types import FrameType
 
-from harnessrl import rpc
+from harnessrl import identity, rpc
 from harnessrl.metrics import serve_metrics
 from harnessrl.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -25,11 +25,15 @@ SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name
 
 
 class ServerThread:
-    """The Trainer gRPC service (plus health and reflection) served from a daemon thread."""
+    """The Trainer gRPC service (plus health and reflection) served from a daemon thread, as
+    `ident` (default: this process's identity; tests that serve it in their own process pass
+    the trainer's)."""
 
-    def __init__(self, bind: str, control: TrainerControl) -> None:
+    def __init__(self, bind: str, control: TrainerControl,
+                 ident: identity.Identity | None = rpc.OWN) -> None:
         self.bind = bind
         self.control = control
+        self.ident = ident
         self.port = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -57,7 +61,7 @@ class ServerThread:
         self._stop = asyncio.Event()
         server, self.port, _ = await rpc.start_server(self.bind, [
             (trainer_pb2_grpc.add_TrainerServicer_to_server, TrainerServicer(self.control),
-             SERVICE_NAME)])
+             SERVICE_NAME)], ident=self.ident)
         self._started.set()
         await self._stop.wait()
         await server.stop(2.0)
