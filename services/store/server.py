@@ -6,6 +6,8 @@ import asyncio
 import logging
 from pathlib import Path
 
+from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
+
 from harnessrl import procs, rpc
 from harnessrl.config import mask_passwords
 from harnessrl.metrics import serve_metrics
@@ -19,6 +21,16 @@ from services.store.servicer import StoreServicer
 log = logging.getLogger("harnessrl.store")
 
 
+def _hint(url: str, exc: BaseException) -> str:
+    if url.startswith("redis://") and isinstance(exc, RedisConnectionError) and \
+            ("reset by peer" in str(exc) or "closed by server" in str(exc)):
+        return " (a Redis that speaks TLS drops plaintext: give it a rediss:// URL)"
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return (" (the store checks Redis's certificate against redis_tls_ca_file, or the "
+                "system's CAs when that is empty, and the URL's host against its names)")
+    return ""
+
+
 async def serve(cfg: StoreConfig) -> None:
     redis_proc = None
     shown = mask_passwords(cfg.redis_url)  # the URL as logs, health and the ready file show it
@@ -27,8 +39,14 @@ async def serve(cfg: StoreConfig) -> None:
         if redis_proc is not None:
             log.info("started redis-server (AOF on) at %s, data in %s", shown,
                      cfg.redis_data_dir)
-    client = connect(cfg.redis_url, socket_keepalive=True, health_check_interval=10)
-    await client.ping()
+    client = connect(cfg.redis_url, socket_keepalive=True, health_check_interval=10,
+                     **cfg.redis_tls_kwargs())
+    try:
+        await client.ping()
+    except (RedisError, OSError) as exc:
+        log.error("cannot use the Redis at %s: %s: %s%s", shown, type(exc).__name__,
+                  mask_passwords(str(exc)), _hint(cfg.redis_url, exc))
+        raise SystemExit(1) from None
     store = RolloutStore(client, cfg.key_prefix)
 
     async def ready() -> tuple[bool, str]:
