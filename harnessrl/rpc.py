@@ -185,10 +185,21 @@ class _Undecodable:
 class _RefuseUndecodable(grpc.aio.ServerInterceptor):
     """Requests that do not parse get INVALID_ARGUMENT (gRPC itself would answer UNKNOWN)."""
 
+    def __init__(self) -> None:
+        # method -> (the handler it wrapped, the wrapper): built once per method, not per call
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
+
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
         if handler is None or handler.request_deserializer is None:
             return handler
+        cached = self._wrapped.get(details.method)
+        if cached is None or cached[0] is not handler:
+            cached = self._wrapped[details.method] = (handler, self._wrap(handler))
+        return cached[1]
+
+    @staticmethod
+    def _wrap(handler: Any) -> Any:
         decode = handler.request_deserializer
 
         def lenient(data: bytes) -> Any:
