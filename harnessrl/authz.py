@@ -155,15 +155,27 @@ class ScopeError(ValueError):
     pass
 
 
+def _issued_by_any(cert: x509.Certificate, ca_pem: bytes) -> bool:
+    """Whether one of the CA certificates in `ca_pem` (a bundle while a CA is rolled over)
+    signed `cert`."""
+    for ca in x509.load_pem_x509_certificates(ca_pem):
+        try:
+            cert.verify_directly_issued_by(ca)
+            return True
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+    return False
+
+
 def verify_scope(token: str, ca_pem: bytes, now: float | None = None) -> Scope:
     """The scope a token grants; ScopeError says why it grants none."""
     try:
         payload_b, sig, cert_der = (_unb64(p) for p in token.split("."))
         cert = x509.load_der_x509_certificate(cert_der)
-        ca = x509.load_pem_x509_certificate(ca_pem)
-        cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature) as exc:
-        raise ScopeError(f"scope token does not verify: {type(exc).__name__}") from exc
+    except (ValueError, TypeError) as exc:
+        raise ScopeError(f"scope token does not parse: {type(exc).__name__}") from exc
+    if not _issued_by_any(cert, ca_pem):
+        raise ScopeError("scope token's certificate is not from this deployment's CA")
     cn = common_name(cert.public_bytes(serialization.Encoding.PEM))
     if cn != CONTROLLER:
         raise ScopeError(f"scope token signed by {cn!r}, not the controller")

@@ -9,7 +9,7 @@ finds its identity, in this order:
 2. `HARNESSRL_TLS_PEM`: the same three files as JSON `{"ca", "cert", "key"}` (PEM text), with
    `HARNESSRL_SCOPE_TOKEN`: how the controller hands a grader its credentials (the `grader`
    identity, allowed nothing unless a scope token signed by the controller names what it may
-   read; services/authz.py).
+   read; harnessrl/authz.py).
 3. The operator identity of a local stack: `.harnessrl/tls/operator` under the current folder
    (the CLI's default `--state-dir`), so `harnessrl status` and the Python clients work in a
    folder where `harnessrl up` runs.

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-# The identities a deployment issues (services/authz.py says what each may call). `admin` may
+# The identities a deployment issues (harnessrl/authz.py says what each may call). `admin` may
 # call everything: for recovery and the test suite; `harnessrl up` issues it to nobody.
 SERVICE_IDENTITIES = ("store", "controller", "gateway", "trainer")
 DEPLOYMENT_IDENTITIES = (*SERVICE_IDENTITIES, "grader", "operator", "reader")
