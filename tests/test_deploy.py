@@ -141,20 +141,30 @@ def test_every_image_has_a_tag(manifests) -> None:  # type: ignore[no-untyped-de
                                                            ct["name"], ct["image"])
 
 
-def test_grpc_services_use_native_grpc_probes(manifests) -> None:  # type: ignore[no-untyped-def]
+HEALTHCHECK = ["python", "-m", "harnessrl.healthcheck", "grpc"]
+
+
+def test_grpc_services_probe_with_their_own_identity(manifests) -> None:  # type: ignore[no-untyped-def]
+    """The kubelet's gRPC probe has no client certificate, so each gRPC service's probes run
+    harnessrl.healthcheck in its container, with its identity (HARNESSRL_TLS_DIR): readiness
+    asks the overall status (NOT_SERVING while the service cannot do its job), liveness only
+    whether the process answers (a Redis outage restarts nothing). A Python start each time:
+    timeouts above the 1 s default, periods of 10 s and more (tests/test_k8s_auth.py runs
+    them against a real store)."""
     _, docs = manifests
-    for name, port in GRPC_SERVICES.items():
-        ct = pod_spec(find(docs, "Deployment", name))["containers"][0]  # type: ignore[index]
-        assert ct["readinessProbe"]["grpc"]["port"] == port, name
-        assert ct["livenessProbe"]["grpc"]["port"] == port, name
-        # readiness: the overall status (NOT_SERVING while the service cannot do its job);
-        # liveness: only that the process answers (a Redis outage restarts nothing)
-        assert not ct["readinessProbe"]["grpc"].get("service"), name
-        assert ct["livenessProbe"]["grpc"]["service"] == "liveness", name
+    pods = [(find(docs, "Deployment", n), p) for n, p in GRPC_SERVICES.items()] + \
+        [(find(docs, "Job", "harnessrl-trainer"), 50054)]
+    for doc, port in pods:
+        name = doc["metadata"]["name"]
+        ct = pod_spec(doc)["containers"][0]  # type: ignore[index]
+        ready, live = ct["readinessProbe"], ct["livenessProbe"]
+        assert ready["exec"]["command"] == [*HEALTHCHECK, f"127.0.0.1:{port}"], name
+        assert live["exec"]["command"] == [*HEALTHCHECK, f"127.0.0.1:{port}", "--live"], name
+        for probe in (ready, live):
+            assert probe["timeoutSeconds"] >= 5 and probe["periodSeconds"] >= 10, name
+            assert "grpc" not in probe, name
+        assert env_of(ct)["HARNESSRL_TLS_DIR"] == "/etc/harnessrl/tls", name
         assert any(p["containerPort"] == port for p in ct["ports"]), name
-    trainer = pod_spec(find(docs, "Job", "harnessrl-trainer"))["containers"][0]  # type: ignore[index]
-    assert trainer["readinessProbe"]["grpc"]["port"] == 50054
-    assert trainer["livenessProbe"]["grpc"]["service"] == "liveness"
 
 
 def test_gpu_requests_only_in_the_gpu_overlay(manifests) -> None:  # type: ignore[no-untyped-def]

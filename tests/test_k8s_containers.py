@@ -3,8 +3,10 @@
 (`examples/calc/k8s-job-template.yaml`, image harnessrl/example-harness) with the pods'
 containers as Docker containers of that image. What only a container shows (uid, capabilities,
 no-new-privileges, a read-only root) is read from inside one; a root pod under runAsNonRoot is
-refused; and a training step runs its rollouts as such Jobs, the harness reaching the gateway
-from its container and the grader container scoring it.
+refused; a training step runs its rollouts as such Jobs, the harness reaching the gateway
+from its container and the grader container scoring it; and from a rollout pod the engine's
+weight-update routes answer 401 and the gRPC services close the connection without a
+certificate of the deployment's CA (issue 40), the pod holding no identity and no token.
 
 Needs a Docker daemon (`docker_daemon`: skipped without one, failed with CI=true) and the
 images (`built_images`)."""
@@ -18,9 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
+import conftest
 from conftest import CONTROLLER_SA, REPO
 from harnessrl.clients import StoreClient
 from harnessrl.local.stack import Stack
@@ -298,3 +302,168 @@ def test_training_step_with_rollout_pods_as_containers(
     # every rollout pod was a container of the example image, each removed after its pod
     assert not docker(docker_daemon, "ps", "-aq", "--filter", f"label={LABEL}={kube.root}")
 
+
+# Runs in a rollout pod's harness container (the example image: Python's standard library and
+# the openai SDK, no gRPC) in place of the harness: what it can reach, and what it holds.
+REACH = r"""
+import json, os, socket, ssl, urllib.error, urllib.request
+t = json.load(open(os.environ["HARNESSRL_TASK_FILE"]))
+def http(method, path, key=None):
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = "Bearer " + key
+    req = urllib.request.Request(t["engine"] + path, method=method, headers=headers,
+                                 data=json.dumps(t["bodies"].get(path, {})).encode()
+                                 if method == "POST" else None)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError as e:
+        return repr(e)
+H2 = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+def grpc_port(port, cert=None, tls=True):
+    ctx = ssl.create_default_context()
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    if cert:
+        ctx.load_cert_chain(*cert)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            s = ctx.wrap_socket(raw) if tls else raw
+            s.sendall(H2)
+            data = s.recv(64)
+            return ("answered " + data.hex()) if data else "closed"
+    except (ssl.SSLError, OSError) as e:
+        return "refused: " + str(e)
+for who in ("rogue", "issued"):
+    for name in ("crt", "key"):
+        with open(f"/workspace/{who}.{name}", "w") as f:
+            f.write(t[f"{who}_{name}"])
+rogue = ("/workspace/rogue.crt", "/workspace/rogue.key")
+issued = ("/workspace/issued.crt", "/workspace/issued.key")
+print(json.dumps({
+    "engine": {p: [http("POST", p), http("POST", p, "not-an-engine-key-" * 2)]
+               for p in t["routes"]},
+    "health": http("GET", "/health"),
+    "grpc": {n: {"no certificate": grpc_port(p), "another CA's": grpc_port(p, rogue),
+                 "plaintext": grpc_port(p, tls=False), "control": grpc_port(p, issued)}
+             for n, p in t["grpc"].items()},
+    "env": sorted(k for k in os.environ if k.startswith(("HARNESSRL_TLS", "HARNESSRL_SCOPE",
+                                                         "HARNESSRL_ENGINE", "HARNESSRL_INS"))),
+    "token": os.path.exists("/var/run/secrets/kubernetes.io/serviceaccount"),
+    "identity": os.path.exists("/etc/harnessrl"),
+    "task_dir": sorted(os.listdir("/var/run/harnessrl")),
+}))
+"""
+# The engine's routes that change or stop it (vLLM dev mode, docs/vllm-cpu.md), and a
+# completion: each must answer the pod 401.
+ENGINE_ROUTES = ["/collective_rpc", "/update_weights", "/init_weight_transfer_engine",
+                 "/start_weight_update", "/update_weight_version", "/pause", "/sleep",
+                 "/wake_up", "/v1/load_lora_adapter", "/v1/chat/completions", "/tokenize"]
+
+
+def test_a_rollout_pod_is_refused_by_the_engine_and_the_grpc_services(
+        kube: FakeKubeAPIServer, tmp_path: Path, redis_url: str, key_prefix: str) -> None:
+    """An attempt the controller's Kubernetes backend runs as a Job of the shipped template,
+    its harness a real container beside the services (host network, as if no NetworkPolicy
+    held: the fake enforces none): the engine (the stub, behind harnessrl.engine_guard as vLLM
+    runs it) answers every weight-update, pause, sleep, adapter and completion route 401 with no
+    key or a wrong one, and /health 200; the store and the controller refuse the TLS handshake
+    without a client certificate and with one of another CA that claims to be the controller,
+    and answer no plaintext HTTP/2. The pod has no identity, no engine key, no service-account
+    token; the Job references only its attempt's Secret, which holds only its credential and
+    its task."""
+    from harnessrl import pki, procs
+    from harnessrl.clients import ControllerClient
+
+    keys = tmp_path / "engine-keys"
+    keys.write_text("the-engine-key-of-the-gateway-0123\n")
+    stub, info = procs.start_service(
+        "stub", "harnessrl.testing.stub_engine",
+        ["--model", "tiny", "--weight-version", "v0", "--middleware",
+         "harnessrl.engine_guard.RequireKey"], tmp_path,
+        env={"HARNESSRL_ENGINE_KEYS_FILE": str(keys)}, timeout=30)
+    engine = f"http://127.0.0.1:{info['http_port']}"
+    store, sinfo = procs.start_service(
+        "store", "services.store", ["--bind", "127.0.0.1:0", "--redis-url", redis_url,
+                                    "--key-prefix", key_prefix], tmp_path, timeout=30)
+    controller, cinfo = procs.start_service(
+        "controller", "services.controller",
+        ["--bind", "127.0.0.1:0", "--store-address", f"127.0.0.1:{sinfo['grpc_port']}",
+         "--gateway-url", "http://127.0.0.1:9/v1", "--workdir-root", str(tmp_path / "rollouts"),
+         "--no-sandbox", "--default-backend", "kubernetes", "--k8s-job-template",
+         str(TEMPLATE), "--k8s-kubeconfig", str(kube.kubeconfig)], tmp_path,
+        env={"HARNESSRL_SECRET": "s" * 40}, timeout=60)
+    rogue = pki.Pki(tmp_path / "rogue-ca").issue("controller")  # a CA of its own
+    assert conftest.TEST_PKI is not None
+    issued = conftest.TEST_PKI / "reader"  # the control: a certificate of the deployment's CA
+    bodies = {"/update_weight_version": {"new_version": "planted"},
+              "/collective_rpc": {"method": "reload_weights"}}
+    task = {"id": "reach", "engine": engine, "routes": ENGINE_ROUTES, "bodies": bodies,
+            "grpc": {"store": sinfo["grpc_port"], "controller": cinfo["grpc_port"]},
+            "rogue_crt": (rogue / "tls.crt").read_text(),
+            "rogue_key": (rogue / "tls.key").read_text(),
+            "issued_crt": (issued / "tls.crt").read_text(),
+            "issued_key": (issued / "tls.key").read_text()}
+    ctl = ControllerClient.connect(f"127.0.0.1:{cinfo['grpc_port']}")
+    try:
+        run = ctl.create_run(c.RunSpec(
+            name="reach", harness_command=["python", "-c", REACH], grader_command=["true"],
+            reward_source=c.REWARD_SOURCE_GRADER_EXIT_CODE, timeout_s=120, concurrency=1,
+            tasks=[c.Task(data_json=json.dumps(task))]))
+        events = list(ctl.watch_run(run.run_id, timeout=300))
+        store_client = StoreClient.connect(f"127.0.0.1:{sinfo['grpc_port']}")
+        try:
+            [ro] = store_client.list_rollouts(run.run_id).rollouts
+        finally:
+            store_client.close()
+        assert ro.status == c.ROLLOUT_STATUS_SUCCEEDED, (ro, events[-1])
+        seen = json.loads((Path(ro.attempts[-1].workdir) / "stdout.log").read_text()
+                          .strip().splitlines()[-1])
+        # the key opens the same routes from here: the 401s are the guard's
+        with_key = httpx.post(f"{engine}/update_weight_version", json={"new_version": "v1"},
+                              headers={"Authorization": "Bearer "
+                                       "the-engine-key-of-the-gateway-0123"}, timeout=10)
+        weight = httpx.get(f"{engine}/weight_info", headers={
+            "Authorization": "Bearer the-engine-key-of-the-gateway-0123"}, timeout=10)
+        jobs = [q["body"] for q in kube.requests() if q["method"] == "POST"
+                and q["path"].endswith("/jobs") and q["body"]["metadata"]["labels"]
+                .get("harnessrl.dev/run") == run.run_id]
+        secrets = [q["body"] for q in kube.requests() if q["method"] == "POST"
+                   and q["path"].endswith("/secrets") and q["body"]["metadata"]["labels"]
+                   .get("harnessrl.dev/run") == run.run_id]
+    finally:
+        ctl.close()
+        controller.stop()
+        store.stop()
+        stub.stop()
+    assert seen["engine"] == {p: [401, 401] for p in ENGINE_ROUTES}, seen["engine"]
+    assert seen["health"] == 200
+    assert with_key.status_code == 200 and weight.json()["weight_version"] == "v1"
+    def h2_settings(answer: str) -> bool:  # the server's first HTTP/2 frame: SETTINGS
+        return answer.startswith("answered ") and answer.split()[1][6:8] == "04"
+    for name, answers in seen["grpc"].items():
+        # with a certificate of the CA the same probe gets the server's HTTP/2 preface...
+        assert h2_settings(answers["control"]), (name, answers)
+        # ...and without one the server closes the TLS connection before any HTTP/2
+        for way in ("no certificate", "another CA's", "plaintext"):
+            assert answers[way] == "closed" or answers[way].startswith("refused: "), \
+                (name, way, answers)
+    assert seen["env"] == [] and not seen["token"] and not seen["identity"], seen
+    assert seen["task_dir"] == ["task.json"], seen
+    [job] = jobs
+    pod = job["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert {v["name"] for v in pod["volumes"]} == {"harnessrl-workspace", "harnessrl-task"}
+    refs = {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v} | {
+        e["valueFrom"]["secretKeyRef"]["name"] for ct in pod["initContainers"] +
+        pod["containers"] for e in ct.get("env", []) if "valueFrom" in e}
+    [secret] = secrets
+    assert refs == {secret["metadata"]["name"]}
+    assert set(secret["stringData"]) == {manifests.SECRET_API_KEY, manifests.SECRET_TASK}
+    assert conftest.TEST_PKI is not None  # the controller's keys, its own and the graders'
+    for held in ("controller", "grader"):
+        key = (conftest.TEST_PKI / held / "tls.key").read_text().strip().splitlines()[1]
+        assert key not in json.dumps(job) and key not in json.dumps(secret), held

@@ -152,3 +152,45 @@ def test_a_template_ships_and_the_cluster_deployment_carries_the_same() -> None:
             d["metadata"]["name"] == "harnessrl-job-template"]
     in_cluster = m.check_template(yaml.safe_load(cm["data"]["job.yaml"]))
     assert in_cluster == m.load_template(REPO / "examples" / "calc" / "k8s-job-template.yaml")
+
+
+def test_grader_identity_travels_in_the_secret_and_never_to_the_harness() -> None:
+    """A grader handed the `grader` identity and a scope token (services/controller/
+    grader_access.py) gets both from the attempt's Secret; the Job holds neither, and the
+    harness container neither."""
+    pem, scope = '{"ca": "C", "cert": "CERT-PEM-VALUE", "key": "KEY-PEM-VALUE"}', "scope.tok.en"
+    spec = job_spec()
+    assert spec.grader is not None
+    spec.grader.env.update({"HARNESSRL_TLS_PEM": pem, "HARNESSRL_SCOPE_TOKEN": scope})
+    job = render(spec)
+    kubernetes_validate.validate(job, KUBE_VERSION, strict=True)
+    text = json.dumps(job)
+    assert "KEY-PEM-VALUE" not in text and scope not in text
+    [harness], [grader] = job["spec"]["template"]["spec"]["initContainers"], \
+        job["spec"]["template"]["spec"]["containers"]
+    assert not {e["name"] for e in harness["env"]} & {"HARNESSRL_TLS_PEM",
+                                                       "HARNESSRL_SCOPE_TOKEN"}
+    genv = {e["name"]: e for e in grader["env"]}
+    secret_name = m.secret_name(job["metadata"]["name"])
+    for name, key in m.SECRET_ENV[m.GRADER].items():
+        assert genv[name] == {"name": name, "valueFrom": {"secretKeyRef": {
+            "name": secret_name, "key": key}}}
+    secret = m.render_secret(spec, job, "uid-1")
+    kubernetes_validate.validate(secret, KUBE_VERSION, strict=True)
+    assert secret["stringData"]["grader-tls-pem"] == pem
+    assert secret["stringData"]["grader-scope-token"] == scope
+    # without them, the Secret holds the harness's credential and the task only
+    plain = job_spec()
+    assert set(m.render_secret(plain, render(plain), "u")["stringData"]) == {
+        m.SECRET_API_KEY, m.SECRET_TASK}
+
+
+@pytest.mark.parametrize("where, name", [
+    ("harness", "HARNESSRL_TLS_DIR"), ("harness", "HARNESSRL_TLS_PEM"),
+    ("harness", "HARNESSRL_SCOPE_TOKEN"), ("grader", "HARNESSRL_TLS_DIR")])
+def test_an_identity_for_the_harness_is_refused(where: str, name: str) -> None:
+    spec = job_spec()
+    assert spec.grader is not None
+    (spec.env if where == "harness" else spec.grader.env)[name] = "x"
+    with pytest.raises(ValueError, match=f"{where} container of a Job may not get {name}"):
+        render(spec)

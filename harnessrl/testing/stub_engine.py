@@ -30,6 +30,9 @@ them) answers with exactly those as its prompt ids (else the fixed `PROMPT_IDS`)
 toy tokenizer (`toy_tokens`: one token a byte, `<|im_start|>` and `<|im_end|>` special), so
 that "Hello, world!" re-tokenizes differently from the 4 tokens the stub generates for it.
 
+`--middleware MODULE.CLASS` wraps it in that ASGI middleware, as vLLM's flag of that name does
+(`harnessrl.engine_guard.RequireKey`: the engine's key check in front of it).
+
 `python -m harnessrl.testing.stub_engine --port 0 --ready-file F`
 """
 
@@ -379,11 +382,16 @@ async def _answer(send: Any, status: int, payload: bytes) -> None:
 
 
 async def _serve(port: int, model: str, ready_file: str, lora: bool,
-                 weight_version: str | None = None) -> None:
+                 weight_version: str | None = None, middleware: list[str] | None = None) -> None:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
-    server = uvicorn.Server(uvicorn.Config(StubEngine(model, weight_version, lora),
+    app: Any = StubEngine(model, weight_version, lora)
+    for path in middleware or []:  # as vLLM's --middleware: app.add_middleware(cls)
+        import importlib
+        module, _, name = path.rpartition(".")
+        app = getattr(importlib.import_module(module), name)(app)
+    server = uvicorn.Server(uvicorn.Config(app,
                                            http="httptools",
                                            lifespan="off",
                                            access_log=False, log_level="warning",
@@ -410,11 +418,14 @@ def main() -> None:
     ap.add_argument("--enable-lora", action="store_true",
                     help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter; "
                          "completions must then name the model or a loaded adapter")
+    ap.add_argument("--middleware", action="append", default=[], metavar="MODULE.CLASS",
+                    help="wrap the app in this ASGI middleware class (repeatable), as vLLM's "
+                         "--middleware does")
     args = ap.parse_args()
     import uvloop
     uvloop.install()
     asyncio.run(_serve(args.port, args.model, args.ready_file, args.enable_lora,
-                       args.weight_version))
+                       args.weight_version, args.middleware))
 
 
 if __name__ == "__main__":

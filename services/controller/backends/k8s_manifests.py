@@ -40,7 +40,11 @@ top-level task field; non-strings as JSON), `{{run_id}}`, `{{rollout_id}}`, `{{a
   Secret).
 - With a grader (`JobSpec.grader`): the harness runs as an init container and the grader as
   the pod's container after it, in the same `/workspace`, without the credential; its log is
-  the grader's output.
+  the grader's output. A grader's store identity and scope token
+  (services/controller/grader_access.py), when it has them, come from the Secret too.
+- No identity reaches the harness: a harness environment with one (`HARNESSRL_TLS_DIR`,
+  `HARNESSRL_TLS_PEM`, `HARNESSRL_SCOPE_TOKEN`) is refused (ValueError), as is a folder path
+  for the grader's.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from typing import Any
 
 import yaml
 
+from harnessrl.identity import SCOPE_TOKEN_ENV, TLS_DIR_ENV, TLS_PEM_ENV
 from services.controller.backends.base import JobSpec
 
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
@@ -68,6 +73,13 @@ TASK_DIR = "/var/run/harnessrl"
 SECRET_API_KEY = "openai-api-key"
 SECRET_TASK = "task.json"
 CREDENTIAL_ENV = "OPENAI_API_KEY"
+# Credentials by container: each from the attempt's Secret (secretKeyRef to the key named
+# here), never a value in the Job, which more can read than its Secret.
+SECRET_ENV = {HARNESS: {CREDENTIAL_ENV: SECRET_API_KEY},
+              GRADER: {TLS_PEM_ENV: "grader-tls-pem", SCOPE_TOKEN_ENV: "grader-scope-token"}}
+# What a container's environment may not hold at all (a harness gets no identity; a folder of
+# the controller's means nothing in a pod).
+REFUSED_ENV = {HARNESS: (TLS_DIR_ENV, TLS_PEM_ENV, SCOPE_TOKEN_ENV), GRADER: (TLS_DIR_ENV,)}
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[^\s{}]+)?)\s*\}\}")
 _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 
@@ -160,12 +172,17 @@ def placeholder_values(spec: JobSpec) -> dict[str, str]:
     return fields
 
 
-def _env_list(env: dict[str, str], secret: str | None) -> list[dict[str, Any]]:
+def _env_list(role: str, env: dict[str, str], secret: str) -> list[dict[str, Any]]:
+    refused = sorted(set(REFUSED_ENV[role]) & set(env))
+    if refused:
+        raise ValueError(f"the {role} container of a Job may not get {', '.join(refused)}")
+    from_secret = SECRET_ENV[role]
     out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items()
-                                 if k != CREDENTIAL_ENV]
-    if secret is not None and CREDENTIAL_ENV in env:
-        out.append({"name": CREDENTIAL_ENV, "valueFrom": {
-            "secretKeyRef": {"name": secret, "key": SECRET_API_KEY}}})
+                                 if k not in from_secret and k != CREDENTIAL_ENV]
+    for name, key in from_secret.items():
+        if name in env:
+            out.append({"name": name, "valueFrom": {
+                "secretKeyRef": {"name": secret, "key": key}}})
     return out
 
 
@@ -177,7 +194,7 @@ def _container(base: dict[str, Any], name: str, argv: list[str], env: dict[str, 
     ct.pop("args", None)  # the run's command is the whole argv
     env = {**env, "HARNESSRL_WORKDIR": WORKSPACE, "HARNESSRL_TASK_FILE": f"{TASK_DIR}/task.json"}
     ct["env"] = [e for e in ct.get("env", []) if e.get("name") not in env] + \
-        _env_list(env, secret if name == HARNESS else None)
+        _env_list(name, env, secret)
     ct["workingDir"] = WORKSPACE
     ct["volumeMounts"] = [m for m in ct.get("volumeMounts", [])
                           if m.get("mountPath") not in (WORKSPACE, TASK_DIR)] + [
@@ -252,5 +269,7 @@ def render_secret(spec: JobSpec, job: dict[str, Any], job_uid: str) -> dict[str,
                                  "uid": job_uid, "controller": True}],
         },
         "stringData": {SECRET_API_KEY: spec.env.get(CREDENTIAL_ENV, ""),
-                       SECRET_TASK: spec.env.get("HARNESSRL_TASK_JSON", "{}")},
+                       SECRET_TASK: spec.env.get("HARNESSRL_TASK_JSON", "{}"),
+                       **{key: spec.grader.env[name] for name, key in SECRET_ENV[GRADER].items()
+                          if spec.grader is not None and name in spec.grader.env}},
     }
