@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from harnessrl import identity, procs
 from harnessrl.clients import StoreClient
 from harnessrl.local.operate import pid_alive
 from harnessrl.rpc import health_check
@@ -38,8 +39,14 @@ HARNESS = textwrap.dedent('''
 GRADER = 'import json; print(json.dumps({"reward": 0.25}))\n'
 
 
+# As a user runs it: no identity in the environment; `up` makes <state>/tls and every verb
+# calls as its operator on its own.
+USER_ENV = {k: v for k, v in os.environ.items()
+            if k not in (identity.TLS_DIR_ENV, procs.TLS_ROOT_ENV)}
+
+
 def cli(state: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "250", "PYTHONPATH": str(REPO)}
+    env = {**USER_ENV, "COLUMNS": "250", "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "harnessrl.local.cli", *args, "--state-dir",
                            str(state)], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=state.parent, check=False)
@@ -72,14 +79,15 @@ def test_detached_stack_with_own_harness_status_rollouts_show_down(
          "--model-name", vllm_engine.model_name, "--redis-url", redis_url,
          "--key-prefix", key_prefix, "--state-dir", str(state)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
+        env={**USER_ENV, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stdout + r.stderr
     assert "stack running" in r.stdout
     st = json.loads((state / "stack.json").read_text())
     sup = int(st["supervisor_pid"])
     try:
         (run_id,) = st["runs"]
-        store = StoreClient.connect(st["store"])
+        operator = identity.Identity.from_folder(state / "tls" / "operator")
+        store = StoreClient.connect(st["store"], ident=operator)
         deadline = time.monotonic() + 120
         while store.get_run(run_id).status == c.RUN_STATUS_RUNNING:
             assert time.monotonic() < deadline, "run did not finish"
@@ -129,7 +137,8 @@ def test_detached_stack_with_own_harness_status_rollouts_show_down(
         deadline = time.monotonic() + 60
         while True:
             now = json.loads((state / "stack.json").read_text())["procs"]["controller"]["pid"]
-            if now != old and health_check(st["controller"], timeout=1, peer="controller"):
+            if now != old and health_check(st["controller"], timeout=1, peer="controller",
+                                          ident=operator):
                 break
             assert time.monotonic() < deadline, "controller not restarted"
             time.sleep(0.3)

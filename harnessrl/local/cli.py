@@ -449,11 +449,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _operator_identity(args: argparse.Namespace) -> None:
     """The CLI calls the services as the operator identity of the stack in --state-dir (which
-    `up` and `eval` make), unless $HARNESSRL_TLS_DIR names another (docs/security.md)."""
+    `up` and `eval` make; harnessrl/local/stack.py `tls_root`), unless $HARNESSRL_TLS_DIR names
+    another (docs/security.md)."""
     state = getattr(args, "state_dir", None)
     if state is None or os.environ.get(identity.TLS_DIR_ENV):
         return
-    operator = Path(state).resolve() / "tls" / "operator"
+    from harnessrl.local.stack import tls_root
+
+    operator = tls_root(Path(state).resolve()) / "operator"
     if args.cmd in ("up", "eval") or operator.is_dir():
         os.environ[identity.TLS_DIR_ENV] = str(operator)
 

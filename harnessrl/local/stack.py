@@ -11,6 +11,7 @@ the end-to-end tests and the benchmarks use it; in production each service runs 
 from __future__ import annotations
 
 import json
+import os
 import logging
 import threading
 from collections.abc import Callable
@@ -76,13 +77,19 @@ class StackConfig:
     """The engines serve runtime-loaded LoRA adapters (docs/lora.md)."""
 
 
+def tls_root(state: Path) -> Path:
+    """Where a stack in `state` keeps its CA and identities: <state>/tls, or the PKI folder
+    $HARNESSRL_TLS_ROOT names (several stacks under one CA, as the test suite runs them)."""
+    return Path(os.environ.get(procs.TLS_ROOT_ENV) or state / "tls").resolve()
+
+
 class Stack:
     def __init__(self, cfg: StackConfig) -> None:
         self.cfg = cfg
         self.state = Path(cfg.state_dir).resolve()
         self.logs = self.state / "logs"
         self.secret_file = self.state / "secret"
-        self.tls = self.state / "tls"
+        self.tls = tls_root(self.state)
         """The stack's CA and identities (harnessrl/pki.py); the CLI acts as tls/operator."""
         self.procs: dict[str, procs.ServiceProcess] = {}
         self.redis_url = cfg.redis_url or ""
