@@ -129,9 +129,9 @@ def test_a_scope_token_counts_only_when_the_controller_signed_it_and_it_is_curre
         "expired": (scope_token(ttl_s=-1), "expired"),
         "payload changed after signing": (_tampered(scope_token()), "does not verify"),
         "another CA's controller": (scope_token(signer_identity=foreign_ctl),
-                                    "does not verify"),
+                                    "not from this deployment's CA"),
         "no token": ("", "no scope token"),
-        "not a token": ("x.y.z", "does not verify"),
+        "not a token": ("x.y.z", "does not parse"),
     }
     for what, (token, why) in tokens.items():
         client = StoreClient.connect(store.address, timeout=10, ident=grader(token))
