@@ -153,7 +153,13 @@ class ServiceConfig(BaseSettings):
         once for the process, and logs the resolved config (secrets masked)."""
         from harnessrl import log as hlog
 
+        from harnessrl import identity
+
         cfg = cls.load(argv, prog=f"python -m services.{service}")
+        try:  # before any other work: a service without an identity says so in one line
+            identity.resolve()
+        except identity.NoIdentity as exc:
+            raise SystemExit(f"{service}: {exc}") from None
         hlog.setup(service, getattr(cfg, "log_level", None))
         logging.getLogger(f"harnessrl.{service}").info("config %s", cfg.describe())
         return cfg

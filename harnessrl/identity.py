@@ -181,6 +181,7 @@ def server_credentials(identity: Identity) -> grpc.ServerCredentials:
             return None
         try:
             fresh = Identity.from_folder(folder)
+            _check_pair(fresh)
         except (NoIdentity, ValueError) as exc:  # half-written: keep the old one for now
             log.warning("identity folder %s changed but does not load yet: %s", folder, exc)
             return None
@@ -190,6 +191,18 @@ def server_credentials(identity: Identity) -> grpc.ServerCredentials:
 
     return grpc.dynamic_ssl_server_credentials(config(identity), fetch,
                                                require_client_authentication=True)
+
+
+def _check_pair(ident: Identity) -> None:
+    """Raises ValueError unless the key is the certificate's (a renewal caught between its
+    two writes)."""
+    from cryptography.hazmat.primitives import serialization
+
+    cert_pub = x509.load_pem_x509_certificate(ident.cert).public_key()
+    key_pub = serialization.load_pem_private_key(ident.key, None).public_key()
+    fmt = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if cert_pub.public_bytes(*fmt) != key_pub.public_bytes(*fmt):
+        raise ValueError("tls.key is not the key of tls.crt")
 
 
 def _stamp(folder: Path) -> tuple[float, ...]:

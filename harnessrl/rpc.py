@@ -284,7 +284,10 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(names, server)
     if ident is None:
-        identity.insecure_address(bind, "gRPC server on")
+        try:
+            identity.insecure_address(bind, "gRPC server on")
+        except identity.NoIdentity as exc:
+            raise SystemExit(str(exc)) from None
         port = server.add_insecure_port(bind)
     else:
         port = server.add_secure_port(bind, identity.server_credentials(ident))
