@@ -17,6 +17,7 @@ from pathlib import Path
 
 from bench._services import running_attempt, start_gateway, start_store
 from harnessrl import procs
+from harnessrl.identity import INSECURE_ENV, TLS_DIR_ENV
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,12 +47,15 @@ def start(src: Path, workdir: Path, secret: str, engines: list[dict[str, object]
           ) -> tuple[dict[str, procs.ServiceProcess], str, str]:
     """Redis, the store and gateway of checkout `src` (each appended to `started`); returns
     them by name, the gateway's chat completions URL and the key of `rollout_id`'s attempt."""
-    env = {"PYTHONPATH": str(src)}
+    # In plaintext (explicit insecure mode, loopback), as a checkout that predates
+    # authentication (e4c7192 does) serves whatever it is given; today's arm is mTLS, so
+    # `vs_baseline` includes what authentication costs.
+    env = {"PYTHONPATH": str(src), TLS_DIR_ENV: "", INSECURE_ENV: "1"}
     redis_url, redis_proc = procs.start_redis(workdir / "redis")
     started.append(redis_proc)
     store_proc, store_addr = start_store(workdir, redis_url, env)
     started.append(store_proc)
-    key = running_attempt(store_addr, rollout_id, secret)
+    key = running_attempt(store_addr, rollout_id, secret, ident=None)
     gw_proc, gw = start_gateway(workdir, store_addr, secret, engines, env=env)
     started.append(gw_proc)
     return ({"gateway": gw_proc, "store": store_proc, "redis": redis_proc},

@@ -9,15 +9,33 @@ import it.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
-from harnessrl import procs
+from harnessrl import identity, pki, procs, rpc
 from harnessrl.clients import StoreClient
 from harnessrl.credentials import CredentialSigner
 from harnessrl.v1 import common_pb2 as c
 
 VARIANTS = Path(__file__).resolve().parent / "_gateway_variants.py"
+
+
+def bench_pki(workdir: Path) -> Path:
+    """The PKI folder (harnessrl/pki.py) the bench's services take their identities from, as a
+    deployment's do: $HARNESSRL_TLS_ROOT when set (the test session's), else a new one in
+    `workdir`, made the bench process's $HARNESSRL_TLS_ROOT with the bench itself calling as
+    `admin` (it plays controller, gateway and operator at once, as the tests do)."""
+    root = os.environ.get(procs.TLS_ROOT_ENV, "")
+    if root:
+        if not os.environ.get(identity.TLS_DIR_ENV) and (Path(root) / "admin").is_dir():
+            os.environ[identity.TLS_DIR_ENV] = str(Path(root) / "admin")
+        return Path(root)
+    folder = workdir / "pki"
+    pki.Pki(folder).ensure(pki.ALL_IDENTITIES)
+    os.environ[procs.TLS_ROOT_ENV] = str(folder)
+    os.environ[identity.TLS_DIR_ENV] = str(folder / "admin")
+    return folder
 
 
 def start_store(workdir: Path, redis_url: str, env: dict[str, str] | None = None
@@ -41,6 +59,7 @@ def start_gateway(workdir: Path, store_address: str, secret: str,
         return procs.start_service("gateway", "services.gateway", flags, workdir, env=env)
     name = f"gateway-{http_server}-{engine_client}"
     ready = workdir / f"{name}.ready"
+    env = {**procs.identity_env("services.gateway"), **env}  # a file path, not `-m services.X`
     proc = procs.ServiceProcess(
         name, [sys.executable, str(VARIANTS), "--http-server", http_server, "--engine-client",
                engine_client, *flags, "--ready-file", str(ready)],
@@ -57,7 +76,9 @@ def start_stub_engine(workdir: Path, model: str) -> tuple[procs.ServiceProcess, 
 def start_world(workdir: Path, model: str,
                 started: list[procs.ServiceProcess]) -> tuple[str, str, str]:
     """Redis, a store on it and a stub engine serving `model`, each appended to `started` (the
-    caller stops them); returns (redis URL, store address, stub engine URL)."""
+    caller stops them); returns (redis URL, store address, stub engine URL). The services run
+    authenticated, with identities from `bench_pki`."""
+    bench_pki(workdir)
     redis_url, redis_proc = procs.start_redis(workdir / "redis")
     started.append(redis_proc)
     store_proc, store_addr = start_store(workdir, redis_url)
@@ -67,9 +88,11 @@ def start_world(workdir: Path, model: str,
     return redis_url, store_addr, stub_url
 
 
-def running_attempt(store_address: str, rollout_id: str, secret: str) -> str:
-    """Creates rollout `rollout_id` in the store, starts its attempt 1; returns its key."""
-    store = StoreClient.connect(store_address)
+def running_attempt(store_address: str, rollout_id: str, secret: str,
+                    ident: identity.Identity | None = rpc.OWN) -> str:
+    """Creates rollout `rollout_id` in the store (calling as `ident`, default this process's
+    identity; None: plaintext), starts its attempt 1; returns its key."""
+    store = StoreClient.connect(store_address, ident=ident)
     store.create_rollouts([c.Rollout(rollout_id=rollout_id, run_id="bench", task_id="t",
                                      group_id="bench/t", group_size=1, stream="-")])
     store.start_attempt(rollout_id, 1)

@@ -42,8 +42,22 @@ upstream, 32 connections), and the raw figures.
    (`replicas1_throughput`, calls/s summed) and one against each of two replicas
    (`replicas2_throughput`; the replicas then ask the store before every call), alternating.
 
+7. what authentication costs (`bench/_auth_overhead.py`; `--auth-only` measures just this): the
+   store's RecordCalls stream as the gateway records through it, and one unary RPC
+   (GetRollout), mTLS with the calling service's identity against a plaintext store on the
+   same Redis, in `--auth-rounds` alternating draws of `--auth-seconds`. The JSON line's
+   `auth` holds, per measurement, mTLS / plaintext of calls/s (`ratio`) and of the
+   throughput the CPU per call gives (`cpu_ratio`), each the median, min and max over rounds
+   (target >= 0.95), and each arm's medians; besides, the handshake's cost and `parts`:
+   harnessrl's own per-call pieces and gRPC's TLS with no harnessrl code
+   (`bench/_auth_parts.py`).
+
+Every service runs authenticated as in a deployment (mTLS, harnessrl/pki.py identities from
+$HARNESSRL_TLS_ROOT, else a PKI the bench makes in its work folder; the bench calls as admin).
+
     python bench/gateway_overhead.py [--duration 10] [--no-vllm] [--engine-cpus 0|''] [--arms ...]
-        [--baseline e4c7192|''] [--rounds 3]
+        [--baseline e4c7192|''] [--rounds 3] [--auth-rounds 8] [--auth-seconds 2]
+    python bench/gateway_overhead.py --auth-only  # about 2 minutes
     python bench/gateway_overhead.py --no-vllm --quick --arms uvicorn+builtin --baseline ''  # runs?
 """
 
@@ -64,10 +78,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import _baseline  # noqa: E402
+from bench import _auth_overhead, _baseline  # noqa: E402
 from bench._procstat import children, proc_table  # noqa: E402
-from bench._services import (running_attempt, start_gateway, start_store,  # noqa: E402
-                             start_stub_engine)
+from bench._services import (bench_pki, running_attempt, start_gateway,  # noqa: E402
+                             start_store, start_stub_engine)
 from harnessrl import procs  # noqa: E402
 from harnessrl.clients import StoreClient  # noqa: E402
 
@@ -147,6 +161,35 @@ def as_forwarded(body: dict) -> dict:  # type: ignore[type-arg]
     return {**body, "logprobs": True, "return_token_ids": True}
 
 
+def print_auth(auth: dict) -> None:  # type: ignore[type-arg]
+    """The authentication rows: per measurement, each arm's medians and the ratio."""
+    print(f"\n{'authentication':<15}{'arm':>10}{'calls/s':>9}{'p50 ms':>8}"
+          f"{'CPU us/call: store / redis / client':>37}{'mTLS/plain':>12}{'min-max':>13}")
+    for kind in _auth_overhead.KINDS:
+        a = auth[kind]
+        for arm in ("mtls", "plaintext"):
+            r = a[arm]
+            cpu = f"{r['store_cpu_us_per_call']:.0f} / {r['redis_cpu_us_per_call']:.0f} / " \
+                  f"{r['client_cpu_us_per_call']:.0f}"
+            ratio = [(f"{a['ratio']:.3f}", f"{a['ratio_min']:.2f}-{a['ratio_max']:.2f}"),
+                     (f"CPU {a['cpu_ratio']:.3f}",
+                      f"{a['cpu_ratio_min']:.2f}-{a['cpu_ratio_max']:.2f}")][arm != "mtls"]
+            print(f"{kind:<15}{arm:>10}{r['calls_per_s']:>9.0f}{r['p50_ms']:>8.2f}{cpu:>37}"
+                  f"{ratio[0]:>12}{ratio[1]:>13}")
+    connect, parts = auth["connect_p50_ms"], auth["parts"]
+    alone = parts["grpc_alone"]
+    print(f"target: mTLS/plain >= {auth['target']}\n"
+          f"handshake: a new channel's first call p50 {connect['mtls']:.2f} ms mTLS, "
+          f"{connect['plaintext']:.2f} ms plaintext\n"
+          f"harnessrl's own, per call (in-process): Authorize interceptor "
+          f"{parts['authorize_interceptor_us']} us (its table check "
+          f"{parts['authorize_check_us']} us), reading the peer's identity "
+          f"{parts['auth_context_us']} us\n"
+          f"gRPC alone (an echo, 32 in flight): mTLS/plain {alone['ratio']:.3f}, CPU "
+          f"{alone['cpu_ratio']:.3f} ({alone['mtls_cpu_us_per_call']:.0f} / "
+          f"{alone['plaintext_cpu_us_per_call']:.0f} us per call)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--duration", type=int, default=10, help="seconds per measurement")
@@ -167,12 +210,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3,
                     help="alternating direct/gateway/baseline runs against the stub, and "
                          "1-replica/2-replica runs (medians reported)")
+    ap.add_argument("--auth-rounds", type=int, default=8,
+                    help="alternating mTLS/plaintext draws of the store's RecordCalls stream "
+                         "and a unary RPC (bench/_auth_overhead.py); 0 skips them")
+    ap.add_argument("--auth-seconds", type=float, default=2.0, help="seconds per such draw")
+    ap.add_argument("--auth-only", action="store_true",
+                    help="measure only what authentication costs (no wrk needed)")
     ap.add_argument("--quick", action="store_true",
                     help="1 s per measurement and per warm-up, 1 connection included, one round "
                          "against vLLM: checks that every part runs (tests/test_bench_cli.py); "
                          "the figures mean nothing")
     args = ap.parse_args()
-    if shutil.which("wrk") is None:
+    if shutil.which("wrk") is None and not args.auth_only:
         sys.exit("wrk not found: apt-get install wrk (scripts/setup.sh does)")
 
     all_cpus = os.sched_getaffinity(0)
@@ -185,8 +234,20 @@ def main() -> None:
     started: list[procs.ServiceProcess] = []
     cleanup = contextlib.ExitStack()
     try:
+        pki_root = bench_pki(work)
         redis_url, redis_proc = procs.start_redis(work / "redis")
         started.append(redis_proc)
+        auth = None
+        if args.auth_rounds > 0 or args.auth_only:
+            assert redis_proc.proc is not None
+            auth = _auth_overhead.run(work, redis_url, redis_proc.proc.pid, pki_root,
+                                      0.3 if args.quick else args.auth_seconds,
+                                      1 if args.quick else max(1, args.auth_rounds),
+                                      args.connections, args.quick)
+            print_auth(auth)
+        if args.auth_only:
+            print(json.dumps({"auth": auth, "quick": args.quick}))
+            return
         store_proc, store_addr = start_store(work, redis_url)
         started.append(store_proc)
         stub_proc, stub_url = start_stub_engine(work, "stub-model")
@@ -415,6 +476,8 @@ def main() -> None:
                                           / results["stub_direct"]["calls_per_s"], 3)}
             summary["vs_baseline"] = {m: round(summary[m] / base[m], 3)  # type: ignore[operator]
                                       for m in ("added_p50_ms_stub_c1", "throughput_ratio")}
+        if auth is not None:
+            summary["auth"] = auth
         if vllm is not None:
             summary["vllm_throughput_ratio"] = round(
                 results["vllm_gateway"]["calls_per_s"] / results["vllm_direct"]["calls_per_s"], 3)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from harnessrl import identity, procs
+
 REPO = Path(__file__).resolve().parent.parent
 BENCHES = sorted(p.name for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_"))
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -101,9 +103,12 @@ def test_the_gateway_bench_runs_from_a_fresh_clone_and_prints_its_json_line(
         clone: Path) -> None:
     """The short run (`--quick`) of `python bench/gateway_overhead.py --no-vllm`, with one
     HTTP-layer arm: the arms run as a bench helper in a child process of their own. (No
-    baseline: a clone without `.git` has no commit to check out.)"""
+    baseline: a clone without `.git` has no commit to check out.) The bench's own PKI: the
+    test session's $HARNESSRL_TLS_ROOT is not passed on, as a shell running it has none."""
+    env = {k: v for k, v in clone_env().items() if k not in identity.IDENTITY_ENV
+           and k != procs.TLS_ROOT_ENV}
     r = subprocess.run([sys.executable, "bench/gateway_overhead.py", "--no-vllm", "--quick",
-                        "--arms", "uvicorn+builtin", "--baseline", ""], cwd=clone, env=clone_env(),
+                        "--arms", "uvicorn+builtin", "--baseline", ""], cwd=clone, env=env,
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads(r.stdout.splitlines()[-1])
@@ -111,3 +116,8 @@ def test_the_gateway_bench_runs_from_a_fresh_clone_and_prints_its_json_line(
     assert summary["throughput_ratio"] > 0 and summary["replicas_ratio"] > 0
     assert set(summary["arms"]) == {"uvicorn+builtin"}
     assert summary["arms"]["uvicorn+builtin"]["throughput_ratio"] > 0
+    # authentication's cost: mTLS and plaintext stores measured side by side
+    for kind in ("record_stream", "unary_c1", "unary"):
+        auth = summary["auth"][kind]
+        assert auth["ratio"] > 0 and auth["cpu_ratio"] > 0, auth
+        assert auth["mtls"]["calls_per_s"] > 0 and auth["plaintext"]["calls_per_s"] > 0, auth
