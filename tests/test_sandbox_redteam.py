@@ -46,7 +46,9 @@ class World:
         self.targets = {
             "secret_file": str(self.stack.secret_file),
             "more_secrets": [str(self.stack.state / "redis" / "password"),
-                             str(self.stack.state / "stack.json")],
+                             str(self.stack.state / "stack.json"),
+                             str(self.stack.tls / "controller" / "tls.key")],
+            "tls": str(self.stack.tls),
             "workdir_root": str(self.stack.state / "rollouts"),
             "tasks_file": str(self.tasks), "repo": str(REPO),
             "redis": redis_host, "gateway_port": int(self.stack.gateway_url.split(":")[2]
@@ -141,8 +143,13 @@ def test_the_reward_is_the_graders_sandboxed_and_forged_without(sandboxed: Any,
     for ro in sandboxed[1]:
         assert ro.status == c.ROLLOUT_STATUS_SUCCEEDED and ro.has_reward, ro
         assert ro.reward == 0.0, ro  # the grader (`false`) gave 0
-    # without the sandbox the harness finished its own attempt through the store first
+    # without the sandbox the harness finished its own attempt through the store first: not
+    # with a connection of its own (mTLS refuses it), but with the controller's key, which the
+    # stack's folder holds where an unsandboxed process of the same user reads it
     assert any(ro.has_reward and ro.reward == 1.0 for ro in unsandboxed[1]), unsandboxed[1]
+    for ro in unsandboxed[1]:
+        detail = _results(ro)["connect_store"]["detail"]
+        assert "without an identity: UNAVAILABLE; as the controller" in detail, detail
 
 
 def test_nothing_is_written_outside_the_attempts_own_work_folder(world: World, sandboxed: Any,

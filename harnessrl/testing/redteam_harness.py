@@ -7,6 +7,7 @@ Standard library only, so that it runs as an agent's code would: with whatever P
 Its targets come in `REDTEAM_TARGETS` (JSON), as an attacker would find them in the services'
 flags (`/proc/*/cmdline`) or by guessing:
   {"secret_file", "workdir_root", "tasks_file", "tcp": {name: "host:port"}, "redis": "host:port", "repo": path, "gateway_port": int,
+   "tls": the stack's identities folder,
    "bomb": max processes to try, "hog_mb": memory to try}
 
 Each probe's outcome: "refused" (the sandbox stopped it), "succeeded" (the attack worked), or
@@ -142,15 +143,26 @@ def probe_forge_records() -> tuple[str, str]:
 
 
 def _finish_attempt_through_store(addr: str) -> str:
-    """The store's FinishAttempt on its own attempt, SUCCEEDED with reward 1.0."""
+    """The store's FinishAttempt on its own attempt, SUCCEEDED with reward 1.0: with no
+    identity (mTLS refuses it), then as the controller, with its key read from the stack's
+    folder where this harness can read it."""
     sys.path.insert(0, T["repo"])
-    from harnessrl.clients import StoreClient  # noqa: PLC0415 - only where importable
+    import grpc  # noqa: PLC0415 - only where importable
+
+    from harnessrl.clients import StoreClient  # noqa: PLC0415
+    from harnessrl.identity import Identity  # noqa: PLC0415
     from harnessrl.v1 import common_pb2 as c, store_pb2 as spb  # noqa: PLC0415
 
-    StoreClient.connect(addr).stub.FinishAttempt(spb.FinishAttemptRequest(
-        rollout_id=ME, attempt=ATTEMPT, status=c.ROLLOUT_STATUS_SUCCEEDED, reward=1.0),
-        timeout=5)
-    return "FinishAttempt reward 1.0 accepted"
+    req = spb.FinishAttemptRequest(rollout_id=ME, attempt=ATTEMPT,
+                                   status=c.ROLLOUT_STATUS_SUCCEEDED, reward=1.0)
+    try:
+        StoreClient(grpc.insecure_channel(addr)).stub.FinishAttempt(req, timeout=5)
+        return "FinishAttempt reward 1.0 accepted without an identity"
+    except grpc.RpcError as err:
+        anonymous = f"without an identity: {err.code().name}"
+    stolen = Identity.from_folder(os.path.join(T["tls"], "controller"))
+    StoreClient.connect(addr, ident=stolen).stub.FinishAttempt(req, timeout=5)
+    return f"{anonymous}; as the controller, its key read: FinishAttempt reward 1.0 accepted"
 
 
 def probe_services() -> dict[str, tuple[str, str]]:
