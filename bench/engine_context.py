@@ -66,7 +66,8 @@ def measure(model_dir: Path, length: int, prompt: str, workdir: Path) -> dict[st
             out["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
         if m := re.search(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", log):
             out["max_concurrency"] = float(m.group(1))
-        with httpx.Client(base_url=engine.openai_base_url, timeout=600) as client:
+        with httpx.Client(base_url=engine.openai_base_url, timeout=600,
+                          headers=engine.headers) as client:  # its key (engine_guard.py)
             n_prompt = len(client.post(engine.base_url + "/tokenize", json={
                 "model": engine.model_name, "prompt": prompt}).json()["tokens"])
             out["prompt_tokens"] = n_prompt

@@ -115,7 +115,8 @@ def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.
     meter = CpuMeter(stack)
     cpu_before = meter.read()
     t0 = time.time()
-    proc = procs.ServiceProcess(f"trainer-{name}", argv, out).start()
+    proc = procs.ServiceProcess(f"trainer-{name}", argv, out,
+                                env=stack.engine_env("trainer")).start()
     assert proc.proc is not None
     try:
         rc = proc.proc.wait(a.timeout_s)

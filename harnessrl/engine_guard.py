@@ -10,14 +10,14 @@ answer anyone who reaches the port. `RequireKey` is an ASGI middleware that vLLM
 Every HTTP request and websocket then needs `Authorization: Bearer <key>` for a key of the file
 $HARNESSRL_ENGINE_KEYS_FILE (one a line; blank lines and `#` comments ignored), except
 `GET /health` and `GET /ping` (probes). Anything else gets 401 in OpenAI's error shape. The file
-is looked at on every request (one stat) and read again when it changed, so keys rotate without
-a restart: add the new key, move the clients to it, remove the old one. A missing or empty file
-refuses everything. Keys are compared as SHA-256 digests, with `hmac.compare_digest`, against
-every key.
+is looked at (one stat: 2-16 us here) at most once a second and read again when it changed, so
+keys rotate without a restart (add the new key, move the clients to it, remove the old one) and
+a removed key is refused within a second. A missing or empty file refuses everything. Keys are
+compared as SHA-256 digests, with `hmac.compare_digest`, against every key.
 
-The middleware refuses to be built (vLLM does not start) without the variable or with a file
-that holds no key, unless HARNESSRL_INSECURE=1 and the server's `--host` is a loopback address:
-then it lets everything through and says so loudly.
+Without the variable, or with a file that holds no key, the middleware refuses the server its
+start (vLLM exits; `RequireKey` says how), unless HARNESSRL_INSECURE=1 and the server's `--host`
+is a loopback address: then it lets everything through and says so loudly.
 
 Clients (the gateway, the trainer) send the key that $HARNESSRL_ENGINE_API_KEY_FILE names (the
 file's first key; read again when it changes) or $HARNESSRL_ENGINE_API_KEY: `ClientKey`. The judge
@@ -51,14 +51,19 @@ INSECURE_ENV = "HARNESSRL_INSECURE"
 MIDDLEWARE = "harnessrl.engine_guard.RequireKey"
 OPEN = frozenset({(b"GET", "/health"), (b"GET", "/ping")})  # method, path: what probes call
 MIN_KEY_CHARS = 16
+RECHECK_S = 1.0  # a changed keys file is obeyed within this many seconds
 
 Scope = MutableMapping[str, Any]
-ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
-                   Awaitable[None]]
+ASGIApp = Callable[..., Awaitable[None]]
 
 
 class GuardError(RuntimeError):
     """The engine has no keys to check (and insecure mode was not asked for)."""
+
+
+def valid_key(key: str) -> bool:
+    """At least 16 printable ASCII characters, no spaces (it goes into an HTTP header)."""
+    return len(key) >= MIN_KEY_CHARS and key.isascii() and key.isprintable() and " " not in key
 
 
 def read_keys(path: Path) -> list[str]:
@@ -69,7 +74,7 @@ def read_keys(path: Path) -> list[str]:
         key = line.strip()
         if not key or key.startswith("#"):
             continue
-        if len(key) < MIN_KEY_CHARS or not (key.isascii() and key.isprintable()) or " " in key:
+        if not valid_key(key):
             log.warning("%s line %d: not a key (at least %d printable ASCII characters, no "
                         "spaces): skipped", path, n, MIN_KEY_CHARS)
             continue
@@ -78,12 +83,15 @@ def read_keys(path: Path) -> list[str]:
 
 
 class _Watched:
-    """A file's parsed content, parsed again when its inode, size or times change."""
+    """A file's parsed content, parsed again when its inode, size or times changed; looked at
+    (one stat) at most every `recheck_s` seconds (a stat costs 2-16 us on these machines)."""
 
-    def __init__(self, path: Path, parse: Callable[[Path], Any], empty: Any) -> None:
-        self.path, self.parse, self.empty = path, parse, empty
+    def __init__(self, path: Path, parse: Callable[[Path], Any], empty: Any,
+                 recheck_s: float = RECHECK_S) -> None:
+        self.path, self.parse, self.empty, self.recheck_s = path, parse, empty, recheck_s
         self.stamp: tuple[int, ...] | None = None
         self.value = empty
+        self.checked = -float("inf")
 
     def _stat(self) -> tuple[int, ...] | None:
         try:
@@ -93,6 +101,10 @@ class _Watched:
         return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def get(self) -> Any:
+        now = time.monotonic()
+        if now - self.checked < self.recheck_s:
+            return self.value
+        self.checked = now
         stamp = self._stat()
         if stamp != self.stamp:
             try:
@@ -138,39 +150,56 @@ _NO_KEY = _refusal("this engine needs 'Authorization: Bearer <engine key>' "
 _BAD_KEY = _refusal("engine key not accepted")
 
 
+def guard_keys(keys_file: str | os.PathLike[str] | None = None,
+               environ: Mapping[str, str] | None = None, argv: list[str] | None = None,
+               recheck_s: float = RECHECK_S) -> _Watched | None:
+    """The keys a guard checks: `keys_file`, default $HARNESSRL_ENGINE_KEYS_FILE. None in
+    insecure mode (HARNESSRL_INSECURE=1 with a loopback `--host` in `argv`, default sys.argv;
+    logged). Raises GuardError when there are none."""
+    env = os.environ if environ is None else environ
+    path = str(keys_file or env.get(KEYS_FILE_ENV, ""))
+    if not path:
+        if env.get(INSECURE_ENV, "").lower() not in ("1", "true", "yes"):
+            raise GuardError(f"engine guard: no keys: set {KEYS_FILE_ENV} to a file of "
+                             "accepted keys, one a line (python -m harnessrl.engine_guard "
+                             f"keys DIR makes one), or {INSECURE_ENV}=1 on a loopback --host")
+        host = _loopback_host(sys.argv if argv is None else argv)
+        if host is None:
+            raise GuardError(f"engine guard: {INSECURE_ENV}=1 is refused unless the server "
+                             f"binds a loopback --host (127.0.0.1): set {KEYS_FILE_ENV}")
+        log.warning("INSECURE: engine on %s without keys (%s=1): every process on this "
+                    "machine may push weights, pause, sleep and load adapters", host,
+                    INSECURE_ENV)
+        return None
+    keys = _Watched(Path(path), _digests, (), recheck_s)
+    if not keys.get():
+        raise GuardError(f"engine guard: {path} ({KEYS_FILE_ENV}) "
+                         f"{'holds no key' if Path(path).exists() else 'does not exist'}")
+    log.warning("engine guard on: every route but GET /health and /ping needs a key of %s",
+                path)
+    return keys
+
+
 class RequireKey:
-    """ASGI middleware: see the module docstring. `keys_file` defaults to
-    $HARNESSRL_ENGINE_KEYS_FILE; `argv` (for insecure mode's loopback check) to sys.argv."""
+    """ASGI middleware: see the module docstring; the arguments are `guard_keys`'.
+
+    Without keys it refuses the server its start: Starlette builds its middleware on the first
+    ASGI call, the lifespan startup, where uvicorn's default lifespan mode swallows an
+    exception (the server would start and answer every request 500), so the guard answers that
+    startup `lifespan.startup.failed` with the reason instead, and uvicorn exits (code 3).
+    Served without a lifespan, it answers everything 503."""
 
     def __init__(self, app: ASGIApp, keys_file: str | os.PathLike[str] | None = None,
-                 environ: Mapping[str, str] | None = None, argv: list[str] | None = None
-                 ) -> None:
+                 environ: Mapping[str, str] | None = None, argv: list[str] | None = None,
+                 recheck_s: float = RECHECK_S) -> None:
         self.app = app
-        env = os.environ if environ is None else environ
-        path = str(keys_file or env.get(KEYS_FILE_ENV, ""))
-        self.insecure = False
-        if not path:
-            if env.get(INSECURE_ENV, "").lower() not in ("1", "true", "yes"):
-                raise GuardError(f"engine guard: no keys: set {KEYS_FILE_ENV} to a file of "
-                                 "accepted keys, one a line (python -m harnessrl.engine_guard "
-                                 f"keys DIR makes one), or {INSECURE_ENV}=1 on a loopback "
-                                 "--host")
-            host = _loopback_host(sys.argv if argv is None else argv)
-            if host is None:
-                raise GuardError(f"engine guard: {INSECURE_ENV}=1 is refused unless the server "
-                                 "binds a loopback --host (127.0.0.1): set "
-                                 f"{KEYS_FILE_ENV}")
-            self.insecure = True
-            log.warning("INSECURE: engine on %s without keys (%s=1): every process on this "
-                        "machine may push weights, pause, sleep and load adapters", host,
-                        INSECURE_ENV)
-            return
-        self.keys = _Watched(Path(path), _digests, ())
-        if not self.keys.get():
-            raise GuardError(f"engine guard: {path} ({KEYS_FILE_ENV}) "
-                             f"{'holds no key' if Path(path).exists() else 'does not exist'}")
-        log.warning("engine guard on: every route but GET /health and /ping needs a key of %s",
-                    path)
+        self.refused = ""  # why it serves nothing
+        try:
+            self.keys = guard_keys(keys_file, environ, argv, recheck_s)
+        except GuardError as exc:
+            self.keys, self.refused = None, str(exc)
+            log.critical("%s: the server must not start", exc)
+        self.insecure = self.keys is None and not self.refused
 
     def accepts(self, authorization: bytes) -> bool:
         scheme, _, token = authorization.partition(b" ")
@@ -178,6 +207,7 @@ class RequireKey:
             return False
         digest = hashlib.sha256(token).digest()
         ok = False
+        assert self.keys is not None
         for known in self.keys.get():  # every key, no early exit
             ok |= hmac.compare_digest(digest, known)
         return ok
@@ -185,6 +215,8 @@ class RequireKey:
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
                        send: Callable[[Any], Awaitable[None]]) -> None:
         kind = scope["type"]
+        if self.refused:
+            return await self._refuse_all(kind, receive, send)
         if self.insecure or kind not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         method = scope.get("method", "GET").encode()
@@ -202,20 +234,39 @@ class RequireKey:
         await send({"type": "http.response.body", "body": body})
 
 
+    async def _refuse_all(self, kind: str, receive: Callable[[], Awaitable[Any]],
+                          send: Callable[[Any], Awaitable[None]]) -> None:
+        if kind == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.failed", "message": self.refused})
+                elif msg["type"] == "lifespan.shutdown":
+                    return await send({"type": "lifespan.shutdown.complete"})
+        if kind == "websocket":
+            return await send({"type": "websocket.close", "code": 1011})
+        body = _refusal("this engine has no keys configured: it serves nothing")
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
 class ClientKey:
     """The engine key a client sends: the first key of `path` (looked at again at most every
     `recheck_s`, so a rotated file is picked up), else `value`; "" sends none."""
 
     def __init__(self, value: str = "", path: str | os.PathLike[str] | None = None,
-                 recheck_s: float = 1.0) -> None:
+                 recheck_s: float = RECHECK_S) -> None:
         self.file: _Watched | None = None
-        self._value = value.strip()
+        self._value, self._stale = value.strip(), False
+        if self._value and not valid_key(self._value):
+            raise GuardError(f"engine key: at least {MIN_KEY_CHARS} printable ASCII "
+                             "characters, no spaces")
         if path:
-            self.file = _Watched(Path(path), lambda p: (read_keys(p) or [""])[0], "")
+            self.file = _Watched(Path(path), lambda p: (read_keys(p) or [""])[0], "", recheck_s)
             self._value = self.file.get()  # a missing or empty file fails here, not later
             if not self._value:
                 raise GuardError(f"{path}: no engine key there")
-        self.recheck_s, self._checked = recheck_s, time.monotonic()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, name: str = API_KEY_ENV
@@ -225,12 +276,12 @@ class ClientKey:
         return cls(env.get(name, ""), env.get(name + "_FILE") or None)
 
     def value(self) -> str:
-        if self.file is not None and time.monotonic() - self._checked >= self.recheck_s:
-            self._checked = time.monotonic()
+        if self.file is not None:
             new = self.file.get()
             if new:
-                self._value = new
-            else:  # removed or emptied mid-rotation: keep sending the last key
+                self._value, self._stale = new, False
+            elif not self._stale:  # removed or emptied mid-rotation: the last key goes on
+                self._stale = True
                 log.warning("%s: no engine key in it now; still sending the previous one",
                             self.file.path)
         return self._value
@@ -299,8 +350,9 @@ class EngineKeys:
 
         api = api_key.strip() or kept(keys.api_key_file) or secrets.token_urlsafe(32)
         judge = kept(keys.judge_key_file) or secrets.token_urlsafe(32)
-        if len(api) < MIN_KEY_CHARS:
-            raise GuardError(f"engine key: at least {MIN_KEY_CHARS} characters")
+        if not valid_key(api):
+            raise GuardError(f"engine key: at least {MIN_KEY_CHARS} printable ASCII "
+                             "characters, no spaces")
         for path, text in ((keys.api_key_file, api + "\n"), (keys.judge_key_file, judge + "\n"),
                            (keys.keys_file, f"# accepted engine keys: clients', judge's\n"
                                             f"{api}\n{judge}\n")):

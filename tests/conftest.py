@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl import identity, pki, procs
+from harnessrl import engine_guard, identity, pki, procs
 from harnessrl.clients import StoreClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,6 +31,9 @@ def pytest_configure(config: pytest.Config) -> None:
     pki.Pki(TEST_PKI).ensure(pki.ALL_IDENTITIES)
     os.environ[procs.TLS_ROOT_ENV] = str(TEST_PKI)
     os.environ[identity.TLS_DIR_ENV] = str(TEST_PKI / "admin")
+    # The engine key (harnessrl/engine_guard.py) the session's engines accept and its clients send
+    os.environ[engine_guard.API_KEY_ENV + "_FILE"] = str(
+        engine_guard.EngineKeys.ensure(TEST_PKI / "engine-keys").api_key_file)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -201,7 +204,8 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """One vLLM server on the tiny model for the whole test session (its start takes 60-95 s
-    on 2 cores); hermes tool parsing on, dev-mode endpoints on, no weight-transfer backend."""
+    on 2 cores); hermes tool parsing on, dev-mode endpoints on, no weight-transfer backend.
+    Its routes but /health need the session's engine key (`engine.headers`)."""
     from harnessrl.local.engine import start_engine
 
     engine = start_engine(tiny_model_dir, workdir=tmp_path_factory.mktemp("vllm"))

@@ -14,7 +14,7 @@ from harnessrl.model import calc_task, load_tokenizer
 
 def _chat(engine: EngineProcess, **body: object) -> dict:
     r = httpx.post(engine.openai_base_url + "/chat/completions",
-                   json={"model": engine.model_name, **body}, timeout=60)
+                   json={"model": engine.model_name, **body}, headers=engine.headers, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -88,3 +88,5 @@ def test_engine_command_line(tmp_path: Path) -> None:
     i = argv.index("--weight-transfer-config")
     assert json.loads(argv[i + 1]) == {"backend": "gloo"}
     assert "--weight-transfer-config" not in engine_argv(tmp_path, 1, "m", 512, None, [])
+    assert argv[argv.index("--middleware") + 1] == "harnessrl.engine_guard.RequireKey"
+    assert "--middleware" not in engine_argv(tmp_path, 1, "m", 512, None, [], guard=False)

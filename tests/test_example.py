@@ -49,11 +49,11 @@ def _grade(workdir: Path, task: dict[str, Any]) -> tuple[float, str]:
     return last["reward"], last["reason"]
 
 
-def _run_harness(workdir: Path, base_url: str, model: str,
-                 task: dict[str, Any] = TASK) -> subprocess.CompletedProcess[str]:
+def _run_harness(workdir: Path, base_url: str, model: str, task: dict[str, Any] = TASK,
+                 api_key: str = "dummy-key") -> subprocess.CompletedProcess[str]:
     workdir.mkdir(parents=True, exist_ok=True)
     return subprocess.run([sys.executable, str(HARNESS)], cwd=workdir, capture_output=True,
-                          text=True, env=task_env(task, base_url, model, "dummy-key"),
+                          text=True, env=task_env(task, base_url, model, api_key),
                           timeout=120)
 
 
@@ -224,7 +224,8 @@ def test_harness_against_vllm(vllm_engine: EngineProcess, tmp_path: Path) -> Non
     tasks = [json.loads(x) for x in TASKS.read_text().splitlines()][:3]
     for i, task in enumerate(tasks):
         wd = tmp_path / f"run{i}"
-        run = _run_harness(wd, vllm_engine.openai_base_url, vllm_engine.model_name, task)
+        run = _run_harness(wd, vllm_engine.openai_base_url, vllm_engine.model_name, task,
+                           vllm_engine.api_key)  # straight to the engine: its key
         assert run.returncode == 0, run.stderr
         t = _transcript(wd)
         assert len(t) >= 2, t

@@ -46,6 +46,8 @@ from typing import Any, Literal, Protocol
 import httpx
 from pydantic import BaseModel, Field
 
+from harnessrl.engine_guard import ClientKey, GuardError
+
 log = logging.getLogger("harnessrl.judge")
 
 DEFAULT_RUBRIC = """\
@@ -63,7 +65,9 @@ class JudgeConfig(BaseModel):
     base_url: str = Field(..., description="the judge endpoint's OpenAI /v1 base URL")
     model: str = Field(..., description="the judge model's name at that endpoint")
     api_key_env: str = Field("HARNESSRL_JUDGE_API_KEY", description="environment variable "
-                             "holding the endpoint's API key (unset: no key is sent)")
+                             "holding the endpoint's API key, or <it>_FILE naming a file with "
+                             "it (read again when it changes; a local stack's engine key of "
+                             "the judge); unset: no key is sent")
     rubric: str = Field(DEFAULT_RUBRIC, description="what a good attempt is")
     score_min: float = Field(0.0, description="lowest score the judge may give")
     score_max: float = Field(1.0, description="highest score the judge may give")
@@ -194,9 +198,8 @@ class Judge:
     def __init__(self, cfg: JudgeConfig, cache: Cache | None = None,
                  http: httpx.Client | None = None) -> None:
         self.cfg, self.cache = cfg, cache
-        key = os.environ.get(cfg.api_key_env, "")
-        self.http = http or httpx.Client(
-            timeout=cfg.timeout_s, headers={"Authorization": f"Bearer {key}"} if key else {})
+        key = ClientKey.from_env(name=cfg.api_key_env)
+        self.http = http or httpx.Client(timeout=cfg.timeout_s, auth=key)
 
     def _ask(self, messages: list[dict[str, str]], n: int, attempt: int = 1
              ) -> tuple[str, dict[str, int]]:
@@ -341,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             "HARNESSRL_TASK_JSON", "")) if a.per_attempt else json.loads(a.input.read_text())
         cache = StoreCache(store, group.get("run_id", "")) if store is not None else None
         out = Judge(cfg, cache).score(group)
-    except JudgeError as exc:
+    except (JudgeError, GuardError) as exc:  # GuardError: its key file named but missing
         print(f"judge: {exc}", file=sys.stderr)
         return 1
     finally:

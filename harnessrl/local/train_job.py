@@ -185,7 +185,7 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
         shutil.rmtree(out / "eval", ignore_errors=True)  # the evaluations of that run
         (out / "metrics.jsonl").unlink(missing_ok=True)
     trainer = procs.ServiceProcess("trainer", argv, stack.logs, ready_file=ready,
-                                   tls_root=stack.tls)
+                                   tls_root=stack.tls, env=stack.engine_env("trainer"))
     trainer.restart = "on-failure"  # exit 0: its steps are done
     trainer.restart_argv = [a if a != "--no-resume" else "--resume" for a in argv]
     trainer.start()

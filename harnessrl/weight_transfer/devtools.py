@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import torch
 
+from harnessrl.engine_guard import process_key
 from harnessrl.procs import ServiceProcess, free_port
 
 
@@ -57,7 +58,10 @@ def perturb(model: torch.nn.Module, seed: int, scale: float = 0.05) -> None:
 class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on a model folder, with the dev-mode
     weight-transfer routes and our gloo backend, run from `workdir` (a folder that holds no
-    `harnessrl` package that could shadow the installed plugin)."""
+    `harnessrl` package that could shadow the installed plugin). Without the engine's key guard
+    (harnessrl/engine_guard.py), as the weight-transfer benchmarks compare raw transfers: bound
+    to 127.0.0.1, for tests and benchmarks only. The helpers below send this process's engine
+    key, so they work against guarded engines as well."""
 
     def __init__(self, model_dir: Path, workdir: Path, *, max_model_len: int = 256,
                  kv_cache_gib: int = 1, extra_args: tuple[str, ...] = (),
@@ -108,13 +112,14 @@ class VllmServer:
         """Calls our gloo engine inside the worker (`gloo_engine.GlooWeightTransferEngine.
         __call__`: `stats`, `keep_next`, `apply_kept`) through vLLM's `/collective_rpc`;
         returns the (single) worker's answer."""
-        r = httpx.post(f"{self.base_url}/collective_rpc", timeout=timeout, json={
-            "method": "weight_transfer_engine", "kwargs": {"op": op, **kwargs}})
+        r = httpx.post(f"{self.base_url}/collective_rpc", timeout=timeout, auth=process_key(),
+                       json={"method": "weight_transfer_engine",
+                             "kwargs": {"op": op, **kwargs}})
         r.raise_for_status()
         return r.json()["results"][0] if r.content else None
 
     def weight_version(self) -> str | None:
-        r = httpx.get(f"{self.base_url}/weight_info", timeout=10)
+        r = httpx.get(f"{self.base_url}/weight_info", timeout=10, auth=process_key())
         r.raise_for_status()
         return r.json()["weight_version"]
 
@@ -148,7 +153,7 @@ class TrippedWeights:
 def engine_prompt_logprobs(base_url: str, token_ids: list[int], model: str) -> torch.Tensor:
     """The engine's log-probability of each token of `token_ids` given the ones before it
     (positions 1..n-1), from `/v1/completions` with `prompt_logprobs`."""
-    r = httpx.post(f"{base_url}/v1/completions", timeout=120, json={
+    r = httpx.post(f"{base_url}/v1/completions", timeout=120, auth=process_key(), json={
         "model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
         "prompt_logprobs": 0})
     r.raise_for_status()

@@ -55,6 +55,7 @@ import httpx
 import torch
 from pydantic import BaseModel, Field
 
+from harnessrl.engine_guard import process_key
 from harnessrl.weight_transfer.transports import (
     NamedTensors,
     WeightTransport,
@@ -200,7 +201,8 @@ class EngineHTTP:
 
     def __init__(self, base_url: str, timeout_s: float) -> None:
         self.base_url = base_url.rstrip("/")
-        self.client = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self.client = httpx.Client(base_url=self.base_url, timeout=timeout_s,
+                                   auth=process_key())  # the engine key, engine_guard.py
 
     def post(self, path: str, json: Any = None, timeout: float | None = None,
              params: dict[str, str] | None = None) -> Any:

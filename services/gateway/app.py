@@ -86,6 +86,11 @@ def anthropic_error(status: int, message: str) -> bytes:
 
 
 def _engine_refused(engine: str, status: int, raw: bytes) -> HTTPError:
+    if status in (401, 403):  # the gateway's engine key, not the harness's: no 401 to it
+        log.error("engine %s refuses the gateway's engine key (HARNESSRL_ENGINE_API_KEY_FILE)",
+                  engine, extra={"engine": engine})
+        return HTTPError(502, f"engine {engine} refused the gateway", "server_error",
+                         "engine_error")
     try:
         message = str(orjson.loads(raw)["error"]["message"])
     except Exception:  # noqa: BLE001 - any body: reported as text

@@ -12,6 +12,7 @@ import httpx
 from harnessrl import rpc
 from harnessrl.clients import StoreClient
 from harnessrl.credentials import CredentialSigner, load_secret
+from harnessrl.engine_guard import process_key
 from harnessrl.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.admin import GatewayAdminServicer
 from services.gateway.app import GatewayApp
@@ -50,7 +51,10 @@ async def serve(cfg: GatewayConfig) -> None:
     state = RegistryState(store, cfg.state_namespace, cfg.state_write_timeout_s)
     await state.restore(registry, cfg.engines, cfg.state_load_timeout_s)
     readiness = GatewayReadiness(registry, store.channel, cfg.hold_timeout_s)
-    http = httpx.AsyncClient()  # health probes of unreachable engines; weight checks
+    engine_key = process_key()  # HARNESSRL_ENGINE_API_KEY[_FILE]; a file named but missing: exit
+    log.info("engine key: %s", "sent to every engine" if engine_key else
+             "none (engines with harnessrl.engine_guard refuse this gateway)")
+    http = httpx.AsyncClient(auth=engine_key)  # health probes of engines; weight checks
     weights = WeightCheck(registry, http)
     recorder = CallRecorder(store, cfg.hold_timeout_s, cfg.record_batch_max,
                             cfg.record_writers, cfg.record_batch_timeout_s)

@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from harnessrl.engine_guard import ClientKey, process_key
+
 
 class UpstreamError(Exception):
     """The exchange failed after the request may have reached the engine."""
@@ -167,10 +169,12 @@ class UpstreamStream:
 
 class UpstreamPool:
     """Keep-alive connections to one engine (`base_url` like http://127.0.0.1:8000, or
-    https://: TLS verified against the system's CAs, or `ssl_context`'s)."""
+    https://: TLS verified against the system's CAs, or `ssl_context`'s). Each request carries
+    the engine key `key` (default: this process's, harnessrl/engine_guard.py)."""
 
     def __init__(self, base_url: str, idle_timeout_s: float = 30.0,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, key: ClientKey | None = None
+                 ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"engine URL must be http(s)://host:port, got {base_url!r}")
@@ -183,6 +187,8 @@ class UpstreamPool:
         self.host_header = f"{self.host}:{self.port}".encode()
         self.idle: list[_Conn] = []
         self.idle_timeout_s = idle_timeout_s
+        self.key = process_key() if key is None else key
+        self._key, self._auth = "", b""  # the key's header line, made when the key changes
 
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -195,8 +201,13 @@ class UpstreamPool:
         return conn
 
     def _request_bytes(self, path: str, body: bytes) -> bytes:
+        key = self.key.value()
+        if key != self._key:
+            self._key, self._auth = key, b"\r\nAuthorization: Bearer " + key.encode() if key \
+                else b""
         return b"".join((
             b"POST ", (self.prefix + path).encode(), b" HTTP/1.1\r\nHost: ", self.host_header,
+            self._auth,
             b"\r\nContent-Type: application/json\r\nContent-Length: ", str(len(body)).encode(),
             b"\r\n\r\n", body))
 

@@ -54,6 +54,9 @@ class WeightCheck:
                 log.warning("engine serves no /weight_info: its weights cannot be checked",
                             extra={"engine": eng.name})
             return None
+        if resp.status_code in (401, 403):
+            log.error("engine refuses the gateway's engine key: its weights cannot be checked",
+                      extra={"engine": eng.name})
         resp.raise_for_status()
         version = resp.json().get("weight_version")
         return "" if version is None else str(version)

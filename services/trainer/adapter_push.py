@@ -43,6 +43,7 @@ from typing import Any
 import httpx
 
 from harnessrl.clients import GatewayAdminClient
+from harnessrl.engine_guard import process_key
 from harnessrl.v1 import gateway_pb2 as gpb
 from harnessrl.weight_transfer import EngineTiming, PushError, PushReport
 from harnessrl.weight_transfer.push import EngineFailure
@@ -69,7 +70,7 @@ class AdapterWeights:
         self.engine_adapter_dir = engine_adapter_dir  # the folder as the engines see it
         self.adapter, self.root = "", Path()  # set by the first load
         self.attempts, self.retry_delay_s = attempts, retry_delay_s
-        self.http = httpx.Client(timeout=http_timeout_s)
+        self.http = httpx.Client(timeout=http_timeout_s, auth=process_key())  # engine key
 
     def push(self, model: Any, version: int) -> PushReport:
         raise TypeError("a LoRA run's adapter is written by every rank: push it with "

@@ -45,6 +45,7 @@ import httpx
 import torch
 
 from harnessrl.clients import GatewayAdminClient
+from harnessrl.engine_guard import process_key
 from harnessrl.v1 import gateway_pb2 as gpb
 
 from .gauges import GatewayHold
@@ -64,7 +65,7 @@ class EngineSleep:
 
     def __init__(self, admin: GatewayAdminClient, level: int, timeout_s: float) -> None:
         self.admin, self.level = admin, level
-        self.http = httpx.Client(timeout=timeout_s)
+        self.http = httpx.Client(timeout=timeout_s, auth=process_key())  # engine key
         self.engines: dict[str, str] = {}  # this step's engines: name -> base URL
         self.failed: dict[str, str] = {}  # this step's engines that failed: name -> reason
         self.refused: dict[str, str] = {}  # engines that refused to sleep (still awake)
