@@ -428,6 +428,8 @@ def test_a_rollout_pod_is_refused_by_the_engine_and_the_grpc_services(
                                        "the-engine-key-of-the-gateway-0123"}, timeout=10)
         weight = httpx.get(f"{engine}/weight_info", headers={
             "Authorization": "Bearer the-engine-key-of-the-gateway-0123"}, timeout=10)
+        received = httpx.get(f"{engine}/stub/log", headers={  # what passed the guard
+            "Authorization": "Bearer the-engine-key-of-the-gateway-0123"}, timeout=10).json()
         jobs = [q["body"] for q in kube.requests() if q["method"] == "POST"
                 and q["path"].endswith("/jobs") and q["body"]["metadata"]["labels"]
                 .get("harnessrl.dev/run") == run.run_id]
@@ -439,9 +441,12 @@ def test_a_rollout_pod_is_refused_by_the_engine_and_the_grpc_services(
         controller.stop()
         store.stop()
         stub.stop()
-    assert seen["engine"] == {p: [401, 401] for p in ENGINE_ROUTES}, seen["engine"]
+    assert seen["engine"] == {p: [401, 401] for p in ENGINE_ROUTES}, (seen["engine"], received)
     assert seen["health"] == 200
     assert with_key.status_code == 200 and weight.json()["weight_version"] == "v1"
+    # none of the pod's requests got past the guard: only the test's own, with the key
+    assert [r["path"] for r in received if r["path"] in ENGINE_ROUTES] == [
+        "/update_weight_version"], received
     def h2_settings(answer: str) -> bool:  # the server's first HTTP/2 frame: SETTINGS
         return answer.startswith("answered ") and answer.split()[1][6:8] == "04"
     for name, answers in seen["grpc"].items():
