@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--renew", action="store_true", help="re-issue even valid certificates")
     k = sub.add_parser("kube-secrets", help="print Kubernetes Secrets of a created folder")
     k.add_argument("root", type=Path)
-    k.add_argument("--namespace", default="harnessrl")
+    k.add_argument("-n", "--namespace", default="harnessrl")
     k.add_argument("--identity", action="append", choices=ALL_IDENTITIES)
     a = ap.parse_args(argv)
     identities = tuple(a.identity or DEPLOYMENT_IDENTITIES)
