@@ -262,6 +262,9 @@ def main() -> None:
             print("starting vLLM on", model_dir, flush=True)
             vllm = start_engine(model_dir, workdir=work / "engine", served_model_name="tiny")
             started.append(vllm)
+            assert vllm.keys is not None  # its key check on, as `harnessrl up` runs it: the
+            # gateways started below send its key (harnessrl/engine_guard.py)
+            os.environ["HARNESSRL_ENGINE_API_KEY_FILE"] = str(vllm.keys.api_key_file)
             vllm.wait_healthy(300)
             engines.append({"name": "vllm", "base_url": vllm.base_url, "model": "tiny"})
         gw_proc, gw = start_gateway(work, store_addr, SECRET, engines,
@@ -380,14 +383,15 @@ def main() -> None:
             body = {"model": "tiny", "max_tokens": 16, "temperature": 1.0, "ignore_eos": True,
                     "messages": [{"role": "user", "content": "What is 12 + 30?"}]}
             vllm_direct = f"{vllm.base_url}/v1/chat/completions"
-            wrk(vllm_direct, body, key, n, warm_vllm, work)  # warm-up
+            wrk(vllm_direct, body, vllm.api_key, n, warm_vllm, work)  # warm-up
 
             def vllm_rounds(suffix: str) -> None:
                 # vLLM on CPU varies from one run to the next: alternate direct and gateway
                 # runs and keep the median of each.
                 runs: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
                 for _ in range(vllm_rounds_n):
-                    runs["direct"].append(wrk(vllm_direct, as_forwarded(body), key, n, d, work))
+                    runs["direct"].append(wrk(vllm_direct, as_forwarded(body), vllm.api_key, n,
+                                              d, work))
                     through_gateway("vllm_gateway" + suffix, body, n, d)
                     runs["gateway"].append(results["vllm_gateway" + suffix])
                 for how, rs in runs.items():
@@ -403,12 +407,12 @@ def main() -> None:
                 others = all_cpus - engine_cpus
                 pin([p.proc.pid for p in ours.values() if p.proc], others)
                 os.sched_setaffinity(0, others)  # wrk inherits it
-                wrk(vllm_direct, body, key, n, warm_vllm, work)  # settle
+                wrk(vllm_direct, body, vllm.api_key, n, warm_vllm, work)  # settle
                 vllm_rounds("")
             else:
                 for how in ("direct", "gateway"):
                     results[f"vllm_{how}"] = results[f"vllm_{how}_shared"]
-            results["vllm_direct_plain"] = wrk(vllm_direct, body, key, n, d, work)
+            results["vllm_direct_plain"] = wrk(vllm_direct, body, vllm.api_key, n, d, work)
         recorded = len(store.get_rollout("bench/0").attempts) and \
             store.get_rollout("bench/0").attempts[0].num_calls
         store.close()
