@@ -115,7 +115,7 @@ def run_trainer(stack: Stack, out: Path, mode: str, latency: float, a: argparse.
     meter = CpuMeter(stack)
     cpu_before = meter.read()
     t0 = time.time()
-    proc = procs.ServiceProcess(f"trainer-{name}", argv, out,
+    proc = procs.ServiceProcess(f"trainer-{name}", argv, out, tls_root=stack.tls,
                                 env=stack.engine_env("trainer")).start()
     assert proc.proc is not None
     try:

@@ -362,6 +362,12 @@ def test_invalid_specs_are_refused_and_store_nothing(svc: Services, tmp_path: Pa
         "sampling top_p=0.9 cannot be matched": variant(sampling=c.SamplingPolicy(top_p=0.9)),
         "max_tokens must be >= 1": variant(sampling=c.SamplingPolicy(max_tokens=0)),
     }
+    # a service's credentials are never a rollout's, even when a run's author names them
+    for name in ("HARNESSRL_TLS_DIR", "HARNESSRL_TLS_PEM", "HARNESSRL_SCOPE_TOKEN",
+                 "HARNESSRL_ENGINE_API_KEY_FILE", "HARNESSRL_JUDGE_API_KEY"):
+        leak = variant()
+        leak.env[name] = "/x"
+        cases[f"environment variable {name!r} carries a service's credentials"] = leak
     for expected, spec in cases.items():
         with pytest.raises(grpc.RpcError) as err:
             svc.ctl.create_run(spec)

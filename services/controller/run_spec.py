@@ -39,6 +39,13 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+# Credentials a rollout's job must never be handed through RunSpec.env: identities
+# (harnessrl/identity.py), the engine's keys (harnessrl/engine_guard.py), the judge's key.
+RESERVED_ENV = ("HARNESSRL_TLS_DIR", "HARNESSRL_TLS_PEM", "HARNESSRL_SCOPE_TOKEN",
+                "HARNESSRL_TLS_ROOT", "HARNESSRL_INSECURE")
+RESERVED_ENV_PREFIXES = ("HARNESSRL_ENGINE_", "HARNESSRL_JUDGE_API_KEY")
+
+
 def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) -> c.RunSpec:
     """A copy of `spec` with defaults filled in (`default_backend` where it names none);
     `InvalidArgument` says what is wrong."""
@@ -97,6 +104,9 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
     for k, v in s.env.items():
         if not k or "=" in k or "\0" in k or "\0" in v:
             raise InvalidArgument(f"invalid environment variable {k!r}")
+        if k in RESERVED_ENV or k.startswith(RESERVED_ENV_PREFIXES):
+            raise InvalidArgument(f"environment variable {k!r} carries a service's credentials "
+                                  "and is not a rollout's to set (docs/security.md)")
     if s.HasField("sampling") and (problem := unmatched(s.sampling, s.stream)):
         raise InvalidArgument(problem)
     if s.tasks and s.tasks_file:
