@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from harnessrl.clients import GatewayAdminClient, StoreClient
+from harnessrl.identity import Identity
 from test_compose_real import REPO, Compose, project_env, seed_models, wait_for
 
 STEPS = 3
@@ -49,7 +50,10 @@ def test_lora_compose_trains_an_adapter_pushed_through_the_shared_volume(  # typ
         out = dc.volume("checkpoints") / "calc"
         prefix = wait_for("the trainer's run.json", lambda: (out / "run.json").exists() and
                           json.loads((out / "run.json").read_text())["run_prefix"], 600)
-        admin = GatewayAdminClient.connect(f"{dc.ip('gateway')}:{env['GATEWAY_GRPC_PORT']}")
+        # the test reads as the project's operator (its CA is not the test session's)
+        operator = Identity.from_folder(dc.volume("pki") / "operator")
+        admin = GatewayAdminClient.connect(f"{dc.ip('gateway')}:{env['GATEWAY_GRPC_PORT']}",
+                                           ident=operator)
         (engine,) = admin.list_engines().engines
         assert engine.lora.enabled and engine.lora.base_adapter == "base", engine
         seen: dict[int, str] = {}  # the run's adapter versions the gateway listed, by version
@@ -88,7 +92,8 @@ def test_lora_compose_trains_an_adapter_pushed_through_the_shared_volume(  # typ
         assert not (adapters_vol / prefix).exists()  # its version folders deleted at the end
 
         # the store: each step's calls served by the version the step was generated with
-        store = StoreClient.connect(f"{dc.ip('store')}:{env['STORE_PORT']}", timeout=30)
+        store = StoreClient.connect(f"{dc.ip('store')}:{env['STORE_PORT']}", timeout=30,
+                                    ident=operator)
         calls: dict[int, set[int]] = {}
         for row in rows:
             run = store.get_run(row["run_id"])

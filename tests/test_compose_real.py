@@ -12,6 +12,13 @@ through the file's own variables; offline (no registry here) Redis is the Debian
 The crashes are kill -9 of the container's init process from the host (what an OOM kill or a
 crash of the runtime's child looks like), not `docker kill`: Docker counts `docker kill` as a
 manual stop and ignores the restart policy after it (measured here; docs/deploy.md).
+
+Authentication is on as the file ships it: the one-shot `pki` makes the credentials, and the
+run checks from the running containers who holds which (Docker's own record of each
+container's mounts), that Redis refuses a client without the store's password, that the
+engine refuses a caller without a key from where the rollouts run (the controller's
+container), and that the operator identity `scripts/compose-identity.sh` copies out works and
+is refused what the table refuses it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import redis
 import yaml
@@ -43,8 +51,17 @@ PORT_VARS = ("REDIS_PORT", "STORE_PORT", "GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT
              "STORE_METRICS_PORT", "CONTROLLER_METRICS_PORT", "TRAINER_METRICS_PORT",
              "CONTROLLER_PORT", "TRAINER_PORT", "ENGINE_PORT")
 RUNNING = ("redis", "store", "gateway", "controller", "engine-cpu")  # serve after training
-PYTHON_SERVICES = ("store", "gateway", "controller", "engine-cpu", "trainer-cpu")
+PYTHON_SERVICES = ("store", "gateway", "controller", "engine-cpu", "trainer-cpu", "pki")
 SECRET_READERS = {"gateway", "controller"}
+IDENTITY_OF = {"store": "store", "gateway": "gateway", "controller": "controller",
+               "trainer-cpu": "trainer"}
+# Who mounts which credential volume (docker-compose.yml; tests/test_deploy.py checks the file)
+HOLDERS = {"pki": set(), "tls-store": {"store"}, "tls-gateway": {"gateway"},
+           "tls-controller": {"controller"}, "tls-trainer": {"trainer-cpu"},
+           "tls-grader": {"controller"}, "redis-acl": {"redis"}, "redis-password": {"store"},
+           "engine-keys": {"engine-cpu"}, "engine-key-gateway": {"gateway"},
+           "engine-key-trainer": {"trainer-cpu"}}
+STORE_REDIS_USER = "harnessrl-store"
 SECRET = "/run/secrets/harnessrl_secret"
 KEY_PREFIX = "hrl:"  # docker-compose.yml's HARNESSRL_STORE_KEY_PREFIX
 STATUS_FIELDS = ("Uid", "Gid", "CapEff", "CapPrm", "CapBnd", "NoNewPrivs")
@@ -67,6 +84,14 @@ class ComposeRun:
     checkpoint_files: list[str] = field(default_factory=list)
     accounting: dict[str, Any] = field(default_factory=dict)
     inside: dict[str, dict[str, Any]] = field(default_factory=dict)  # service -> checks
+    mounts: dict[str, dict[str, bool]] = field(default_factory=dict)  # service -> volume: rw
+    pki_exit: int | None = None
+    identities: dict[str, str] = field(default_factory=dict)  # volume -> its certificate's CN
+    redis_auth: dict[str, str] = field(default_factory=dict)
+    engine_from_rollouts: dict[str, int] = field(default_factory=dict)  # route -> status
+    healthcheck: dict[str, int] = field(default_factory=dict)
+    operator: dict[str, Any] = field(default_factory=dict)
+    auth_checks_s: float = 0.0
     logs: Path | None = None
 
 
@@ -150,7 +175,8 @@ def wait_for(what: str, probe: Any, timeout: float, every: float = 1.0) -> Any:
 
 def proc_status(compose: Compose, service: str) -> dict[str, Any]:
     """/proc/1/status (the container's init) and the service process's, read inside the
-    container, plus a write outside its volumes and a read of the credential secret."""
+    container, plus a write outside its volumes, a read of the credential secret, and its
+    identity folder (HARNESSRL_TLS_DIR: the files, the key's mode and owner, no CA key)."""
     out: dict[str, Any] = {}
     code = ("import os,re,json,sys\n"
             "def st(p):\n"
@@ -159,9 +185,16 @@ def proc_status(compose: Compose, service: str) -> dict[str, Any]:
             "pids=[p for p in os.listdir('/proc') if p.isdigit() and p!=str(os.getpid())]\n"
             "svc=[p for p in pids if b'python' in open(f'/proc/{p}/cmdline','rb').read()"
             " and p!='1']\n"
+            "d=os.environ.get('HARNESSRL_TLS_DIR')\n"
+            "k=os.stat(f'{d}/tls.key') if d else None\n"
+            "tls={'dir': d, 'files': sorted(os.listdir(d)) if d else [],"
+            " 'key_mode': oct(k.st_mode & 0o777) if k else None,"
+            " 'key_uid': k.st_uid if k else None,"
+            " 'ca_key_here': bool(d) and any(os.path.exists(p) for p in"
+            " (f'{d}/ca.key', f'{d}/../ca/ca.key', '/var/lib/harnessrl/tls/ca/ca.key'))}\n"
             "print(json.dumps({'init': st(1), 'service': st(min(svc, key=int)) if svc else None,"
             " 'cmd': open(f'/proc/{min(svc, key=int)}/cmdline','rb').read().decode()"
-            ".replace(chr(0),' ') if svc else None}))\n")
+            ".replace(chr(0),' ') if svc else None, 'tls': tls}))\n")
     r = compose.exec(service, "python", "-c", code)
     assert r.returncode == 0, f"{service}: {r.stderr}"
     out.update(json.loads(r.stdout))
@@ -187,11 +220,12 @@ def redis_status(compose: Compose) -> dict[str, Any]:
 
 
 def account(compose: Compose, expected: dict[str, int], prefix: str,
-            metrics_file: Path) -> dict[str, Any]:
+            metrics_file: Path, password: str) -> dict[str, Any]:
     """Every expected rollout (the trainer's documented task rule, recomputed) is in Redis
     (read directly, on the compose network's address), and is trained (claimed by the
     trainer and its group acknowledged in Redis) or dropped with a reason; none twice."""
-    url = f"redis://{compose.ip('redis')}:{compose.env['REDIS_PORT']}/0"
+    url = (f"redis://{STORE_REDIS_USER}:{password}@{compose.ip('redis')}:"
+           f"{compose.env['REDIS_PORT']}/0")
     view = ca.read_redis(url, KEY_PREFIX, prefix, set(expected))
     claims = ca.read_claims(metrics_file)
     entry = {e.group_id: e for e in view.entries}
@@ -227,6 +261,100 @@ def account(compose: Compose, expected: dict[str, int], prefix: str,
             "trained_twice": twice, "dropped": dropped, "unexplained": unexplained,
             "dropped_by_reason": dict(Counter(
                 re.sub(r"[0-9a-f]{8,}|\d+", "#", r)[:80] for r in dropped.values()))}
+
+
+def auth_checks(dc: Compose, run: ComposeRun, tmp: Path) -> None:
+    """What authentication looks like in the running project (see the module docstring)."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    for cid in dc.compose("ps", "-a", "-q").stdout.split():
+        info = json.loads(dc.docker("inspect", cid).stdout)[0]
+        service = info["Config"]["Labels"]["com.docker.compose.service"]
+        run.mounts[service] = {m["Name"].removeprefix(f"{dc.project}_"): m["RW"]
+                               for m in info["Mounts"] if m["Type"] == "volume"}
+        if service == "pki":
+            run.pki_exit = info["State"]["ExitCode"]
+    for volume in HOLDERS:
+        crt = dc.volume(volume) / "tls.crt"
+        if crt.exists():
+            cert = x509.load_pem_x509_certificate(crt.read_bytes())
+            run.identities[volume] = str(
+                cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value)
+    # Redis: nothing without the store's password, a wrong one refused; the healthcheck's
+    # `redis-cli ping` (exit 0 on NOAUTH too) from inside
+    port = int(dc.env["REDIS_PORT"])
+    for who, kw, call in (("none", {}, "get"), ("none_ping", {}, "ping"),
+                          ("wrong", {"username": STORE_REDIS_USER, "password": "x"}, "get")):
+        r = redis.Redis(host=dc.ip("redis"), port=port, **kw)  # type: ignore[arg-type]
+        try:
+            r.get(f"{KEY_PREFIX}anything") if call == "get" else r.ping()
+            run.redis_auth[who] = "allowed"
+        except redis.RedisError as exc:
+            run.redis_auth[who] = f"{type(exc).__name__}: {exc}"
+        finally:
+            r.close()
+    probe = dc.exec("redis", "redis-cli", "-p", str(port), "ping")
+    run.redis_auth["healthcheck"] = f"{probe.returncode} {probe.stdout.strip()}"
+    # The engine, from where the rollouts run (the controller's container): no key, no entry
+    engine = f"http://engine:{dc.env['ENGINE_PORT']}"
+    code = ("import sys, urllib.request, urllib.error\n"
+            "for method, path in (('GET', '/health'), ('GET', '/v1/models'), ('POST', '/pause'),"
+            " ('POST', '/update_weights'), ('POST', '/v1/completions')):\n"
+            "    req = urllib.request.Request(sys.argv[1] + path, method=method,"
+            " data=b'{}' if method == 'POST' else None,"
+            " headers={'Content-Type': 'application/json'})\n"
+            "    try: status = urllib.request.urlopen(req, timeout=10).status\n"
+            "    except urllib.error.HTTPError as e: status = e.code\n"
+            "    print(method, path, status)\n")
+    out = dc.exec("controller", "python", "-c", code, engine)
+    assert out.returncode == 0, out.stderr
+    run.engine_from_rollouts = {" ".join(line.split()[:2]): int(line.split()[2])
+                                for line in out.stdout.splitlines()}
+    # A container's probe runs as its own identity (Compose's last probe of the store passed);
+    # without it the same probe fails
+    cid = dc.container("store")
+    health = json.loads(dc.docker("inspect", cid).stdout)[0]["State"]["Health"]
+    run.healthcheck["own"] = health["Log"][-1]["ExitCode"] if health["Log"] else -1
+    grpc_probe = json.loads(dc.docker("inspect", cid).stdout)[0]["Config"]["Healthcheck"][
+        "Test"][1:]
+    assert grpc_probe[:4] == ["python", "-m", "harnessrl.healthcheck", "grpc"], grpc_probe
+    run.healthcheck["none"] = dc.docker("exec", "-e", "HARNESSRL_TLS_DIR=", cid, *grpc_probe,
+                                        check=False).returncode
+    # The operator's identity, copied out as docs/deploy.md says, on the published port
+    out_dir = tmp / "operator-tls"
+    cmd = ["bash", str(REPO / "scripts" / "compose-identity.sh"), "operator",
+           "--project-directory", str(REPO), "-p", dc.project,
+           *[x for f in dc.files for x in ("-f", str(f))]]
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env={**dc.env, "HARNESSRL_COMPOSE_TLS": str(out_dir)})
+    assert got.returncode == 0, got.stdout + got.stderr
+    folder = out_dir / "operator"
+    run.operator["files"] = {p.name: oct(p.stat().st_mode & 0o777) for p in folder.iterdir()}
+    run.operator["folder_mode"] = oct(folder.stat().st_mode & 0o777)
+    from harnessrl import rpc
+    from harnessrl.identity import Identity
+    from harnessrl.v1 import controller_pb2, controller_pb2_grpc
+
+    operator = Identity.from_folder(folder)
+    address = f"127.0.0.1:{dc.env['CONTROLLER_PORT']}"
+    run.operator["name"] = operator.name
+    run.operator["health"] = rpc.health_check(address, timeout=10, peer="controller",
+                                              ident=operator)
+    with rpc.channel(address, "controller", operator) as ch:
+        stub = controller_pb2_grpc.ControllerStub(ch)
+        try:
+            stub.GetRun(c.GetRunRequest(run_id="no-such-run"), timeout=10)
+            run.operator["get_run"] = "OK"
+        except grpc.RpcError as exc:
+            run.operator["get_run"] = exc.code().name
+        try:  # the trainer's alone
+            stub.AdmissionUpdate(controller_pb2.AdmissionUpdateRequest(), timeout=10)
+            run.operator["admission_update"] = "OK"
+        except grpc.RpcError as exc:
+            run.operator["admission_update"] = f"{exc.code().name}: {exc.details()}"
+    # and a caller with a certificate of another CA (this test session's admin) is refused
+    run.operator["foreign_ca"] = rpc.health_check(address, timeout=10, peer="controller")
 
 
 def project_env(docker_daemon: Any, built_images: dict[str, Any], tmp: Path, steps: int
@@ -275,7 +403,10 @@ def compose(docker_daemon, built_images, tiny_model_dir: Path,  # type: ignore[n
         dc.compose("up", "-d", "--no-build", timeout=900)
         run.up_s = round(time.monotonic() - t0, 1)
         checkpoints = dc.volume("checkpoints") / "calc"
-        r = redis.Redis(host=dc.ip("redis"), port=int(env["REDIS_PORT"]))
+        # the store's Redis password (the test reads Redis as the store does, to account)
+        password = (dc.volume("redis-password") / "password").read_text().strip()
+        r = redis.Redis(host=dc.ip("redis"), port=int(env["REDIS_PORT"]),
+                        username=STORE_REDIS_USER, password=password)
 
         def rollouts_of_step(step: int) -> int:
             return sum(1 for _ in r.scan_iter(match=f"{KEY_PREFIX}ro:*-step{step:06d}/*",
@@ -316,10 +447,13 @@ def compose(docker_daemon, built_images, tiny_model_dir: Path,  # type: ignore[n
         expected = ca.expected_sync(tasks, tc["seed"].default, STEPS,
                                     tc["tasks_per_step"].default, tc["group_size"].default,
                                     prefix)
-        run.accounting = account(dc, expected, prefix, metrics)
+        run.accounting = account(dc, expected, prefix, metrics, password)
         r.close()
         for svc in RUNNING:
             run.inside[svc] = redis_status(dc) if svc == "redis" else proc_status(dc, svc)
+        t_auth = time.monotonic()
+        auth_checks(dc, run, tmp)
+        run.auth_checks_s = round(time.monotonic() - t_auth, 1)
         yield run
     finally:
         logs = dc.compose("logs", "--no-color", "--timestamps", timeout=120, check=False)
@@ -408,3 +542,74 @@ def test_each_service_runs_unprivileged_and_read_only(compose: ComposeRun, servi
     if service != "redis":
         assert seen["writable"] == ["/tmp"], seen["writable"]
     assert seen["reads_secret"] == (service in SECRET_READERS), seen
+
+
+def test_each_credential_reaches_only_its_holders(compose: ComposeRun) -> None:
+    """Docker's record of every container's mounts: the one-shot `pki` (exited 0) mounts every
+    credential volume and is the only one with the CA's; each service its own identity (its
+    certificate's CN is that identity) and its own secrets, read-only, nothing else's."""
+    assert compose.pki_exit == 0
+    assert set(compose.mounts["pki"]) >= set(HOLDERS) and all(
+        compose.mounts["pki"][v] for v in HOLDERS)
+    for service, mounts in compose.mounts.items():
+        if service == "pki":
+            continue
+        held = {v for v in mounts if v in HOLDERS}
+        assert held == {v for v, who in HOLDERS.items() if service in who}, (service, held)
+        assert not any(mounts[v] for v in held), f"{service} mounts a credential writable"
+    for volume, cn in compose.identities.items():
+        assert volume == f"tls-{cn}", (volume, cn)
+    assert set(compose.identities) == {v for v in HOLDERS if v.startswith("tls-")}
+
+
+@pytest.mark.parametrize("service", list(IDENTITY_OF))
+def test_each_service_runs_as_its_own_identity(compose: ComposeRun, service: str) -> None:
+    """Inside: HARNESSRL_TLS_DIR=/etc/harnessrl/tls with the CA's certificate, its own
+    certificate and key (0600, the service's uid), and no CA key anywhere it looks."""
+    tls = compose.inside[service]["tls"]
+    assert tls["dir"] == "/etc/harnessrl/tls", tls
+    assert tls["files"] == ["ca.crt", "tls.crt", "tls.key"], tls
+    assert tls["key_mode"] == "0o600" and tls["key_uid"] == 10001, tls
+    assert tls["ca_key_here"] is False
+
+
+def test_redis_refuses_all_but_the_store(compose: ComposeRun) -> None:
+    """Without the store's password every command (PING too) is refused, a wrong password
+    too (redis-py says AuthenticationError: its HELLO refused); the healthcheck's probe gets
+    NOAUTH and exits 0 (it tells that Redis answers)."""
+    auth = compose.redis_auth
+    for who in ("none", "none_ping"):
+        assert auth[who].startswith("AuthenticationError") and "authenticated" in auth[who], auth
+    assert auth["wrong"].startswith("AuthenticationError") and "invalid" in auth["wrong"], auth
+    assert auth["healthcheck"].startswith("0 ") and "NOAUTH" in auth["healthcheck"], auth
+
+
+def test_engine_refuses_callers_without_a_key_from_the_rollouts_container(
+        compose: ComposeRun) -> None:
+    """From the controller's container, where the harnesses run: /health answers, every other
+    route (the OpenAI API, pause, weight updates) is 401 without a key."""
+    seen = compose.engine_from_rollouts
+    assert seen.pop("GET /health") == 200, seen
+    assert seen and all(status == 401 for status in seen.values()), seen
+
+
+def test_grpc_healthchecks_run_as_the_services_identity(compose: ComposeRun) -> None:
+    """The store's probe, as Compose ran it last in its container, passed; the same probe
+    with HARNESSRL_TLS_DIR emptied (no identity) fails."""
+    assert compose.healthcheck["own"] == 0 and compose.healthcheck["none"] != 0, \
+        compose.healthcheck
+
+
+def test_the_operator_identity_copied_to_the_host_works_and_is_scoped(
+        compose: ComposeRun) -> None:
+    """scripts/compose-identity.sh: the folder 0700, the key 0600; as the operator the
+    controller answers (GetRun of an unknown run: NOT_FOUND) and refuses the trainer's RPC
+    naming the identity; a certificate of another CA is refused at the handshake."""
+    op = compose.operator
+    assert op["folder_mode"] == "0o700" and op["files"] == {
+        "ca.crt": "0o644", "tls.crt": "0o644", "tls.key": "0o600"}, op
+    assert op["name"] == "operator" and op["health"] is True, op
+    assert op["get_run"] == "NOT_FOUND", op
+    assert op["admission_update"].startswith("PERMISSION_DENIED") and \
+        "operator" in op["admission_update"], op
+    assert op["foreign_ca"] is False, op

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import kubernetes_validate
@@ -308,10 +309,17 @@ def config_fields() -> dict[str, set[str]]:
     return fields
 
 
+# Variables read outside the services' configs: the gateway's and the controller's shared
+# secret, a process's identity (harnessrl/identity.py), the engine's accepted keys and a
+# client's key to it (harnessrl/engine_guard.py, the engine clients).
+SHARED_ENV = ("HARNESSRL_SECRET", "HARNESSRL_TLS_DIR", "HARNESSRL_ENGINE_KEYS_FILE",
+              "HARNESSRL_ENGINE_API_KEY_FILE")
+
+
 def check_env_names(names: set[str], where: str) -> None:
     fields = config_fields()
     for name in names:
-        if name == "HARNESSRL_SECRET":  # the gateway's and the controller's shared secret
+        if name in SHARED_ENV:
             continue
         prefix = next((p for p in fields if name.startswith(p)), None)
         if prefix is not None:
@@ -524,7 +532,7 @@ def test_compose_file_validates(tmp_path: Path) -> None:
     assert {"redis", "store", "gateway", "controller", "engine", "trainer", "engine-cpu",
             "trainer-cpu"} <= set(services)
     for name, svc in services.items():
-        if name not in ("redis", "model", "model-cpu"):
+        if name not in ("pki", "redis", "model", "model-cpu"):  # one-shots and Redis
             assert "healthcheck" in svc, name
         for dep, cond in svc.get("depends_on", {}).items():
             assert cond["condition"] in ("service_healthy", "service_completed_successfully")
@@ -657,6 +665,126 @@ def test_compose_lora_override_shares_the_adapter_volume(tmp_path: Path, profile
                       zero["command"], compose_mounts(zero, writable=True))
     base = compose_config(tmp_path)["services"][f"engine{sfx}"]["command"]
     assert engine["command"][:len(base)] == base  # the base file's flags, LoRA's after them
+
+
+# Who holds which credential (docker-compose.yml's one-shot `pki` makes them all): each gRPC
+# service its own identity at /etc/harnessrl/tls, the controller also the grader's; the CA only
+# the one-shot; Redis's password the store, its ACL file Redis; the engine's accepted keys the
+# engines, each client key its client.
+IDENTITY_OF = {"store": "store", "gateway": "gateway", "controller": "controller",
+               "trainer": "trainer", "trainer-cpu": "trainer"}
+TLS_DIR = "/etc/harnessrl/tls"
+CREDENTIAL_HOLDERS = {
+    "pki": set(), **{f"tls-{i}": {s for s, o in IDENTITY_OF.items() if o == i}
+                     for i in set(IDENTITY_OF.values())},
+    "tls-grader": {"controller"}, "redis-acl": {"redis"}, "redis-password": {"store"},
+    "engine-keys": {"engine", "engine-cpu"}, "engine-key-gateway": {"gateway"},
+    "engine-key-trainer": {"trainer", "trainer-cpu"},
+}
+ENGINE_GUARD = ["--middleware", "harnessrl.engine_guard.RequireKey"]
+
+
+def volume_mounts(svc: dict[str, Any]) -> list[dict[str, Any]]:
+    """A rendered service's volume mounts as {source, target, read_only}."""
+    out = []
+    for v in svc.get("volumes", []):
+        if isinstance(v, str):
+            source, target, *mode = v.split(":")
+            v = {"source": source, "target": target, "read_only": mode == ["ro"]}
+        out.append({"source": v["source"], "target": v["target"],
+                    "read_only": bool(v.get("read_only"))})
+    return out
+
+
+def file_in(path: str, svc: dict[str, Any], volume: str) -> str:
+    """`path` (a file a service reads) relative to the mount of `volume` in that service,
+    which must hold it, read-only."""
+    (mount,) = [m for m in volume_mounts(svc) if m["source"] == volume]
+    assert mount["read_only"] and path.startswith(mount["target"] + "/"), (path, mount)
+    return path[len(mount["target"]) + 1:]
+
+
+def check_compose_credentials(services: dict[str, Any]) -> None:
+    """Each credential volume is mounted by the one-shot and by its holders alone (read-only),
+    the holders wait for the one-shot, and the files they are told to read are where the
+    one-shot writes them."""
+    pki = services["pki"]
+    made = {m["source"]: m["target"] for m in volume_mounts(pki)}
+    assert set(made) == set(CREDENTIAL_HOLDERS), "the one-shot makes every credential"
+    assert not any(m["read_only"] for m in volume_mounts(pki)) and pki["restart"] == "no"
+    assert pki.get("network_mode") == "none" and "ports" not in pki
+    script = pki["command"][-1]
+    root = made["pki"]
+    assert f"python -m harnessrl.pki create {root};" in script
+    for name, svc in services.items():
+        if name == "pki":
+            continue
+        seen = {m["source"]: m for m in volume_mounts(svc) if m["source"] in made}
+        for volume, mount in seen.items():
+            assert name in CREDENTIAL_HOLDERS[volume], f"{name} mounts {volume}"
+            assert mount["read_only"], (name, volume)
+        holds = {v for v, holders in CREDENTIAL_HOLDERS.items() if name in holders}
+        assert set(seen) == holds, (name, set(seen), holds)
+        if holds:
+            assert svc["depends_on"]["pki"] == {"condition": "service_completed_successfully"}
+        env = svc.get("environment") or {}
+        if name in IDENTITY_OF:  # its own identity, nobody else's
+            own = f"tls-{IDENTITY_OF[name]}"
+            assert env["HARNESSRL_TLS_DIR"] == TLS_DIR and seen[own]["target"] == TLS_DIR
+            assert made[own] == f"{root}/{IDENTITY_OF[name]}"  # what `pki create` issues there
+        else:
+            assert "HARNESSRL_TLS_DIR" not in env, name
+    ctl = services["controller"]
+    assert file_in(ctl["environment"]["HARNESSRL_CONTROLLER_GRADER_TLS_DIR"] + "/tls.crt", ctl,
+                   "tls-grader") == "tls.crt" and made["tls-grader"] == f"{root}/grader"
+    store = services["store"]
+    rel = file_in(store["environment"]["HARNESSRL_STORE_REDIS_PASSWORD_FILE"], store,
+                  "redis-password")
+    assert f"--password {made['redis-password']}/{rel}" in script
+    assert urlsplit(store["environment"]["HARNESSRL_STORE_REDIS_URL"]).password is None
+    redis_cmd = services["redis"]["command"]
+    rel = file_in(redis_cmd[redis_cmd.index("--aclfile") + 1], services["redis"], "redis-acl")
+    assert f"--acl {made['redis-acl']}/{rel}" in script and "--requirepass" not in redis_cmd
+    for engine in ("engine", "engine-cpu"):
+        svc = services[engine]
+        cmd = svc["command"]
+        assert cmd[cmd.index(ENGINE_GUARD[0]):][:2] == ENGINE_GUARD, engine
+        rel = file_in(svc["environment"]["HARNESSRL_ENGINE_KEYS_FILE"], svc, "engine-keys")
+        assert f"--keys {made['engine-keys']}/{rel}" in script
+    for client in ("gateway", "trainer", "trainer-cpu"):
+        svc = services[client]
+        key = "engine-key-" + IDENTITY_OF[client]
+        rel = file_in(svc["environment"]["HARNESSRL_ENGINE_API_KEY_FILE"], svc, key)
+        assert f"--client {IDENTITY_OF[client]}={made[key]}/{rel}" in script
+
+
+@pytest.mark.parametrize("overrides", [(), ("docker-compose.lora.yml",),
+                                       ("docker-compose.one-gpu.yml",)],
+                         ids=["base", "lora", "one-gpu"])
+def test_compose_credentials_reach_only_their_holders(tmp_path: Path,
+                                                       overrides: tuple[str, ...]) -> None:
+    services = compose_config(tmp_path, overrides=overrides)["services"]
+    check_compose_credentials(services)
+
+
+@pytest.mark.parametrize("fault", ["gateway mounts the store's identity",
+                                   "the trainer sees the CA", "the gateway reads Redis's password",
+                                   "an engine without its guard"])
+def test_credential_check_sees_a_leak(tmp_path: Path, fault: str) -> None:
+    """The check above fails on each kind of leak (planted in the rendered config)."""
+    services = compose_config(tmp_path)["services"]
+    check_compose_credentials(services)
+    if fault.startswith("gateway mounts"):
+        services["gateway"]["volumes"].append("tls-store:/etc/harnessrl/store-tls:ro")
+    elif fault.startswith("the trainer"):
+        services["trainer-cpu"]["volumes"].append("pki:/etc/harnessrl/pki:ro")
+    elif fault.startswith("the gateway reads"):
+        services["gateway"]["volumes"].append("redis-password:/etc/harnessrl/redis:ro")
+    else:
+        cmd = services["engine-cpu"]["command"]
+        services["engine-cpu"]["command"] = [a for a in cmd if a not in ENGINE_GUARD]
+    with pytest.raises(AssertionError):
+        check_compose_credentials(services)
 
 
 def owned_dirs(dockerfile: Path) -> set[str]:
@@ -794,11 +922,16 @@ def test_hadolint_flags_a_bad_dockerfile(tmp_path: Path) -> None:
 # with the harness and grader commands and the tasks file the trainer's environment names.
 # What it changes: hostnames (compose service names and 0.0.0.0 -> 127.0.0.1), container paths
 # (volumes, the secret, tmpfs, the image's venv and example paths -> folders of this test or
-# this checkout) and the `python` of the command (this venv's). Ports are the rendered ones,
+# this checkout; per service, as each container sees them: every service has its own identity
+# at /etc/harnessrl/tls) and the `python` of the command (this venv's). The one-shot `pki`
+# runs first and makes the credentials into the volumes' folders; the test calls as the
+# operator identity it made. Ports are the rendered ones,
 # moved to free ports through the file's own port variables. The trainer is not started (a
 # training step is the learning test's business); its environment is loaded into its config.
 
 PROFILE = "cpu"
+IDENTITY_ENV = ("HARNESSRL_TLS_DIR", "HARNESSRL_TLS_PEM", "HARNESSRL_SCOPE_TOKEN",
+                "HARNESSRL_TLS_ROOT", "HARNESSRL_INSECURE")
 PORT_VARS = ("REDIS_PORT", "STORE_PORT", "GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT",
              "STORE_METRICS_PORT", "CONTROLLER_METRICS_PORT", "TRAINER_METRICS_PORT",
              "CONTROLLER_PORT", "TRAINER_PORT", "ENGINE_PORT")
@@ -815,10 +948,13 @@ class Localizer:
     def __init__(self, hosts: set[str], paths: dict[str, str]) -> None:
         self.paths = paths
         alt = "|".join(re.escape(h) for h in sorted(hosts, key=len, reverse=True))
-        # a whole value ("store:50051", "0.0.0.0") or a URL's host ("http://gateway:8080/v1")
-        self.host_re = re.compile(rf'(^|//)({alt})(?=:\d|/|"|$)')
+        # a whole value ("store:50051", "0.0.0.0") or a URL's host ("http://gateway:8080/v1",
+        # "redis://user@redis:6379/0")
+        self.host_re = re.compile(rf'(^|//|@)({alt})(?=:\d|/|"|$)')
         alt = "|".join(re.escape(p) for p in sorted(paths, key=len, reverse=True))
-        self.path_re = re.compile(rf'(^|")({alt})(?=/|"|$)')
+        # a whole value, or a path inside one after a quote, a space or `=` (a shell line,
+        # NAME=PATH)
+        self.path_re = re.compile(rf'(^|["\s=])({alt})(?=/|"|\s|;|$)')
 
     def __call__(self, value: str) -> str:
         value = self.host_re.sub(lambda m: m[1] + "127.0.0.1", value)
@@ -869,25 +1005,24 @@ class ComposeRun:
         for svc in cfg["services"].values():
             for net in (svc.get("networks") or {}).values():
                 hosts |= set((net or {}).get("aliases", []))
-        paths = dict(IMAGE_PATHS)
         tmpfs = workdir / "tmpfs"
         tmpfs.mkdir()
-        for name, svc in self.services.items():
-            for mount in svc.get("volumes", []):
-                source, target = ((mount["source"], mount["target"]) if isinstance(mount, dict)
-                                  else mount.split(":")[:2])
-                assert paths.setdefault(target, str(volumes[source])) == str(volumes[source])
+        self.localizers = {}
+        for name, svc in self.services.items():  # each container's own view of the paths
+            paths = dict(IMAGE_PATHS)
+            for mount in volume_mounts(svc):
+                paths[mount["target"]] = str(volumes[mount["source"]])
             for t in svc.get("tmpfs", []):
-                paths[t] = str(tmpfs)
+                paths[t.split(":")[0]] = str(tmpfs)
             for secret in svc.get("secrets", []):
                 target = f"/run/secrets/{secret['source']}"
                 paths[target] = cfg["secrets"][secret["source"]]["file"]
-        self.localize = Localizer(hosts, paths)
+            self.localizers[name] = Localizer(hosts, paths)
         self.started: dict[str, Any] = {}
         self.healthy: set[str] = set()
 
-    def argv(self, argv: list[str]) -> list[str]:
-        out = [self.localize(a) for a in argv]
+    def argv(self, name: str, argv: list[str]) -> list[str]:
+        out = [self.localizers[name](a) for a in argv]
         assert len(out) == len(argv)
         if out[0] == "python":
             out[0] = sys.executable
@@ -903,7 +1038,7 @@ class ComposeRun:
             env.update(image_env(Path(build["context"]) / build["dockerfile"],
                                  build.get("target")))
         env.update({k: str(v) for k, v in (svc.get("environment") or {}).items()})
-        local = {k: self.localize(v) for k, v in env.items()}
+        local = {k: self.localizers[name](v) for k, v in env.items()}
         assert set(local) == set(env)
         if "PATH" in local:  # the image's venv first: this machine's venv first
             local["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
@@ -912,7 +1047,7 @@ class ComposeRun:
     def start(self, name: str) -> None:
         svc = self.services[name]
         cwd = self.workdir / "services" / name  # an empty working directory, like WORKDIR
-        proc = self.procs.ServiceProcess(name, self.argv(svc["command"]), cwd,
+        proc = self.procs.ServiceProcess(name, self.argv(name, svc["command"]), cwd,
                                          env=self.env(name))
         self.started[name] = proc.start()
 
@@ -927,7 +1062,10 @@ class ComposeRun:
         assert proc.alive, f"{name} exited with {proc.proc.returncode}:\n{proc.log_tail()}"
         test = svc["healthcheck"]["test"]
         assert test[0] == "CMD", test
-        out = subprocess.run(self.argv(test[1:]), capture_output=True, timeout=30)
+        # as `docker exec`: the container's environment, so its own identity, not this test's
+        env = {k: v for k, v in os.environ.items() if k not in IDENTITY_ENV}
+        out = subprocess.run(self.argv(name, test[1:]), capture_output=True, timeout=30,
+                             env={**env, **self.env(name)})
         return out.returncode == 0
 
     def condition_met(self, dep: str, condition: str) -> bool:
@@ -987,12 +1125,17 @@ def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) 
     assert tiny_model_dir.name == "tiny-qwen3"  # the folder the compose file names
     volumes = {name: tmp_path / "volumes" / name for name in cfg["volumes"]}
     volumes["models"] = tiny_model_dir.parent  # built once per machine (model-cpu: at once)
+    # The one-shot's volumes are nested (the CA's folder holds the identities' mount points):
+    # each where its mount point is in the one-shot's view, under one folder.
+    pki_view = tmp_path / "pki-view"
+    for mount in volume_mounts(cfg["services"]["pki"]):
+        volumes[mount["source"]] = pki_view / mount["target"].lstrip("/")
     for path in volumes.values():
         path.mkdir(parents=True, exist_ok=True)
     run = ComposeRun(cfg, tmp_path, volumes)
     svcs = run.services
-    assert set(svcs) == {"redis", "store", "gateway", "controller", "model-cpu", "engine-cpu",
-                         "trainer-cpu"}
+    assert set(svcs) == {"pki", "redis", "store", "gateway", "controller", "model-cpu",
+                         "engine-cpu", "trainer-cpu"}
     # The trainer's settings (not started): valid for its config, its files there.
     trainer_env = run.env("trainer-cpu")
     code = ("from services.trainer.config import TrainerConfig; import json; "
@@ -1004,6 +1147,12 @@ def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) 
     assert Path(trainer["tasks_file"]).exists() and trainer["push"]["backend"] == "gloo"
     try:
         run.up(timeout=600)
+        from harnessrl.identity import Identity
+
+        pki_root = volume_mounts(svcs["pki"])[0]
+        assert pki_root["source"] == "pki"
+        operator = Identity.from_folder(volumes["pki"] / "operator")
+        assert operator.name == "operator"
         gateway_http = published_port(svcs["gateway"])
         assert httpx.get(f"http://127.0.0.1:{gateway_http}/health", timeout=5).status_code == 200
         engines = json.loads(svcs["gateway"]["environment"]["HARNESSRL_GATEWAY_ENGINES"])
@@ -1014,7 +1163,7 @@ def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) 
             harness_command=trainer["harness_command"], grader_command=trainer["grader_command"],
             reward_source=c.REWARD_SOURCE_GRADER_JSON, model=trainer["served_model_name"])
         controller = f"127.0.0.1:{published_port(svcs['controller'])}"
-        ctl = ControllerClient.connect(controller)
+        ctl = ControllerClient.connect(controller, ident=operator)
         run_id = ctl.create_run(spec).run_id
         deadline = time.monotonic() + 300
         while (result := ctl.get_run(run_id)).status == c.RUN_STATUS_RUNNING:
@@ -1023,7 +1172,7 @@ def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) 
         ctl.close()
         assert result.status == c.RUN_STATUS_SUCCEEDED, result
         store_port = svcs["store"]["environment"]["HARNESSRL_STORE_BIND"].rsplit(":", 1)[1]
-        store = StoreClient.connect(f"127.0.0.1:{store_port}")
+        store = StoreClient.connect(f"127.0.0.1:{store_port}", ident=operator)
         rollouts = store.list_rollouts(run_id, include_calls=True).rollouts
         store.close()
         assert len(rollouts) == 4
