@@ -748,7 +748,8 @@ def check_compose_credentials(services: dict[str, Any]) -> None:
     for engine in ("engine", "engine-cpu"):
         svc = services[engine]
         cmd = svc["command"]
-        assert cmd[cmd.index(ENGINE_GUARD[0]):][:2] == ENGINE_GUARD, engine
+        assert ENGINE_GUARD[0] in cmd and cmd[cmd.index(ENGINE_GUARD[0]):][:2] == ENGINE_GUARD, \
+            engine
         rel = file_in(svc["environment"]["HARNESSRL_ENGINE_KEYS_FILE"], svc, "engine-keys")
         assert f"--keys {made['engine-keys']}/{rel}" in script
     for client in ("gateway", "trainer", "trainer-cpu"):
