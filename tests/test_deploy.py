@@ -1196,7 +1196,7 @@ def test_healthcheck_command_tells_serving_from_not(store_service) -> None:  # t
                                "--timeout", "1"], capture_output=True, timeout=60,
                               cwd=REPO).returncode
 
-    assert check("grpc", store_service.address) == 0
+    assert check("grpc", store_service.address, "--peer", "store") == 0
     port = free_port()
     assert check("grpc", f"127.0.0.1:{port}") == 1
     assert check("http", f"http://127.0.0.1:{port}/health") == 1
