@@ -1,6 +1,7 @@
 """A deployment's secrets besides its certificates (harnessrl/pki.py): Redis's password with
 the ACL file that enforces it, and the engine's API keys. docker-compose.yml's one-shot `pki`
-service runs it, writing each secret into the volume of the one service that holds it.
+service runs it, writing each secret into the volume of the one service that holds it;
+scripts/k8s-secrets.sh makes the Kubernetes Secrets' Redis files with it.
 
     python -m harnessrl.deploy_secrets redis --password FILE --acl FILE [--user NAME]
     python -m harnessrl.deploy_secrets engine-keys --keys FILE --client NAME=FILE ...
