@@ -270,6 +270,13 @@ class Authorize(grpc.aio.ServerInterceptor):
         self._wrapped[method] = (handler, wrapped)
         return wrapped
 
+    async def _admit(self, method: str, context: Any, request: Any) -> None:
+        """Returns when the call may go on; otherwise aborts it with its refusal."""
+        try:
+            self.check(method, context, request)
+        except _Refusal as r:
+            await self._refuse(method, context, r)
+
     def _wrap(self, method: str, handler: Any) -> Any:
         """`handler` with `check` before every call of `method`."""
         kw = {"request_deserializer": handler.request_deserializer,
@@ -278,20 +285,14 @@ class Authorize(grpc.aio.ServerInterceptor):
             inner_uu = handler.unary_unary
 
             async def uu(request: Any, context: Any) -> Any:
-                try:
-                    self.check(method, context, request)
-                except _Refusal as r:
-                    await self._refuse(method, context, r)
+                await self._admit(method, context, request)
                 return await inner_uu(request, context)
             return grpc.unary_unary_rpc_method_handler(uu, **kw)
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
 
             async def us(request: Any, context: Any) -> Any:
-                try:
-                    self.check(method, context, request)
-                except _Refusal as r:
-                    await self._refuse(method, context, r)
+                await self._admit(method, context, request)
                 async for item in inner_us(request, context):
                     yield item
             return grpc.unary_stream_rpc_method_handler(us, **kw)
@@ -301,19 +302,13 @@ class Authorize(grpc.aio.ServerInterceptor):
             inner_su = handler.stream_unary
 
             async def su(requests: Any, context: Any) -> Any:
-                try:
-                    self.check(method, context, None)
-                except _Refusal as r:
-                    await self._refuse(method, context, r)
+                await self._admit(method, context, None)
                 return await inner_su(requests, context)
             return grpc.stream_unary_rpc_method_handler(su, **kw)
         inner_ss = handler.stream_stream
 
         async def ss(requests: Any, context: Any) -> Any:
-            try:
-                self.check(method, context, None)
-            except _Refusal as r:
-                await self._refuse(method, context, r)
+            await self._admit(method, context, None)
             async for item in inner_ss(requests, context):
                 yield item
         return grpc.stream_stream_rpc_method_handler(ss, **kw)
