@@ -30,7 +30,7 @@ import openai
 import pytest
 import redis
 
-from conftest import GatewayService, StubEngineService
+from conftest import GatewayService, StubEngineService, as_identity
 from harnessrl import procs, rpc
 from harnessrl.clients import StoreClient
 from harnessrl.testing.faulty_link import FAULTS, POINTS, FaultyLink
@@ -100,7 +100,9 @@ def rig(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Ri
     stub = StubEngineService(tmp / "stub")
     store_proc, info = started.result()
     store_address = f"127.0.0.1:{info['grpc_port']}"
-    link = FaultyLink(store_address).start()
+    # mTLS ended on both sides (the gateway's calls reach the store as the gateway's)
+    link = FaultyLink(store_address, serve_as=as_identity("store"),
+                      connect_as=as_identity("gateway")).start()
     engines: list[dict[str, object]] = [{"name": "e0", "base_url": stub.base_url,
                                          "model": "tiny"}]
     patient = pool.submit(GatewayService, tmp / "patient", link.address, engines,

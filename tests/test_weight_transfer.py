@@ -22,8 +22,9 @@ import pytest
 import torch
 from conftest import GatewayService, StoreService
 
+from harnessrl import identity
 from harnessrl.clients import GatewayAdminClient
-from harnessrl.procs import ServiceProcess, free_port
+from harnessrl.procs import TLS_ROOT_ENV, ServiceProcess, free_port
 from harnessrl.v1 import gateway_pb2 as gpb
 from harnessrl.weight_transfer import (
     EngineRef,
@@ -411,7 +412,8 @@ def test_trainer_killed_mid_push_leaves_no_engine_serving_and_last_good_version_
         trainer = ServiceProcess("trainer", [sys.executable, str(KILLABLE_PUSHER), json.dumps({
             "admin": gateway.admin_address, "model_dir": str(model_dir), "seed": 52,
             "version": 11, "at": 12, "signal": str(signal_file)})], tmp_path,
-            env={"PYTHONPATH": os.pathsep.join(sys.path)}).start()
+            env={"PYTHONPATH": os.pathsep.join(sys.path),  # a script: it calls as the trainer
+                 identity.TLS_DIR_ENV: str(Path(os.environ[TLS_ROOT_ENV]) / "trainer")}).start()
         deadline = time.monotonic() + 300
         while not signal_file.exists():
             assert trainer.alive, trainer.log_tail()

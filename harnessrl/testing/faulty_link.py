@@ -25,14 +25,22 @@ and the fault is one of:
 With `persistent=True` every later batch of the rollout meets the same fault (until
 `reset()`). `fired` is set when the fault happened; `retried` when the client came back after
 it: it sent the rollout's batch again, or (killed) tried to connect again.
+
+Frames can only be read in the clear, so with mTLS on (as everywhere) the link ends TLS on
+both sides, as a man in the middle with real credentials of the deployment's CA:
+`serve_as` (the store's identity) towards the client, which verifies it as the store, and
+`connect_as` (the client's own identity) towards the store, which authorizes the calls as
+the client's. Both sides speak HTTP/2 by ALPN, as gRPC requires.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import threading
 from dataclasses import dataclass, field
 
+from harnessrl import identity, pki
 from harnessrl.v1 import store_pb2 as spb
 
 POINTS = ("before_send", "after_send", "mid_ack")
@@ -83,10 +91,28 @@ class _Armed:
     persistent: bool
 
 
+def _tls(ident: identity.Identity, server: bool) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(cadata=ident.ca.decode())
+    ctx.verify_mode = ssl.CERT_REQUIRED  # the client's certificate too, as the store asks
+    assert ident.folder is not None, "the link reads its identities from folders"
+    ctx.load_cert_chain(ident.folder / "tls.crt", ident.folder / "tls.key")
+    ctx.set_alpn_protocols(["h2"])
+    return ctx
+
+
 class FaultyLink:
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, serve_as: identity.Identity | None = None,
+                 connect_as: identity.Identity | None = None, upstream_peer: str = "store"
+                 ) -> None:
+        """A link to `upstream`; with `serve_as` and `connect_as` it ends mTLS on both sides
+        (both or neither: a plaintext link is for insecure mode only)."""
+        assert (serve_as is None) == (connect_as is None), "mTLS on both sides or neither"
         self.upstream_host, port = upstream.rsplit(":", 1)
         self.upstream_port = int(port)
+        self._serve_tls = _tls(serve_as, server=True) if serve_as else None
+        self._connect_tls = _tls(connect_as, server=False) if connect_as else None
+        self._upstream_name = pki.server_name(upstream_peer)
         self.port = 0
         self.fired = threading.Event()
         self.retried = threading.Event()
@@ -145,7 +171,7 @@ class FaultyLink:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
 
     async def _listen(self) -> asyncio.Server:
-        server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        server = await asyncio.start_server(self._accept, "127.0.0.1", 0, ssl=self._serve_tls)
         self.port = server.sockets[0].getsockname()[1]
         return server
 
@@ -155,8 +181,9 @@ class FaultyLink:
             writer.transport.abort()
             return
         try:
-            up_reader, up_writer = await asyncio.open_connection(self.upstream_host,
-                                                                 self.upstream_port)
+            up_reader, up_writer = await asyncio.open_connection(
+                self.upstream_host, self.upstream_port, ssl=self._connect_tls,
+                server_hostname=self._upstream_name if self._connect_tls else None)
         except OSError:
             writer.transport.abort()
             return
