@@ -253,6 +253,16 @@ def built_images(docker_daemon) -> dict[str, dict]:  # type: ignore[no-untyped-d
     return {row["name"]: row for row in json.loads(report.read_text())}
 
 
+EXAMPLE_IMAGE = "harnessrl/example-harness:0.1.0"  # examples/calc/Dockerfile
+
+
+@pytest.fixture(scope="module")
+def example_image(built_images: dict[str, dict]) -> str:  # type: ignore[type-arg]
+    """The example harness image, built (or reused) with the others."""
+    assert EXAMPLE_IMAGE in {row["tag"] for row in built_images.values()}, built_images
+    return EXAMPLE_IMAGE
+
+
 CONTROLLER_SA = "harnessrl/harnessrl-controller"  # k8s/base: the controller's ServiceAccount
 
 

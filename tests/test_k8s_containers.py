@@ -39,7 +39,7 @@ from test_trainer_loop import (  # noqa: F401  (the module's own stack)
 pytestmark = pytest.mark.containers
 
 TEMPLATE = REPO / "examples" / "calc" / "k8s-job-template.yaml"
-IMAGE = "harnessrl/example-harness:0.1.0"
+IMAGE = conftest.EXAMPLE_IMAGE
 # The harness and grader commands of the shipped run (paths inside the example image).
 RUN_CONFIG = yaml.safe_load((REPO / "k8s" / "base" / "run-config.yaml").read_text())["data"]
 HARNESS = json.loads(RUN_CONFIG["HARNESSRL_TRAINER_HARNESS_COMMAND"])
@@ -65,13 +65,6 @@ print(json.dumps({
     'key': os.environ.get('OPENAI_API_KEY'), 'path': os.environ['PATH'],
 }))
 """
-
-
-@pytest.fixture(scope="module")
-def example_image(built_images: dict[str, dict]) -> str:  # type: ignore[type-arg]
-    """The example harness image, built (or reused) with the others."""
-    assert IMAGE in {row["tag"] for row in built_images.values()}, built_images
-    return IMAGE
 
 
 @pytest.fixture(scope="module")

@@ -61,8 +61,11 @@ containers' securityContext (user and groups, runAsNonRoot, read-only root file 
 capabilities, no-new-privileges, privileged, seccomp RuntimeDefault or unconfined), the
 volumes as bind mounts at their mountPaths, the environment from the fake's objects (the
 credential from its Secret), workingDir, command/args over the image's entrypoint, cpu and
-memory limits, signals on deletion. NOT enforced: the network (host networking: pods reach
-127.0.0.1, NetworkPolicies are not enforced), AppArmor/SELinux, sysctls, ephemeral-storage
+memory limits, signals on deletion; with `--endpoints` (the host processes that stand for the
+pods of a deployment), each pod gets a network namespace of its own that reaches what the
+NetworkPolicies of `--network-policies` allow of them and nothing else
+(fake_kube/pod_network.py); without, pods share the host's network. NOT enforced: ingress
+beyond "nothing gets in", policies changed after the start, AppArmor/SELinux, sysctls, ephemeral-storage
 limits, imagePullPolicy, probes, lifecycle hooks, service account tokens. The process-mode
 points below about paths, `command` and the environment do not apply to it; the others do.
 
@@ -119,6 +122,7 @@ import yaml
 from harnessrl import procs
 from harnessrl.testing.fake_kube.cluster import Cluster
 from harnessrl.testing.fake_kube.container_runtime import ContainerRuntime
+from harnessrl.testing.fake_kube.pod_network import Endpoint, PodNetworks
 from harnessrl.testing.fake_kube.http import FakeKubeHTTPServer
 from harnessrl.testing.fake_kube.rbac import (OWNER_REFS_PLUGIN, Authorizer, load_manifests,
                                               mint_tokens)
@@ -129,11 +133,16 @@ DEFAULT_IMAGES = ("harnessrl/harness:dev",)
 KUBELETS = ("process", "container")
 
 
-def make_runtime(kubelet: str, root: Path, images: list[str]) -> Runtime:
+def make_runtime(kubelet: str, root: Path, images: list[str],
+                 networks: PodNetworks | None = None, pids_limit: int | None = None
+                 ) -> Runtime:
     """The kubelet's runtime: local processes with `images` as the node's image list, or
-    Docker containers (the daemon's images)."""
+    Docker containers (the daemon's images), with `networks` and `pids_limit` enforced."""
     if kubelet == "container":
-        return ContainerRuntime(root)
+        return ContainerRuntime(root, networks, pids_limit)
+    if networks is not None or pids_limit is not None:
+        raise ValueError("pod networks and the pods' pids limit are container mode's "
+                         "(--kubelet container)")
     if kubelet == "process":
         return ProcessRuntime(images)
     raise ValueError(f"kubelet must be one of {KUBELETS}, not {kubelet!r}")
@@ -176,14 +185,19 @@ def write_service_accounts(root: Path, port: int, tokens: dict[str, str]) -> dic
 def serve(root: Path, port: int, ready_file: Path | None, images: list[str], node_cpu: float,
           kube_version: str, namespaces: list[str], bookmark_seconds: float,
           rbac: list[Path] | None = None, disabled_plugins: list[str] | None = None,
-          kubelet: str = "process") -> None:
+          kubelet: str = "process", network_policies: list[Path] | None = None,
+          endpoints: Path | None = None, pids_limit: int | None = None) -> None:
     root.mkdir(parents=True, exist_ok=True)
     objects = [o for path in rbac or [] for o in load_manifests(path)]
     by_token, tokens = mint_tokens(objects)
     namespaces = namespaces + [o["metadata"]["namespace"] for o in objects
                                if o["metadata"].get("namespace")]
-    cluster = Cluster(root, make_runtime(kubelet, root, images), node_cpu, kube_version,
-                      namespaces)
+    if network_policies and endpoints is None:
+        raise SystemExit("--network-policies needs --endpoints: what the pods may reach")
+    networks = PodNetworks.from_files(network_policies or [], endpoints) \
+        if endpoints is not None else None
+    cluster = Cluster(root, make_runtime(kubelet, root, images, networks, pids_limit),
+                      node_cpu, kube_version, namespaces)
     server = FakeKubeHTTPServer(port, cluster, by_token, Authorizer(objects),
                                 OWNER_REFS_PLUGIN not in (disabled_plugins or []), kube_version,
                                 bookmark_seconds)
@@ -234,13 +248,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rbac", type=Path, action="append", default=[],
                    help="a manifest file or kustomization directory whose ServiceAccounts, "
                         "Roles, ClusterRoles and bindings are loaded (repeatable)")
+    p.add_argument("--network-policies", type=Path, action="append", default=[],
+                   help="a manifest file or kustomization directory whose NetworkPolicies the "
+                        "container kubelet enforces (repeatable; fake_kube/pod_network.py)")
+    p.add_argument("--endpoints", type=Path,
+                   help="JSON list of the host processes that stand for the pods policies "
+                        "allow: {namespace, labels, ports: {pod's port: host:port}, names}")
+    p.add_argument("--pod-pids-limit", type=int,
+                   help="the node's podPidsLimit (container mode): most processes a container "
+                        "of a pod may have; default: no limit, as the kubelet's")
     p.add_argument("--disable-admission-plugins", default="",
                    help=f"comma-separated; only {OWNER_REFS_PLUGIN} (on by default) exists")
     args = p.parse_args(argv)
     serve(args.root.resolve(), args.port, args.ready_file, _split(args.images), args.node_cpu,
           args.kube_version, _split(args.namespaces), args.bookmark_seconds,
           [r.resolve() for r in args.rbac], _split(args.disable_admission_plugins),
-          args.kubelet)
+          args.kubelet, [n.resolve() for n in args.network_policies], args.endpoints,
+          args.pod_pids_limit)
 
 
 def _split(text: str) -> list[str]:
@@ -252,7 +276,9 @@ class FakeKubeAPIServer:
     `rbac`: manifests to load (`--rbac`); `identity`: "namespace/name" of the ServiceAccount
     whose kubeconfig `.kubeconfig` is, else it is the admin's (`.admin_kubeconfig`);
     `kubelet`: "process" or "container" (`--kubelet`; container mode talks to the daemon
-    DOCKER_HOST names in `env`, else in this process's environment)."""
+    DOCKER_HOST names in `env`, else in this process's environment); `network_policies`
+    (`--network-policies`) and `endpoints` (`--endpoints`): the pod network it enforces;
+    `pod_pids_limit`: the node's podPidsLimit (`--pod-pids-limit`)."""
 
     def __init__(self, root: Path, images: list[str] | tuple[str, ...] = DEFAULT_IMAGES,
                  node_cpu: float = 4.0, kube_version: str | None = None,
@@ -260,7 +286,10 @@ class FakeKubeAPIServer:
                  bookmark_seconds: float = 10.0, env: dict[str, str] | None = None,
                  rbac: list[Path] | tuple[Path, ...] = (), identity: str | None = None,
                  disable_admission_plugins: list[str] | tuple[str, ...] = (),
-                 kubelet: str = "process") -> None:
+                 kubelet: str = "process",
+                 network_policies: list[Path] | tuple[Path, ...] = (),
+                 endpoints: list[Endpoint] | tuple[Endpoint, ...] = (),
+                 pod_pids_limit: int | None = None) -> None:
         self.root = Path(root)
         self.env = env
         self.identity = identity
@@ -271,6 +300,14 @@ class FakeKubeAPIServer:
                      "--kubelet", kubelet]
         for path in rbac:
             self.args += ["--rbac", str(Path(path).resolve())]
+        for path in network_policies:
+            self.args += ["--network-policies", str(Path(path).resolve())]
+        if pod_pids_limit is not None:
+            self.args += ["--pod-pids-limit", str(pod_pids_limit)]
+        if endpoints:
+            self.root.mkdir(parents=True, exist_ok=True)
+            (self.root / "endpoints.json").write_text(json.dumps([e.to_json() for e in endpoints]))
+            self.args += ["--endpoints", str(self.root / "endpoints.json")]
         if kube_version:
             self.args += ["--kube-version", kube_version]
         self.proc: procs.ServiceProcess | None = None

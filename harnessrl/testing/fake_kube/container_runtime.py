@@ -23,14 +23,19 @@ pod log (`docker logs -f`), and `docker wait` gives its exit status. Applied:
   the image's ENV underneath. command/args replace the image's ENTRYPOINT/CMD as Kubernetes
   says; workingDir is `-w`.
 - resources: limits.cpu `--cpus`, limits.memory `--memory` (an OOM kill reads as reason
-  OOMKilled), requests.cpu `--cpu-shares` (runc, cgroup v1 here).
+  OOMKilled), requests.cpu `--cpu-shares` (runc, cgroup v1 here); the node's podPidsLimit
+  (`--pod-pids-limit`) as `--pids-limit` on each container (a real kubelet caps the pod).
 - termination: `docker kill --signal` (SIGTERM, then SIGKILL after the grace period) on pod
   deletion or activeDeadlineSeconds; a signal N reads as exit code 128+N, as in process mode.
   An exec failure (no such command) is a StartError with the runtime's message.
 
-Not enforced: the network (`--network host`: the pod shares the host's network, so it
-reaches the gateway on 127.0.0.1, and NetworkPolicies are not enforced; ports and hostname
-are the host's), AppArmor and SELinux options, sysctls, procMount, ephemeral-storage limits,
+- network: with endpoints declared (`--endpoints`), each pod runs in a network namespace of
+  its own that reaches the endpoints' ports that its namespace's NetworkPolicies
+  (`--network-policies`) allow, and nothing else (`pod_network.py` says how, and what it does
+  not enforce). Without endpoints, pods share the host's network (`--network host`: they
+  reach the gateway on 127.0.0.1; ports and hostname are the host's).
+
+Not enforced: AppArmor and SELinux options, sysctls, procMount, ephemeral-storage limits,
 hugepages, Windows options, imagePullPolicy (never pulls), probes and lifecycle hooks (as in
 process mode), and the service account token (pods get none).
 
@@ -50,6 +55,7 @@ import subprocess
 from pathlib import Path
 
 from .objects import parse_quantity
+from .pod_network import Door, PodNetworks, egress_doors, hosts_entries
 from .runtime import ConfigError, Exit, Launch, Obj, Running, expand
 
 LABEL = "harnessrl.fake-kube"
@@ -138,7 +144,10 @@ class ContainerRuntime:
     """Pod containers as Docker containers (see the module docstring); `root` is the fake
     server's state directory, which names its containers."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, networks: PodNetworks | None = None,
+                 pids_limit: int | None = None) -> None:
+        self.networks = networks
+        self.pids_limit = pids_limit
         docker = shutil.which("docker")
         if docker is None:
             raise RuntimeError("container mode needs the docker CLI (apt-get install docker.io)")
@@ -165,6 +174,44 @@ class ContainerRuntime:
     def shutdown(self) -> None:
         ids = self.cli("ps", "-aq", "--filter", f"label={LABEL}={self.root}").split()
         self.remove(*ids)
+        if self.networks is not None:
+            for uid in list(self.networks.infra):
+                self.pod_gone(uid)
+
+    def pod_gone(self, uid: str) -> None:
+        if self.networks is not None and uid in self.networks.infra:
+            self.networks.doors.close(uid)
+            self.remove(self.networks.infra.pop(uid))
+
+    def _network(self, launch: Launch, labels: dict[str, str]) -> list[str]:
+        """`--network` for a container of the pod: the host's (no endpoints declared), or the
+        pod's own namespace with the doors its policies allow (made with the pod's first
+        container, held by its infra container)."""
+        nets = self.networks
+        if nets is None:
+            return ["--network", "host"]
+        doors = egress_doors(nets.policies, launch.namespace, launch.labels, nets.endpoints)
+        with nets.lock:  # a pod's containers may start at once: one infra container
+            return ["--network", f"container:{self._infra(nets, launch, labels, doors)}"]
+
+    def _infra(self, nets: PodNetworks, launch: Launch, labels: dict[str, str],
+               doors: list[Door]) -> str:
+        infra = nets.infra.get(launch.uid)
+        if infra is None:
+            infra = f"{self.prefix}-{launch.namespace}-{launch.pod}-infra"
+            argv = ["run", "-d", "--name", infra, "--network", "none", "--read-only",
+                    "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+                    "--user", "65534:65534", "--entrypoint", "sleep"]
+            for k, v in labels.items():
+                argv += ["--label", f"{k}={v}"]
+            for entry in hosts_entries(nets.endpoints):
+                argv += ["--add-host", entry]
+            self.remove(infra)
+            self.cli(*argv, launch.container["image"], "infinity")
+            nets.infra[launch.uid] = infra
+            pid = self.cli("inspect", "--format", "{{.State.Pid}}", infra)
+            nets.doors.open(launch.uid, f"/proc/{pid}/ns/net", doors)
+        return infra
 
     def has_image(self, image: str) -> bool:
         if image not in self.images:
@@ -208,11 +255,11 @@ class ContainerRuntime:
             raise ConfigError("seccompProfile Localhost is not supported by the fake kubelet")
         return [] if profile == "RuntimeDefault" else ["--security-opt", "seccomp=unconfined"]
 
-    def _options(self, launch: Launch) -> list[str]:
+    def _options(self, launch: Launch, labels: dict[str, str]) -> list[str]:
         """`docker create`'s options from the pod spec (see the module docstring)."""
         spec, c = launch.spec, launch.container
         pod, ctr = _security(spec, c)
-        opts = ["--network", "host"]
+        opts = self._network(launch, labels)
         user = self._user(spec, c)
         if user is not None:
             opts += ["--user", user]
@@ -236,6 +283,8 @@ class ContainerRuntime:
             opts += ["--cpus", f"{parse_quantity(limits['cpu']):g}"]
         if "memory" in limits:
             opts += ["--memory", f"{int(parse_quantity(limits['memory']))}b"]
+        if self.pids_limit is not None:
+            opts += ["--pids-limit", str(self.pids_limit)]
         if "cpu" in requests:
             opts += ["--cpu-shares", str(max(2, int(parse_quantity(requests["cpu"]) * 1024)))]
         secret_volumes = {v["name"] for v in spec.get("volumes") or [] if "secret" in v}
@@ -257,8 +306,10 @@ class ContainerRuntime:
         for k, v in labels.items():
             argv += ["--label", f"{k}={v}"]
         try:
-            argv += self._options(launch)
-        except ConfigError as e:
+            argv += self._options(launch, {LABEL: self.root,
+                                           f"{LABEL}.pod": labels[f"{LABEL}.pod"],
+                                           f"{LABEL}.container": "infra"})
+        except (ConfigError, DockerError, OSError) as e:
             return str(e)
         cli_env = dict(self.env)
         for k, v in launch.env.items():  # values through the CLI's environment, not argv,

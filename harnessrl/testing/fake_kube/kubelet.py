@@ -164,6 +164,7 @@ class PodWorker(threading.Thread):
         self.namespace = pod["metadata"]["namespace"]
         self.name = pod["metadata"]["name"]
         self.uid = pod["metadata"]["uid"]
+        self.labels: dict[str, str] = dict(pod["metadata"].get("labels") or {})
         self.spec: Obj = pod["spec"]
         self.dir = node.pod_dir(self.namespace, self.name)
         self.procs: dict[str, Running] = {}  # container name -> running container
@@ -211,6 +212,7 @@ class PodWorker(threading.Thread):
         finally:
             for proc in list(self.procs.values()):
                 proc.remove()
+            self.node.runtime.pod_gone(self.uid)
             with self.node.lock:
                 self.node.workers.pop(self.uid, None)
             shutil.rmtree(self.dir, ignore_errors=True)
@@ -396,7 +398,8 @@ class PodWorker(threading.Thread):
         volumes = {v["name"]: self._volume_dir(v["name"]) for v in self.spec.get("volumes") or []}
         return self.node.runtime.start(Launch(
             self.namespace, self.name, self.uid, self.spec, c, self._environment(c), volumes,
-            self.dir, self.dir / "logs" / f"{c['name']}.log", self.cstatus(c["name"])["restartCount"]))
+            self.dir, self.dir / "logs" / f"{c['name']}.log", self.cstatus(c["name"])["restartCount"],
+            self.labels))
 
     def _start(self, c: Obj) -> bool:
         cs = self.cstatus(c["name"])

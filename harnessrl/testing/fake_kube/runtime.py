@@ -17,7 +17,7 @@ import re
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ class Launch:
     pod_dir: Path       # <root>/pods/<ns>/<pod>
     log: Path           # where stdout and stderr go, merged (the pod log)
     restart: int        # the container's restartCount
+    labels: dict[str, str] = field(default_factory=dict)  # the pod's labels
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,10 @@ class Runtime(Protocol):
 
     def shutdown(self) -> None:
         """Server shutdown: removes every container this runtime started."""
+
+    def pod_gone(self, uid: str) -> None:
+        """The pod `uid` is over (its containers removed): frees what the runtime holds for
+        the pod itself (container mode: its network)."""
 
 
 def expand(text: str, env: dict[str, str]) -> str:
@@ -195,6 +200,9 @@ class ProcessRuntime:
 
     def shutdown(self) -> None:
         pass  # the kubelet kills each pod's process groups
+
+    def pod_gone(self, uid: str) -> None:
+        pass  # processes share the host's network: nothing per pod
 
     def start(self, launch: Launch) -> Running | str:
         c = launch.container
