@@ -4,7 +4,7 @@
 containers as Docker containers of that image. What only a container shows (uid, capabilities,
 no-new-privileges, a read-only root) is read from inside one; a root pod under runAsNonRoot is
 refused; a training step runs its rollouts as such Jobs, the harness reaching the gateway
-from its container and the grader container scoring it; and from a rollout pod the engine's
+from its container (isolated: its own network namespace under k8s/base's NetworkPolicies) and the grader container scoring it; and from a rollout pod the engine's
 weight-update routes answer 401 and the gRPC services close the connection without a
 certificate of the deployment's CA (issue 40), the pod holding no identity and no token.
 
@@ -29,6 +29,7 @@ from conftest import CONTROLLER_SA, REPO
 from harnessrl.clients import StoreClient
 from harnessrl.local.stack import Stack
 from harnessrl.testing.fake_kube.container_runtime import LABEL
+from harnessrl.testing.fake_kube.pod_network import Endpoint
 from harnessrl.testing.fake_kube_apiserver import FakeKubeAPIServer
 from harnessrl.v1 import common_pb2 as c
 from services.controller.backends import k8s_manifests as manifests
@@ -256,12 +257,22 @@ def test_exec_failure_and_deletion(kube: FakeKubeAPIServer, tmp_path: Path,
 @pytest.mark.vllm
 def test_training_step_with_rollout_pods_as_containers(
         stack: Stack, tmp_path: Path, tiny_model_dir: Path,  # noqa: F811
-        kube: FakeKubeAPIServer, docker_daemon: Any) -> None:
-    """A trainer step whose rollouts are Jobs of the shipped template with the example image:
-    the harness runs in its container and reaches the gateway (127.0.0.1, host network), the
-    grader container scores it, the rollouts are recorded with their rewards."""
-    controller, stack_like = start_k8s_controller(stack, tmp_path, TEMPLATE, kube.kubeconfig,
-                                                  "controller-k8s-ct")
+        docker_daemon: Any, example_image: str) -> None:
+    """A trainer step whose rollouts are Jobs of the shipped template with the example image,
+    isolated (issue 41): each pod in a network namespace of its own under k8s/base's
+    NetworkPolicies, the harness reaching the gateway by its Service name
+    (harnessrl-gateway:8080, the only door its policy opens); the grader container scores it,
+    the rollouts are recorded with their rewards."""
+    gateway_port = int(stack.gateway_url.rsplit(":", 1)[1].split("/")[0])
+    kube = FakeKubeAPIServer(
+        tmp_path / "kube", kubelet="container", env={"DOCKER_HOST": docker_daemon.host},
+        rbac=[REPO / "k8s" / "base"], identity=CONTROLLER_SA,
+        network_policies=[REPO / "k8s" / "base"], endpoints=[Endpoint(
+            "harnessrl", {"app.kubernetes.io/name": "harnessrl-gateway"},
+            {8080: f"127.0.0.1:{gateway_port}"}, ("harnessrl-gateway",))]).start()
+    controller, stack_like = start_k8s_controller(
+        stack, tmp_path, TEMPLATE, kube.kubeconfig, "controller-k8s-ct",
+        "--k8s-gateway-url", "http://harnessrl-gateway:8080/v1")
     try:
         trainer = start_trainer(stack_like, tmp_path, tiny_model_dir,  # type: ignore[arg-type]
                                 "--steps", "1", "--tasks-per-step", "2", "--group-size", "3",
@@ -270,8 +281,13 @@ def test_training_step_with_rollout_pods_as_containers(
                                 "--harness-command", json.dumps(HARNESS),
                                 "--grader-command", json.dumps(GRADER))
         assert trainer.proc is not None and trainer.proc.wait(600) == 0, trainer.log_tail(80)
+        requests = kube.requests()
+        # every rollout pod was a container of the example image, each removed after its pod
+        left = docker(docker_daemon, "ps", "-aq", "--filter", f"label={LABEL}={kube.root}")
     finally:
         controller.stop()
+        kube.stop()
+    assert not left
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1] and rows[0]["trained"], rows
     store = StoreClient.connect(stack.store_address)
@@ -286,14 +302,12 @@ def test_training_step_with_rollout_pods_as_containers(
         workdir = Path(ro.attempts[-1].workdir)
         graded = json.loads((workdir / "grader.stdout.log").read_text().splitlines()[-1])
         assert ro.has_reward and ro.reward == graded["reward"] in (0.0, 1.0), (graded, ro)
-    created = [q for q in kube.requests() if q["method"] == "POST" and
+    created = [q for q in requests if q["method"] == "POST" and
                q["path"].endswith("/jobs") and (q.get("body") or {}).get("metadata", {})
                .get("labels", {}).get("harnessrl.dev/run") == rows[0]["run_id"]]
     assert len(created) == 6
     assert {q["body"]["spec"]["template"]["spec"]["containers"][0]["image"]
             for q in created} == {IMAGE}
-    # every rollout pod was a container of the example image, each removed after its pod
-    assert not docker(docker_daemon, "ps", "-aq", "--filter", f"label={LABEL}={kube.root}")
 
 
 # Runs in a rollout pod's harness container (the example image: Python's standard library and

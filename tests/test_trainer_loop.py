@@ -150,16 +150,17 @@ def test_failed_push_marks_the_engine_and_raises_after_the_tries(
 
 
 def start_k8s_controller(stack: Stack, tmp_path: Path, template: Path, kubeconfig: Path,
-                         name: str = "controller-k8s") -> tuple[procs.ServiceProcess, Any]:
+                         name: str = "controller-k8s", *extra: str
+                         ) -> tuple[procs.ServiceProcess, Any]:
     """A controller whose default job backend is Kubernetes (`template`, the fake API server's
-    `kubeconfig`) beside the module's store and gateway; returns it and the stack a trainer
-    sees through it (`start_trainer`'s first argument)."""
+    `kubeconfig`) beside the module's store and gateway, with `extra` flags; returns it and
+    the stack a trainer sees through it (`start_trainer`'s first argument)."""
     controller, info = procs.start_service(
         name, "services.controller",
         ["--bind", "127.0.0.1:0", "--store-address", stack.store_address,
          "--gateway-url", stack.gateway_url, "--secret-file", str(stack.secret_file),
          "--workdir-root", str(tmp_path / "rollouts"), "--default-backend", "kubernetes",
-         "--k8s-job-template", str(template), "--k8s-kubeconfig", str(kubeconfig)],
+         "--k8s-job-template", str(template), "--k8s-kubeconfig", str(kubeconfig), *extra],
         tmp_path)
     stack_like = type("S", (), {"store_address": stack.store_address,
                                 "controller_address": f"127.0.0.1:{info['grpc_port']}",
