@@ -37,7 +37,6 @@ and policies changed after a pod started (policies are loaded when the server st
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import json
 import os
@@ -49,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from harnessrl.streams import relay
 
 Obj = dict[str, Any]
 CLONE_NEWNET = 0x40000000
@@ -261,21 +262,12 @@ class DoorKeeper:
                 return
             state.conns.update((writer, up_writer))
             try:
-                await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+                await asyncio.gather(relay(reader, up_writer), relay(up_reader, writer))
             finally:
                 for w in (writer, up_writer):
                     state.conns.discard(w)
                     w.transport.abort()
         return carry
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(ConnectionError, OSError):
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
 
 
 class PodNetworks:

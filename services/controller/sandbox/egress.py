@@ -25,6 +25,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from harnessrl.streams import relay
+
 log = logging.getLogger("harnessrl.controller.sandbox")
 
 
@@ -89,7 +91,7 @@ class Doors:
             writer.close()
             return
         try:
-            await asyncio.gather(_copy(reader, up_w), _copy(up_r, writer))
+            await asyncio.gather(relay(reader, up_w), relay(up_r, writer))
         finally:
             for w in (writer, up_w):
                 w.close()
@@ -102,13 +104,3 @@ class Doors:
                 await server.wait_closed()
         self._servers.clear()
 
-
-async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-    try:
-        while data := await src.read(65536):
-            dst.write(data)
-            await dst.drain()
-        if dst.can_write_eof():
-            dst.write_eof()
-    except OSError:
-        pass
