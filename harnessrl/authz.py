@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -204,10 +205,14 @@ class _Refusal(Exception):
 
 class Authorize(grpc.aio.ServerInterceptor):
     """Applies `RULES` (and `SCOPED` for graders) to every call of a server whose peers are
-    authenticated by mTLS with the CA in `ca_pem`."""
+    authenticated by mTLS with the CA in `ca_pem`. `ca_file`: where that CA is kept (an
+    identity folder's ca.crt): a scope token from a CA the server does not know yet is checked
+    again against the file, so a CA rolled over (a bundle of old and new) counts for tokens as
+    it does for TLS, without a restart."""
 
-    def __init__(self, ca_pem: bytes) -> None:
+    def __init__(self, ca_pem: bytes, ca_file: Path | None = None) -> None:
         self.ca_pem = ca_pem
+        self.ca_file = ca_file
         self._scopes: dict[str, Scope] = {}
         # method -> (the handler it wrapped, the wrapper): built once per method, not per call
         # (the wrapper checks every call itself; bench/gateway_overhead.py --auth-only)
@@ -223,11 +228,25 @@ class Authorize(grpc.aio.ServerInterceptor):
             raise ScopeError("no scope token")
         scope = self._scopes.get(token)
         if scope is None or scope.expires_at < time.time():
-            scope = verify_scope(token, self.ca_pem)
+            try:
+                scope = verify_scope(token, self.ca_pem)
+            except ScopeError:
+                if not self._reload_ca():
+                    raise
+                scope = verify_scope(token, self.ca_pem)
             if len(self._scopes) > 4096:
                 self._scopes.clear()
             self._scopes[token] = scope
         return scope
+
+    def _reload_ca(self) -> bool:
+        """Reads the CA file again; whether it changed."""
+        try:
+            ca = self.ca_file.read_bytes() if self.ca_file is not None else self.ca_pem
+        except OSError:
+            return False
+        changed, self.ca_pem = ca != self.ca_pem, ca
+        return changed
 
     def check(self, method: str, context: Any, request: Any) -> None:
         identity = self._identity(context)

@@ -91,6 +91,8 @@ class Pki:
                     .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                     .add_extension(x509.KeyUsage(False, False, False, False, False, True, True,
                                                  False, False), critical=True)
+                    .add_extension(x509.SubjectKeyIdentifier.from_public_key(k.public_key()),
+                                   critical=False)
                     .sign(k, hashes.SHA256()))
             (self.root / "ca").mkdir(parents=True, exist_ok=True)
             os.chmod(self.root / "ca", 0o700)
@@ -117,6 +119,10 @@ class Pki:
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]),
                                critical=False)
+                # Which CA key signed it: while a CA is rolled over, peers trust a bundle of
+                # two CAs of the same name, and TLS picks the issuer by this identifier.
+                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                    ca_key.public_key()), critical=False)
                 .sign(ca_key, hashes.SHA256()))
         out = self.folder(identity)
         out.mkdir(parents=True, exist_ok=True)

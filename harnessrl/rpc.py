@@ -273,7 +273,8 @@ async def start_server(
         ident = identity.resolve()
     interceptors: list[grpc.aio.ServerInterceptor] = [_RefuseUndecodable()]
     if ident is not None:
-        interceptors.insert(0, Authorize(ident.ca))
+        interceptors.insert(0, Authorize(
+            ident.ca, ident.folder / "ca.crt" if ident.folder is not None else None))
     server = grpc.aio.server(options=OPTIONS, interceptors=interceptors)
     health = health_aio.HealthServicer()
     names = [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

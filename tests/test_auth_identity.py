@@ -206,6 +206,43 @@ def test_a_renewed_certificate_is_served_without_a_restart(tmp_path: Path,
         proc.stop()
 
 
+def test_a_rolled_over_ca_counts_for_scope_tokens_without_a_restart(
+        tmp_path: Path, redis_url: str) -> None:
+    """A CA rolled over while the store runs: its ca.crt becomes a bundle of the old and the new
+    CA. A grader of the new CA (its token signed by the new CA's controller) reads its rollout
+    from then on, the same process; before, the token was refused."""
+    old, new = pki.Pki(tmp_path / "old"), pki.Pki(tmp_path / "new")
+    old.ensure(("store", "admin"))
+    new.ensure(("controller", "grader"))
+    proc, info = procs.start_service(
+        "store", "services.store", ["--bind", "127.0.0.1:0", "--redis-url", redis_url,
+                                    "--key-prefix", f"roll{uuid.uuid4().hex[:6]}:"],
+        tmp_path / "store", timeout=60, tls_root=old.root)
+    address = f"127.0.0.1:{info['grpc_port']}"
+    admin = StoreClient.connect(address, timeout=10, ident=identity.Identity.from_folder(
+        old.folder("admin")))
+    bundle = (old.folder("store") / "ca.crt").read_bytes() + \
+        (new.folder("grader") / "ca.crt").read_bytes()
+    for who in (old.folder("store"), new.folder("grader")):  # both trust both, as in a roll
+        (who / "ca.crt").write_bytes(bundle)
+    token = authz.mint_scope(identity.Identity.from_folder(new.folder("controller")), RUN,
+                             OWN_GROUP, [OWN], 60)
+    try:
+        admin.create_rollouts([c.Rollout(rollout_id=OWN, run_id=RUN, task_id="t0",
+                                         group_id=OWN_GROUP, group_size=1, stream="-")])
+        graded = StoreClient.connect(address, timeout=10, ident=identity.Identity.from_folder(
+            new.folder("grader"), token))
+        try:
+            assert graded.get_rollout(OWN).rollout_id == OWN
+        finally:
+            graded.close()
+        assert proc.alive and json.loads((tmp_path / "store" / "store.ready").read_text()
+                                         )["pid"] == info["pid"]
+    finally:
+        admin.close()
+        proc.stop()
+
+
 # -- insecure mode --------------------------------------------------------------------------
 def _store(tmp_path: Path, redis_url: str, bind: str, **env: str) -> procs.ServiceProcess:
     """A store process with no identity at all (neither the session's TLS root nor a folder)
