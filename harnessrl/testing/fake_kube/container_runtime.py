@@ -29,11 +29,8 @@ pod log (`docker logs -f`), and `docker wait` gives its exit status. Applied:
   deletion or activeDeadlineSeconds; a signal N reads as exit code 128+N, as in process mode.
   An exec failure (no such command) is a StartError with the runtime's message.
 
-- network: with endpoints declared (`--endpoints`), each pod runs in a network namespace of
-  its own that reaches the endpoints' ports that its namespace's NetworkPolicies
-  (`--network-policies`) allow, and nothing else (`pod_network.py` says how, and what it does
-  not enforce). Without endpoints, pods share the host's network (`--network host`: they
-  reach the gateway on 127.0.0.1; ports and hostname are the host's).
+- network: the host's (`--network host`: pods reach the gateway on 127.0.0.1), or with
+  `--endpoints` a namespace of each pod's own under its NetworkPolicies (`pod_network.py`).
 
 Not enforced: AppArmor and SELinux options, sysctls, procMount, ephemeral-storage limits,
 hugepages, Windows options, imagePullPolicy (never pulls), probes and lifecycle hooks (as in
@@ -55,7 +52,7 @@ import subprocess
 from pathlib import Path
 
 from .objects import parse_quantity
-from .pod_network import Door, PodNetworks, egress_doors, hosts_entries
+from .pod_network import PodNetworks
 from .runtime import ConfigError, Exit, Launch, Obj, Running, expand
 
 LABEL = "harnessrl.fake-kube"
@@ -175,43 +172,20 @@ class ContainerRuntime:
         ids = self.cli("ps", "-aq", "--filter", f"label={LABEL}={self.root}").split()
         self.remove(*ids)
         if self.networks is not None:
-            for uid in list(self.networks.infra):
-                self.pod_gone(uid)
+            self.networks.close_all(self)
 
     def pod_gone(self, uid: str) -> None:
-        if self.networks is not None and uid in self.networks.infra:
-            self.networks.doors.close(uid)
-            self.remove(self.networks.infra.pop(uid))
+        if self.networks is not None:
+            self.networks.close(self, uid)
 
     def _network(self, launch: Launch, labels: dict[str, str]) -> list[str]:
         """`--network` for a container of the pod: the host's (no endpoints declared), or the
-        pod's own namespace with the doors its policies allow (made with the pod's first
-        container, held by its infra container)."""
-        nets = self.networks
-        if nets is None:
+        pod's own (pod_network.py)."""
+        if self.networks is None:
             return ["--network", "host"]
-        doors = egress_doors(nets.policies, launch.namespace, launch.labels, nets.endpoints)
-        with nets.lock:  # a pod's containers may start at once: one infra container
-            return ["--network", f"container:{self._infra(nets, launch, labels, doors)}"]
-
-    def _infra(self, nets: PodNetworks, launch: Launch, labels: dict[str, str],
-               doors: list[Door]) -> str:
-        infra = nets.infra.get(launch.uid)
-        if infra is None:
-            infra = f"{self.prefix}-{launch.namespace}-{launch.pod}-infra"
-            argv = ["run", "-d", "--name", infra, "--network", "none", "--read-only",
-                    "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-                    "--user", "65534:65534", "--entrypoint", "sleep"]
-            for k, v in labels.items():
-                argv += ["--label", f"{k}={v}"]
-            for entry in hosts_entries(nets.endpoints):
-                argv += ["--add-host", entry]
-            self.remove(infra)
-            self.cli(*argv, launch.container["image"], "infinity")
-            nets.infra[launch.uid] = infra
-            pid = self.cli("inspect", "--format", "{{.State.Pid}}", infra)
-            nets.doors.open(launch.uid, f"/proc/{pid}/ns/net", doors)
-        return infra
+        infra = self.networks.join(self, f"{self.prefix}-{launch.namespace}-{launch.pod}-infra",
+                                   launch, labels)
+        return ["--network", f"container:{infra}"]
 
     def has_image(self, image: str) -> bool:
         if image not in self.images:

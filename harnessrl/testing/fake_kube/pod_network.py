@@ -45,11 +45,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
 from harnessrl.streams import relay
+
+from .runtime import Launch
 
 Obj = dict[str, Any]
 CLONE_NEWNET = 0x40000000
@@ -270,8 +272,17 @@ class DoorKeeper:
         return carry
 
 
+class Docker(Protocol):
+    """What the pod networks need of the container runtime: its docker CLI."""
+
+    def cli(self, *args: str, env: dict[str, str] | None = None) -> str: ...
+
+    def remove(self, *names: str) -> None: ...
+
+
 class PodNetworks:
-    """The container runtime's pod networks: `policies` and `endpoints` (module docstring)."""
+    """The container runtime's pod networks: `policies` and `endpoints` (module docstring);
+    for each pod, its infra container and its doors."""
 
     def __init__(self, policies: list[Obj], endpoints: list[Endpoint]) -> None:
         self.policies = policies
@@ -285,6 +296,39 @@ class PodNetworks:
         endpoints = [Endpoint.from_json(e) for e in
                      json.loads(endpoints_file.read_text())] if endpoints_file else []
         return cls([p for path in policy_paths for p in load_policies(path)], endpoints)
+
+    def join(self, docker: Docker, infra: str, launch: Launch, labels: dict[str, str]) -> str:
+        """The infra container (named `infra`, labelled `labels`) whose network namespace the
+        pod of `launch` joins: made, with the pod's doors, for its first
+        container. A pod's containers may start at once: one infra container each."""
+        with self.lock:
+            if launch.uid in self.infra:
+                return self.infra[launch.uid]
+            doors = egress_doors(self.policies, launch.namespace, launch.labels, self.endpoints)
+            argv = ["run", "-d", "--name", infra, "--network", "none", "--read-only",
+                    "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
+                    "--user", "65534:65534", "--entrypoint", "sleep"]
+            for k, v in labels.items():
+                argv += ["--label", f"{k}={v}"]
+            for entry in hosts_entries(self.endpoints):
+                argv += ["--add-host", entry]
+            docker.remove(infra)
+            docker.cli(*argv, launch.container["image"], "infinity")
+            self.infra[launch.uid] = infra
+            pid = docker.cli("inspect", "--format", "{{.State.Pid}}", infra)
+            self.doors.open(launch.uid, f"/proc/{pid}/ns/net", doors)
+            return infra
+
+    def close(self, docker: Docker, uid: str) -> None:
+        """The pod `uid` is over: its doors closed, its infra container removed."""
+        infra = self.infra.pop(uid, None)
+        if infra is not None:
+            self.doors.close(uid)
+            docker.remove(infra)
+
+    def close_all(self, docker: Docker) -> None:
+        for uid in list(self.infra):
+            self.close(docker, uid)
 
     def stop(self) -> None:
         self.doors.stop()
