@@ -240,10 +240,12 @@ class Authorize(grpc.aio.ServerInterceptor):
         return scope
 
     def _reload_ca(self) -> bool:
-        """Reads the CA file again; whether it changed."""
+        """Reads the CA file again; whether it changed (a file that does not load, such as
+        one half-written, is skipped: the CA in use stays)."""
         try:
             ca = self.ca_file.read_bytes() if self.ca_file is not None else self.ca_pem
-        except OSError:
+            x509.load_pem_x509_certificates(ca)
+        except (OSError, ValueError):
             return False
         changed, self.ca_pem = ca != self.ca_pem, ca
         return changed

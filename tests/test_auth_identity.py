@@ -243,6 +243,25 @@ def test_a_rolled_over_ca_counts_for_scope_tokens_without_a_restart(
         proc.stop()
 
 
+def test_a_half_written_ca_file_leaves_the_ca_in_use(tmp_path: Path) -> None:
+    """Authorize reads ca.crt again for a token of an unknown CA; a file caught half-written
+    is skipped (the token refused, the CA in use kept), and the finished bundle counts."""
+    old, new = pki.Pki(tmp_path / "old"), pki.Pki(tmp_path / "new")
+    old.ensure(("store",))
+    new.ensure(("controller",))
+    ca_file = old.folder("store") / "ca.crt"
+    in_use = ca_file.read_bytes()
+    gate = authz.Authorize(in_use, ca_file)
+    token = [(identity.SCOPE_METADATA, authz.mint_scope(
+        identity.Identity.from_folder(new.folder("controller")), RUN, OWN_GROUP, [OWN], 60))]
+    ca_file.write_bytes(in_use[:100])
+    with pytest.raises(authz.ScopeError, match="not from this deployment's CA"):
+        gate._scope(token)
+    assert gate.ca_pem == in_use
+    ca_file.write_bytes(in_use + (new.folder("controller") / "ca.crt").read_bytes())
+    assert gate._scope(token).rollout_ids == (OWN,)
+
+
 # -- insecure mode --------------------------------------------------------------------------
 def _store(tmp_path: Path, redis_url: str, bind: str, **env: str) -> procs.ServiceProcess:
     """A store process with no identity at all (neither the session's TLS root nor a folder)
