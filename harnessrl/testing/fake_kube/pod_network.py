@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import yaml
 
 from harnessrl.streams import relay
 
+from .rbac import load_manifests
 from .runtime import Launch
 
 Obj = dict[str, Any]
@@ -97,18 +97,7 @@ def load_policies(path: Path, namespace: str | None = None) -> list[Obj]:
     """The NetworkPolicies of a manifest file or a kustomization directory (its `resources`,
     its `namespace` set on each); a policy without a namespace gets `namespace` (else
     "default")."""
-    path = Path(path)
-    if path.is_dir():
-        k = yaml.safe_load((path / "kustomization.yaml").read_text()) or {}
-        ns = k.get("namespace") or namespace
-        return [o for res in k.get("resources") or [] for o in load_policies(path / res, ns)]
-    policies = [d for d in yaml.safe_load_all(path.read_text())
-                if isinstance(d, dict) and d.get("kind") == "NetworkPolicy"]
-    for policy in policies:
-        meta = policy.setdefault("metadata", {})
-        if namespace or not meta.get("namespace"):
-            meta["namespace"] = namespace or "default"
-    return policies
+    return load_manifests(path, namespace, ("NetworkPolicy",), ("NetworkPolicy",))
 
 
 def selects(selector: Obj | None, labels: dict[str, str]) -> bool:

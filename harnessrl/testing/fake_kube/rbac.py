@@ -60,22 +60,25 @@ DEFAULTS = (
         ["system:authenticated", "system:unauthenticated"]))
 
 
-def load_manifests(path: Path, namespace: str | None = None) -> list[Obj]:
-    """The RBAC objects and ServiceAccounts of a manifest file, or of a kustomization
-    directory: its `resources` (files and directories) with its `namespace` set on the
-    namespaced ones and on ServiceAccount subjects without one (only these two kustomize
-    features). Objects without a namespace get `namespace` (default "default")."""
+def load_manifests(path: Path, namespace: str | None = None,
+                   kinds: tuple[str, ...] = RBAC_KINDS,
+                   namespaced: tuple[str, ...] = NAMESPACED) -> list[Obj]:
+    """The objects of `kinds` (default: RBAC objects and ServiceAccounts) of a manifest file,
+    or of a kustomization directory: its `resources` (files and directories) with its
+    `namespace` set on the `namespaced` ones and on ServiceAccount subjects without one (only
+    these two kustomize features). Objects without a namespace get `namespace` (default
+    "default")."""
     path = Path(path)
     if path.is_dir():
         k = yaml.safe_load((path / "kustomization.yaml").read_text()) or {}
         ns = k.get("namespace") or namespace
         return [o for res in k.get("resources") or []
-                for o in load_manifests(path / res, ns)]
+                for o in load_manifests(path / res, ns, kinds, namespaced)]
     objs = [d for d in yaml.safe_load_all(path.read_text())
-            if isinstance(d, dict) and d.get("kind") in RBAC_KINDS]
+            if isinstance(d, dict) and d.get("kind") in kinds]
     for obj in objs:
         meta = obj.setdefault("metadata", {})
-        if obj["kind"] in NAMESPACED and (namespace or not meta.get("namespace")):
+        if obj["kind"] in namespaced and (namespace or not meta.get("namespace")):
             meta["namespace"] = namespace or "default"
         for subject in obj.get("subjects") or []:
             if subject.get("kind") == "ServiceAccount" and not subject.get("namespace"):
