@@ -43,6 +43,7 @@ from services.controller.attempt_jobs import AttemptJobs
 from services.controller.backends import GraderStep, JobBackend, JobResult, JobSpec
 from services.controller.config import ControllerConfig
 from services.controller.grader_access import GraderAccess
+from services.controller.run_events import RunEvents
 from services.controller.store_calls import ResilientStore, StoreUnavailable
 
 log = logging.getLogger("harnessrl.controller")
@@ -83,10 +84,12 @@ class RunExecution:
             metrics.rollout_state_changed(None, ro.status)
         self.cancelled = False
         self.done = asyncio.Event()
+        self.taken_over = asyncio.Event()  # set once the jobs a dead controller left are adopted
+        self._to_take_over: set[str] = set()
         self._cancel_ev = asyncio.Event()
         self._run_slots = asyncio.Semaphore(self.spec.concurrency)
         self._jobs: dict[str, str] = {}  # rollout_id -> id of its running job
-        self._subscribers: set[asyncio.Queue[cpb.RunEvent]] = set()
+        self.events = RunEvents()
         self._run_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._extra = {"run": run.run_id}
@@ -146,25 +149,12 @@ class RunExecution:
         for i in range(0, len(planned), 500):
             await self.ctx.store.create_rollouts(planned[i:i + 500], retry_s=retry_s)
 
-    # -- events ------------------------------------------------------------------------------
-    def subscribe(self) -> asyncio.Queue[cpb.RunEvent]:
-        q: asyncio.Queue[cpb.RunEvent] = asyncio.Queue()
-        self._subscribers.add(q)
-        return q
-
-    def unsubscribe(self, q: asyncio.Queue[cpb.RunEvent]) -> None:
-        self._subscribers.discard(q)
-
-    def _publish(self, event: cpb.RunEvent) -> None:
-        for q in self._subscribers:
-            q.put_nowait(event)
-
     async def _changed(self, ro: c.Rollout) -> None:
         """Records a rollout's new state (as the store returned it) and tells the watchers."""
         old = self.rollouts.get(ro.rollout_id)
         metrics.rollout_state_changed(old.status if old is not None else None, ro.status)
         self.rollouts[ro.rollout_id] = ro
-        self._publish(cpb.RunEvent(kind=cpb.RunEvent.KIND_ROLLOUT, rollout=ro))
+        self.events.publish(cpb.RunEvent(kind=cpb.RunEvent.KIND_ROLLOUT, rollout=ro))
         if ro.status in TERMINAL and (self.admission or self._group_ended) and all(
                 self.rollouts[r].status in TERMINAL for r in self._group_rids[ro.group_id]):
             if self.admission is not None:
@@ -209,6 +199,8 @@ class RunExecution:
             # Attempts a dead controller left running go first: their jobs may be running.
             todo = sorted((rid for rid, ro in self.rollouts.items() if ro.status not in TERMINAL),
                           key=lambda rid: not _attempt_running(self.rollouts[rid]))
+            self._to_take_over = {rid for rid in todo if _attempt_running(self.rollouts[rid])}
+            self._took_over()
             try:
                 async with asyncio.TaskGroup() as rollouts:  # one error stops them all
                     rollouts.create_task(self._rollouts(todo))
@@ -236,8 +228,9 @@ class RunExecution:
         log.info("run %s: %d succeeded, %d failed, %d cancelled of %d, mean reward %.3f",
                  c.RunStatus.Name(run.status), run.num_succeeded, run.num_failed,
                  run.num_cancelled, run.num_rollouts, run.mean_reward, extra=self._extra)
+        self.taken_over.set()
         self.done.set()
-        self._publish(cpb.RunEvent(kind=cpb.RunEvent.KIND_RUN_DONE, run=run))
+        self.events.publish(cpb.RunEvent(kind=cpb.RunEvent.KIND_RUN_DONE, run=run))
 
     async def abort(self) -> None:
         """Stops executing (controller shutdown): jobs are killed, the store left as it is."""
@@ -318,6 +311,14 @@ class RunExecution:
                         raise
                     log.error("rollout %s: could not record its failure: %s", rid, exc2,
                               extra={**self._extra, "rollout": rid})
+        finally:
+            self._took_over(rid)
+
+    def _took_over(self, rid: str = "") -> None:
+        """Rollout `rid`'s job left by a dead controller is adopted (its door open again)."""
+        self._to_take_over.discard(rid)
+        if not self._to_take_over:
+            self.taken_over.set()
 
     async def _rollouts(self, rids: list[str]) -> None:
         await asyncio.gather(*(self._rollout(rid) for rid in rids))
@@ -387,6 +388,8 @@ class RunExecution:
         try:
             if not (adopt and await self.backend.adopt(spec)):
                 await self._launch(spec)
+            if adopt:
+                self._took_over(rid)
             if self.cancelled:  # cancelled while launching: cancel() did not see this job
                 await self.backend.cancel(spec.job_id, "run cancelled")
             result = await self.backend.wait(spec.job_id)
@@ -481,23 +484,10 @@ class RunExecution:
             await self._finish(rid, attempt, c.ROLLOUT_STATUS_FAILED,
                                error=f"grading failed: {grade.error}", may_retry=False)
 
-    # -- watching ----------------------------------------------------------------------------
-    async def watch(self) -> AsyncIterator[cpb.RunEvent]:
+    def watch(self) -> AsyncIterator[cpb.RunEvent]:
         """Every rollout's current state, then live events, ending with KIND_RUN_DONE."""
-        q = self.subscribe()
-        try:
-            for ro in list(self.rollouts.values()):
-                yield cpb.RunEvent(kind=cpb.RunEvent.KIND_ROLLOUT, rollout=ro)
-            if self.done.is_set():
-                yield cpb.RunEvent(kind=cpb.RunEvent.KIND_RUN_DONE, run=self.snapshot())
-                return
-            while True:
-                event = await q.get()
-                yield event
-                if event.kind == cpb.RunEvent.KIND_RUN_DONE:
-                    return
-        finally:
-            self.unsubscribe(q)
+        return self.events.watch(self.rollouts.values,
+                                 lambda: self.snapshot() if self.done.is_set() else None)
 
 
 def _attempt_running(ro: c.Rollout) -> bool:

@@ -10,7 +10,7 @@ under an existing run_id is ALREADY_EXISTS.
 At start-up (`recover`) the controller resumes, before it takes any request, every run the
 store holds as RUNNING: the runs of a controller that died. Their jobs are adopted where they
 still run or ended meanwhile (see `run_execution`), so a restart neither orphans a harness nor
-launches one twice.
+launches one twice; the controller serves once they are adopted (a sandbox's door reopened).
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ from services.controller.run_execution import RunContext, RunExecution
 from services.controller.store_calls import StoreUnavailable
 
 log = logging.getLogger("harnessrl.controller")
+# How long start-up waits for the resumed runs' running jobs to be adopted (a rollout waiting
+# for a job slot or admission is not, so this is a bound, not the usual wait: milliseconds).
+TAKE_OVER_WAIT_S = 30.0
 
 
 def _same_spec(a: c.RunSpec, b: c.RunSpec) -> bool:
@@ -119,6 +122,14 @@ class RunManager:
         if resumed:
             log.info("resumed %d run(s) left running by an earlier controller: %s",
                      len(resumed), ", ".join(resumed))
+            # Their running jobs adopted before this controller serves: a sandboxed harness's
+            # door to the gateway is open again once the controller reports ready.
+            waits = [self.executions[r].taken_over.wait() for r in resumed]
+            try:
+                await asyncio.wait_for(asyncio.gather(*waits), TAKE_OVER_WAIT_S)
+            except TimeoutError:
+                log.warning("the resumed runs' jobs were not all adopted within %.0f s; "
+                            "serving meanwhile", TAKE_OVER_WAIT_S)
         return resumed
 
     async def get(self, run_id: str) -> c.Run:
