@@ -30,7 +30,8 @@ SERVICES = ("gateway", "store", "controller", "trainer")
 # The extras a service's image installs (the trainer needs torch and vLLM from cpu or gpu; its
 # experiment tracking, `tracking`, is optional).
 SERVICE_EXTRAS = {"gateway": ["gateway"], "store": ["store"], "controller": ["controller"],
-                  "trainer": ["trainer", "cpu", "gpu", "tracking"]}
+                  "trainer": ["trainer", "cpu", "gpu", "tracking"],
+                  "gate": ["controller"]}  # (the gate runs from the controller's image)
 # Declared, never imported by name, and needed all the same.
 NOT_IMPORTED = {
     "hiredis": "redis-py's C reply parser, used when installed",

@@ -82,7 +82,23 @@ class ControllerConfig(ServiceConfig):
                         "also has its own `concurrency`)", ge=1)
     default_backend: str = Field(
         "local", description="job backend of runs whose spec names none: 'local' (process "
-                             "groups on this machine) or 'kubernetes' (a Job per attempt)")
+                             "groups on this machine), 'docker' (containers beside this "
+                             "one) or 'kubernetes' (a Job per attempt)")
+    docker_image: str = Field(
+        "", description="image of the docker backend's harness and grader containers; the "
+                        "backend is available when this is set (docs/sandbox.md, Compose)")
+    docker_socket: str = Field(
+        "/var/run/docker.sock", description="the Docker API's Unix socket; in Compose the "
+                                            "rollout gate's, which lets rollouts through only")
+    docker_network: str = Field(
+        "none", description="network of the rollout containers (Compose: the internal one "
+                            "that reaches only the gateway); 'none': no network at all")
+    docker_gateway_url: str = Field(
+        "", description="the gateway's /v1 URL as rollout containers reach it; empty: "
+                        "gateway_url")
+    docker_memory_mb: int = Field(2048, ge=16, description="memory of each rollout container")
+    docker_pids_limit: int = Field(512, ge=8, description="processes of each rollout container")
+    docker_cpus: float = Field(1.0, gt=0, description="CPUs of each rollout container")
     k8s_job_template: str = Field(
         "", description="Job template (YAML) of the kubernetes backend: your harness image "
                         "and resources (see docs/kubernetes-jobs.md); the backend is "

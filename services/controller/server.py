@@ -39,7 +39,8 @@ def make_sandbox(cfg: ControllerConfig) -> Sandbox | None:
 
 def make_backends(cfg: ControllerConfig, sandbox: Sandbox | None = None
                   ) -> dict[str, JobBackend]:
-    """The local backend always; the kubernetes one when a Job template is configured."""
+    """The local backend always; the docker one when an image is configured, the kubernetes
+    one when a Job template is."""
     backends: dict[str, JobBackend] = {"local": LocalBackend(
         kill_grace_s=cfg.kill_grace_s, nice=cfg.local_job_nice, cpus=cfg.local_job_cpus,
         sandbox=sandbox)}
@@ -55,11 +56,19 @@ def make_backends(cfg: ControllerConfig, sandbox: Sandbox | None = None
             secret_timeout_s=cfg.k8s_secret_timeout_s,
             ttl_after_finished_s=cfg.k8s_ttl_after_finished_s,
             deadline_margin_s=cfg.k8s_deadline_margin_s, kill_grace_s=cfg.kill_grace_s))
+    if cfg.docker_image:
+        from services.controller.backends.docker import DockerBackend, DockerSettings
+
+        backends["docker"] = DockerBackend(DockerSettings(
+            socket=cfg.docker_socket, image=cfg.docker_image, network=cfg.docker_network,
+            gateway_url=cfg.docker_gateway_url or cfg.gateway_url,
+            memory_mb=cfg.docker_memory_mb, pids_limit=cfg.docker_pids_limit,
+            cpus=cfg.docker_cpus))
     if cfg.default_backend not in backends:
-        raise ValueError(f"default_backend {cfg.default_backend!r} is not available: "
-                         + ("set k8s_job_template for the kubernetes backend"
-                            if cfg.default_backend == "kubernetes"
-                            else f"choose one of {', '.join(backends)}"))
+        raise ValueError(f"default_backend {cfg.default_backend!r} is not available: " + {
+            "kubernetes": "set k8s_job_template for the kubernetes backend",
+            "docker": "set docker_image for the docker backend"}.get(
+                cfg.default_backend, f"choose one of {', '.join(backends)}"))
     return backends
 
 
