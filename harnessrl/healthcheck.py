@@ -1,9 +1,10 @@
-"""`python -m harnessrl.healthcheck grpc HOST:PORT | http URL [--timeout S] [--wait S] [--live]`
+"""`python -m harnessrl.healthcheck grpc HOST:PORT | http URL | docker SOCKET [--timeout S] ...`
 
 Exits 0 when the target is healthy, 1 otherwise: `grpc` asks the standard `grpc.health.v1`
 service every harnessrl service serves (overall status SERVING: ready, i.e. able to do its job
 — the store with Redis answering, the gateway with an engine and a store, the controller with a
-store), `http` expects a 200 (vLLM's `/health`, the gateway's `/health`). With `--live`, `grpc`
+store), `http` expects a 200 (vLLM's `/health`, the gateway's `/health`), `docker` a 200 from the
+Docker API's `/_ping` on a Unix socket (the rollout gate's, which asks the daemon). With `--live`, `grpc`
 asks for the `liveness` service instead, SERVING while the process answers at all. Container
 healthchecks (docker-compose.yml) use it, so the images need no grpc_health_probe binary or
 curl. `--wait S` retries for up to S seconds before giving up (a one-shot "wait until ready"
@@ -24,19 +25,36 @@ def healthy(kind: str, target: str, timeout: float, live: bool = False, peer: st
 
         return health_check(target, service=LIVENESS_SERVICE if live else "", timeout=timeout,
                             peer=peer)
-    import httpx  # the images that probe over HTTP (engine, trainer) have it
+    if kind == "docker":
+        import http.client
+        import socket
+
+        class _Unix(http.client.HTTPConnection):
+            def connect(self) -> None:
+                self.sock = socket.socket(socket.AF_UNIX)
+                self.sock.settimeout(timeout)
+                self.sock.connect(target)
+
+        try:
+            conn = _Unix("docker", timeout=timeout)
+            conn.request("GET", "/_ping")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+    import urllib.request  # (the standard library: every image has it)
 
     try:
-        return httpx.get(target, timeout=timeout).status_code == 200
-    except httpx.HTTPError:
+        with urllib.request.urlopen(target, timeout=timeout) as r:
+            return r.status == 200  # type: ignore[no-any-return]
+    except (OSError, ValueError):  # (HTTPError for other statuses is an OSError)
         return False
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m harnessrl.healthcheck", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("kind", choices=("grpc", "http"))
-    ap.add_argument("target", help="host:port (grpc) or URL (http)")
+    ap.add_argument("kind", choices=("grpc", "http", "docker"))
+    ap.add_argument("target", help="host:port (grpc), URL (http) or socket path (docker)")
     ap.add_argument("--timeout", type=float, default=3.0, help="seconds per check")
     ap.add_argument("--wait", type=float, default=0.0, help="retry for this many seconds")
     ap.add_argument("--live", action="store_true",

@@ -50,7 +50,8 @@ STEPS = 3
 PORT_VARS = ("REDIS_PORT", "STORE_PORT", "GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT",
              "STORE_METRICS_PORT", "CONTROLLER_METRICS_PORT", "TRAINER_METRICS_PORT",
              "CONTROLLER_PORT", "TRAINER_PORT", "ENGINE_PORT")
-RUNNING = ("redis", "store", "gateway", "controller", "engine-cpu")  # serve after training
+RUNNING = ("redis", "store", "gateway", "controller", "engine-cpu",  # serve after training
+           "gate", "gateway-door")
 PYTHON_SERVICES = ("store", "gateway", "controller", "engine-cpu", "trainer-cpu", "pki")
 SECRET_READERS = {"gateway", "controller"}
 IDENTITY_OF = {"store": "store", "gateway": "gateway", "controller": "controller",
@@ -63,6 +64,10 @@ HOLDERS = {"pki": set(), "tls-store": {"store"}, "tls-gateway": {"gateway"},
            "engine-key-trainer": {"trainer-cpu"}}
 STORE_REDIS_USER = "harnessrl-store"
 SECRET = "/run/secrets/harnessrl_secret"
+REDTEAM = REPO / "harnessrl" / "testing" / "redteam_harness.py"
+ROLLOUT_LABEL = "harnessrl.managed-by=harnessrl"  # the docker backend's containers
+NETWORK_PROBES = ("connect_store", "connect_controller", "connect_gateway_admin",
+                  "connect_engine", "redis")
 KEY_PREFIX = "hrl:"  # docker-compose.yml's HARNESSRL_STORE_KEY_PREFIX
 STATUS_FIELDS = ("Uid", "Gid", "CapEff", "CapPrm", "CapBnd", "NoNewPrivs")
 
@@ -92,6 +97,13 @@ class ComposeRun:
     healthcheck: dict[str, int] = field(default_factory=dict)
     operator: dict[str, Any] = field(default_factory=dict)
     auth_checks_s: float = 0.0
+    # the red-team harness: as a rollout (its own container), and in the controller's
+    # container (the control); the rollout's record
+    redteam: dict[str, dict[str, Any]] = field(default_factory=dict)
+    redteam_control: dict[str, dict[str, Any]] = field(default_factory=dict)
+    redteam_rollout: Any = None
+    redteam_s: float = 0.0
+    leftover_rollouts: list[str] = field(default_factory=list)
     logs: Path | None = None
 
 
@@ -357,17 +369,61 @@ def auth_checks(dc: Compose, run: ComposeRun, tmp: Path) -> None:
     run.operator["foreign_ca"] = rpc.health_check(address, timeout=10, peer="controller")
 
 
-def project_env(docker_daemon: Any, built_images: dict[str, Any], tmp: Path, steps: int
-                ) -> tuple[dict[str, str], Path]:
+def redteam(dc: Compose, run: ComposeRun, tmp: Path) -> None:
+    """The red-team harness (harnessrl/testing/redteam_harness.py) as a rollout of the running
+    project, created by the operator through the controller: it runs in a container of its
+    own (the docker backend, through the gate) and probes the project's real service names and
+    ports. Then the same harness in the controller's container, where Compose ran every
+    rollout before (the control: there the probes succeed, so the test can fail)."""
+    from harnessrl.clients import ControllerClient
+    from harnessrl.identity import Identity
+
+    e = dc.env
+    targets = {"secret_file": SECRET, "workdir_root": "/var/lib/harnessrl/rollouts",
+               "tasks_file": "/opt/examples/calc/tasks.jsonl", "tls": "/etc/harnessrl/tls",
+               "more_secrets": ["/etc/harnessrl/tls/tls.key", "/etc/harnessrl/grader-tls/tls.key"],
+               "tcp": {"store": f"store:{e['STORE_PORT']}",
+                       "controller": f"controller:{e['CONTROLLER_PORT']}",
+                       "gateway_admin": f"gateway:{e['GATEWAY_GRPC_PORT']}",
+                       "engine": f"engine:{e['ENGINE_PORT']}"},
+               "redis": f"redis:{e['REDIS_PORT']}", "gateway_port": 8080,
+               "bomb": 700, "hog_mb": 2400}  # past the rollout containers' 512 and 2048 MB
+    source = REDTEAM.read_text()  # run as `python -c` (the image has no harnessrl)
+    operator = Identity.from_folder(tmp / "operator-tls" / "operator")
+    ctl = ControllerClient.connect(f"127.0.0.1:{e['CONTROLLER_PORT']}", ident=operator)
+    try:
+        spec = ctl.create_run(c.RunSpec(
+            name="redteam-compose", harness_command=["python", "-c", source, json.dumps(targets)],
+            grader_command=["false"], reward_source=c.REWARD_SOURCE_GRADER_EXIT_CODE,
+            timeout_s=300, concurrency=1, stream="-", tasks=[c.Task(data_json="{}")]))
+        list(ctl.watch_run(spec.run_id, timeout=600))
+        [ro] = ctl.list_rollouts(spec.run_id).rollouts
+    finally:
+        ctl.close()
+    run.redteam_rollout = ro
+    workdir = Path(ro.attempts[-1].workdir).relative_to("/var/lib/harnessrl/rollouts")
+    out = (dc.volume("rollouts") / workdir / "stdout.log").read_text().strip().splitlines()
+    run.redteam = json.loads(out[-1]) if out else {}
+    control = dc.exec("controller", "python", "-c", source, json.dumps(
+        {**targets, "bomb": 20, "hog_mb": 16}))  # (limits: not what the control is about)
+    lines = control.stdout.strip().splitlines()
+    run.redteam_control = json.loads(lines[-1]) if lines else {"error": control.stderr[-2000:]}
+
+
+def project_env(docker_daemon: Any, built_images: dict[str, Any], tmp: Path, steps: int,
+                project: str) -> tuple[dict[str, str], Path]:
     """The environment of a compose project on the CPU profile (a new secret, free published
-    ports, the built redis image) and an override file that trains for `steps` steps."""
+    ports, the built redis image, the daemon's socket for the gate, a rollout network of the
+    project's own) and an override file that trains for `steps` steps."""
     secret = tmp / "secret-dir" / "secret"
     subprocess.run(["bash", str(REPO / "scripts" / "compose-secret.sh")], check=True,
                    env={**os.environ, "HARNESSRL_SECRET_FILE": str(secret)}, timeout=30)
     env = {k: v for k, v in docker_daemon.env.items() if not k.startswith("COMPOSE_")}
     env.update({var: str(free_port()) for var in PORT_VARS})
     env.update({"COMPOSE_PROFILES": "cpu", "HARNESSRL_SECRET_FILE": str(secret),
-                "REDIS_IMAGE": built_images["redis"]["tag"]})
+                "REDIS_IMAGE": built_images["redis"]["tag"],
+                "DOCKER_SOCKET": docker_daemon.env["DOCKER_HOST"].removeprefix("unix://"),
+                "ROLLOUT_NETWORK": f"{project}-rollouts"})
     override = tmp / "steps.override.yml"
     override.write_text(yaml.safe_dump({"services": {"trainer-cpu": {
         "environment": {"HARNESSRL_TRAINER_STEPS": str(steps)}}}}))
@@ -391,7 +447,7 @@ def compose(docker_daemon, built_images, tiny_model_dir: Path,  # type: ignore[n
             tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("compose")
     project = f"hrltest{secrets.token_hex(3)}"
-    env, override = project_env(docker_daemon, built_images, tmp, STEPS)
+    env, override = project_env(docker_daemon, built_images, tmp, STEPS, project)
     base = Compose(project, [REPO / "docker-compose.yml"], env)
     dc = Compose(project, [REPO / "docker-compose.yml", override], env)
     run = ComposeRun(logs=tmp / "compose.log")
@@ -454,10 +510,18 @@ def compose(docker_daemon, built_images, tiny_model_dir: Path,  # type: ignore[n
         t_auth = time.monotonic()
         auth_checks(dc, run, tmp)
         run.auth_checks_s = round(time.monotonic() - t_auth, 1)
+        t_red = time.monotonic()
+        redteam(dc, run, tmp)
+        run.redteam_s = round(time.monotonic() - t_red, 1)
         yield run
     finally:
         logs = dc.compose("logs", "--no-color", "--timestamps", timeout=120, check=False)
         (tmp / "compose.log").write_text(logs.stdout + logs.stderr)
+        run.leftover_rollouts = dc.docker("ps", "-aq", "--filter", f"label={ROLLOUT_LABEL}",
+                                          "--filter", f"network={env['ROLLOUT_NETWORK']}",
+                                          check=False).stdout.split()
+        for cid in run.leftover_rollouts:  # (a failed run's; the controller cleans up its own)
+            dc.docker("rm", "-f", cid, check=False)
         dc.compose("down", "-v", "--remove-orphans", "-t", "20", timeout=300, check=False)
 
 
@@ -530,7 +594,9 @@ def test_each_service_runs_unprivileged_and_read_only(compose: ComposeRun, servi
     a write outside the service's volumes (and its tmpfs /tmp) fails; only the gateway and
     the controller can read the credential secret."""
     seen = compose.inside[service]
-    uid = "999" if service == "redis" else "10001"
+    uid = {"redis": "999", "gate": "0"}.get(service, "10001")  # (the gate: the Docker socket's
+    if service == "gate":  # owner, with no capability at all, not even in its bounding set)
+        assert int(seen["init"]["CapBnd"], 16) == 0, seen
     procs = [seen["init"]] + ([seen["service"]] if seen.get("service") else [])
     if service != "redis":
         assert seen["service"], f"{service}: no service process found"
@@ -584,10 +650,36 @@ def test_redis_refuses_all_but_the_store(compose: ComposeRun) -> None:
     assert auth["healthcheck"].startswith("0 ") and "NOAUTH" in auth["healthcheck"], auth
 
 
+def test_the_redteam_harness_as_a_rollout_container(compose: ComposeRun) -> None:
+    """Issue 41, Compose: the red-team harness as a rollout runs in its own container (the
+    docker backend through the gate) on the rollout network: every probe of the project's
+    services (store, controller, the gateway's admin port, the engine, Redis), files (the
+    secret, the identities, the rollout records, the task file), processes and limits is
+    refused or contained, its own key reaches the gateway through the door, and the reward is
+    the grader's. The control: the same harness in the controller's container, where Compose
+    ran rollouts before, connects to every service and reads the secret."""
+    seen = dict(compose.redteam)
+    print(json.dumps({"rollout": seen, "control": compose.redteam_control}, indent=1))
+    outcomes = {name: r["outcome"] for name, r in seen.items()}
+    assert outcomes.pop("own_key", None) == "ok", seen
+    ro = compose.redteam_rollout
+    assert ro.status == c.ROLLOUT_STATUS_SUCCEEDED and ro.has_reward and ro.reward == 0.0, ro
+    assert set(NETWORK_PROBES) <= set(outcomes), seen
+    assert all(o in ("refused", "contained") for o in outcomes.values()), seen
+    assert outcomes["fork_bomb"] == outcomes["memory_hog"] == "contained", seen
+    control = {name: r["outcome"] for name, r in compose.redteam_control.items()}
+    connects = [p for p in NETWORK_PROBES if p.startswith("connect_")]
+    assert {p: control.get(p) for p in connects} == dict.fromkeys(connects, "succeeded"), \
+        compose.redteam_control
+    assert control["read_secret"] == "succeeded", compose.redteam_control
+    assert compose.leftover_rollouts == [], "rollout containers left behind"
+
+
 def test_engine_refuses_callers_without_a_key_from_the_rollouts_container(
         compose: ComposeRun) -> None:
-    """From the controller's container, where the harnesses run: /health answers, every other
-    route (the OpenAI API, pause, weight updates) is 401 without a key."""
+    """From the controller's container (where the harnesses ran before they got containers
+    of their own, which do not reach the engine at all): /health answers, every other route
+    (the OpenAI API, pause, weight updates) is 401 without a key."""
     seen = compose.engine_from_rollouts
     assert seen.pop("GET /health") == 200, seen
     assert seen and all(status == 401 for status in seen.values()), seen

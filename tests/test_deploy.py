@@ -291,6 +291,8 @@ def test_controller_runs_rollouts_as_jobs_from_the_mounted_template(manifests) -
 def config_fields() -> dict[str, set[str]]:
     """HARNESSRL_<SERVICE>_<FIELD> names each service's config accepts."""
     from services.controller.config import ControllerConfig
+    from services.gate.config import GateConfig
+    from services.gate.door import DoorConfig
     from services.gateway.config import GatewayConfig
     from services.store.config import StoreConfig
     from services.trainer.config import TrainerConfig
@@ -298,7 +300,8 @@ def config_fields() -> dict[str, set[str]]:
     from pydantic import BaseModel
 
     fields = {}
-    for cls in (StoreConfig, GatewayConfig, ControllerConfig, TrainerConfig):
+    for cls in (StoreConfig, GatewayConfig, ControllerConfig, TrainerConfig, GateConfig,
+                DoorConfig):
         prefix = cls.model_config["env_prefix"]
         names = {prefix + n.upper() for n in cls.model_fields}
         for n, info in cls.model_fields.items():  # nested sections: PREFIX_SECTION__FIELD
@@ -805,7 +808,8 @@ def test_compose_writable_volumes_are_owned_by_the_images_user(tmp_path: Path) -
                   if "build" in s}
     checked = 0
     for name, svc in services.items():
-        if svc["image"] not in dockerfile or "volumes" not in svc:
+        if svc["image"] not in dockerfile or "volumes" not in svc or \
+                str(svc.get("user", "")).startswith("0"):  # (root: the gate, its own folder)
             continue
         owned = owned_dirs(dockerfile[svc["image"]])
         for target, source in compose_mounts(svc, writable=True).items():
@@ -936,7 +940,8 @@ IDENTITY_ENV = ("HARNESSRL_TLS_DIR", "HARNESSRL_TLS_PEM", "HARNESSRL_SCOPE_TOKEN
 PORT_VARS = ("REDIS_PORT", "STORE_PORT", "GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT",
              "STORE_METRICS_PORT", "CONTROLLER_METRICS_PORT", "TRAINER_METRICS_PORT",
              "CONTROLLER_PORT", "TRAINER_PORT", "ENGINE_PORT")
-NOT_STARTED = {"trainer-cpu"}
+ROLLOUT_CONTAINER_SERVICES = ("gate", "gateway-door")
+NOT_STARTED = {"trainer-cpu", *ROLLOUT_CONTAINER_SERVICES}
 # Where the images put the example harness and its venv (services/controller/Dockerfile).
 IMAGE_PATHS = {"/opt/harness/bin/python": sys.executable,
                "/opt/examples/calc": str(REPO / "examples" / "calc")}
@@ -1133,10 +1138,18 @@ def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) 
         volumes[mount["source"]] = pki_view / mount["target"].lstrip("/")
     for path in volumes.values():
         path.mkdir(parents=True, exist_ok=True)
+    # No Docker here: the rollouts run as the controller's local processes, standing in for
+    # its docker backend's containers, and the gate and the gateway's door are left out
+    # (tests/test_compose_real.py runs them, and the rollouts in containers through them).
+    ctl = cfg["services"]["controller"]
+    for dep in ROLLOUT_CONTAINER_SERVICES:
+        del ctl["depends_on"][dep]
+    ctl["environment"].update({"HARNESSRL_CONTROLLER_DEFAULT_BACKEND": "local",
+                               "HARNESSRL_CONTROLLER_LOCAL_BACKEND": "true"})
     run = ComposeRun(cfg, tmp_path, volumes)
     svcs = run.services
     assert set(svcs) == {"pki", "redis", "store", "gateway", "controller", "model-cpu",
-                         "engine-cpu", "trainer-cpu"}
+                         "engine-cpu", "trainer-cpu", *ROLLOUT_CONTAINER_SERVICES}
     # The trainer's settings (not started): valid for its config, its files there.
     trainer_env = run.env("trainer-cpu")
     code = ("from services.trainer.config import TrainerConfig; import json; "

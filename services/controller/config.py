@@ -62,6 +62,10 @@ class ControllerConfig(ServiceConfig):
     local_job_cpus: str = Field(
         "", description="local backend: run rollout jobs on these CPUs only (a list such as "
                         "'4-15'), the engine's and trainer's cores left to them; empty: any")
+    local_backend: bool = Field(
+        True, description="offer the local backend (rollouts as processes of this controller); "
+                          "false where its own container must run none (Compose: the docker "
+                          "backend runs them, docs/deploy.md)")
     sandbox: bool = Field(
         True, description="local backend: run each attempt's harness and per-attempt grader "
                           "in a bubblewrap sandbox of its own (docs/sandbox.md); the "

@@ -24,6 +24,8 @@ log = logging.getLogger("harnessrl.controller")
 
 def make_sandbox(cfg: ControllerConfig) -> Sandbox | None:
     """The local backend's sandbox, checked; `Unavailable` says why none can be made here."""
+    if not cfg.local_backend:
+        return None  # (no local jobs to sandbox)
     if not cfg.sandbox:
         log.warning("SANDBOX OFF (--sandbox false): every rollout of this controller runs "
                     "unsandboxed, with the controller's user, files and network: a harness "
@@ -39,11 +41,11 @@ def make_sandbox(cfg: ControllerConfig) -> Sandbox | None:
 
 def make_backends(cfg: ControllerConfig, sandbox: Sandbox | None = None
                   ) -> dict[str, JobBackend]:
-    """The local backend always; the docker one when an image is configured, the kubernetes
-    one when a Job template is."""
+    """The local backend unless turned off; the docker one when an image is configured, the
+    kubernetes one when a Job template is."""
     backends: dict[str, JobBackend] = {"local": LocalBackend(
         kill_grace_s=cfg.kill_grace_s, nice=cfg.local_job_nice, cpus=cfg.local_job_cpus,
-        sandbox=sandbox)}
+        sandbox=sandbox)} if cfg.local_backend else {}
     if cfg.k8s_job_template:
         from services.controller.backends.k8s_manifests import load_template
         from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings
@@ -67,7 +69,8 @@ def make_backends(cfg: ControllerConfig, sandbox: Sandbox | None = None
     if cfg.default_backend not in backends:
         raise ValueError(f"default_backend {cfg.default_backend!r} is not available: " + {
             "kubernetes": "set k8s_job_template for the kubernetes backend",
-            "docker": "set docker_image for the docker backend"}.get(
+            "docker": "set docker_image for the docker backend",
+            "local": "local_backend is false"}.get(
                 cfg.default_backend, f"choose one of {', '.join(backends)}"))
     return backends
 

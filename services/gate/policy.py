@@ -96,7 +96,8 @@ def check_container(name: str, body: Any, limits: Limits) -> None:
     if not isinstance(host, dict):
         raise Refused("HostConfig must be given")
     _only("HostConfig", host, {"NetworkMode", "ReadonlyRootfs", "CapDrop", "SecurityOpt",
-                               "Init", "Memory", "PidsLimit", "NanoCpus", "Tmpfs", "Mounts"})
+                               "Init", "Memory", "MemorySwap", "PidsLimit", "NanoCpus",
+                               "Tmpfs", "Mounts"})
     if host.get("NetworkMode") not in ("none", limits.network):
         raise Refused(f"network {host.get('NetworkMode')!r}: only {limits.network!r} or 'none'")
     if host.get("ReadonlyRootfs") is not True and not name.endswith(SEED):
@@ -107,6 +108,8 @@ def check_container(name: str, body: Any, limits: Limits) -> None:
     if host.get("SecurityOpt") != ["no-new-privileges"]:
         raise Refused("SecurityOpt must be ['no-new-privileges'], nothing else")
     _within("Memory", host.get("Memory"), limits.max_memory)
+    if host.get("MemorySwap") not in (None, host.get("Memory")):
+        raise Refused("MemorySwap: none beyond Memory")
     _within("PidsLimit", host.get("PidsLimit"), limits.max_pids)
     _within("NanoCpus", host.get("NanoCpus"), limits.max_nano_cpus)
     tmpfs = host.get("Tmpfs") or {}

@@ -99,6 +99,7 @@ class DockerBackend(JobBackend):
         s = self.settings
         return {"NetworkMode": network, "ReadonlyRootfs": True, "CapDrop": ["ALL"],
                 "SecurityOpt": ["no-new-privileges"], "Memory": s.memory_mb * 1024 * 1024,
+                "MemorySwap": s.memory_mb * 1024 * 1024,  # (no swap on top)
                 "PidsLimit": s.pids_limit, "NanoCpus": int(s.cpus * 1e9), "Mounts": mounts}
 
     def _config(self, job: _Job, role: str, argv: list[str], env: dict[str, str],
