@@ -1116,6 +1116,10 @@ def published_port(svc: dict[str, Any]) -> int:
 
 
 @pytest.mark.vllm
+@pytest.mark.skipif(os.environ.get("CI") == "true" and os.environ.get("HARNESSRL_LONG_TESTS")
+                    != "1", reason="CI runs these services for real, in containers "
+                    "(tests/test_compose_real.py); this local stand-in (124 s there) is for "
+                    "machines without Docker")
 def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) -> None:
     from harnessrl.clients import ControllerClient, StoreClient
     from harnessrl.procs import free_port

@@ -183,7 +183,11 @@ def completion_logprobs(model: torch.nn.Module, prompt: list[int], completion: l
     return logp.gather(1, torch.tensor(completion).unsqueeze(1)).squeeze(1)
 
 
-@pytest.mark.parametrize("modes", [("sync", "sync"), ("async", "collocated")],
+# sync+sync is the simpler case of the two (the mixed one holds one run's calls while the other
+# is served); CI runs the mixed one alone (83 s the other, measured 2026-12-07).
+@pytest.mark.parametrize("modes", [pytest.param(("sync", "sync"), marks=pytest.mark.skipif(
+    os.environ.get("HARNESSRL_LONG_TESTS") != "1", reason="sync+sync is long: set "
+    "HARNESSRL_LONG_TESTS=1 (CI runs async+collocated)")), ("async", "collocated")],
                          ids=["sync+sync", "async+collocated"])
 def test_two_lora_runs_on_one_engine_keep_parity_and_isolation(
         tmp_path: Path, lora_stack: Stack, tiny_model_dir: Path, modes: tuple[str, str]) -> None:

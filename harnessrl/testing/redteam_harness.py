@@ -64,11 +64,22 @@ def _connect(addr: str, timeout: float = 1.0) -> bool:
         return False
 
 
+def _own_line() -> set[int]:
+    """This process and its ancestors (a container's init runs this harness's own argv)."""
+    own, pid = set(), os.getpid()
+    while pid > 0 and pid not in own:
+        own.add(pid)
+        stat = _read(f"/proc/{pid}/stat") or ""
+        pid = int(stat.rsplit(")", 1)[1].split()[1]) if ")" in stat else 0
+    return own
+
+
 def probe_proc() -> tuple[str, str]:
     """Other processes' command lines and environments (the services' flags, the secret)."""
     found = []
+    own = _own_line()
     for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
+        if not pid.isdigit() or int(pid) in own:
             continue
         cmd = (_read(f"/proc/{pid}/cmdline") or "").replace("\0", " ")
         env = _read(f"/proc/{pid}/environ") or ""
