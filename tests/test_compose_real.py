@@ -404,8 +404,10 @@ def redteam(dc: Compose, run: ComposeRun, tmp: Path) -> None:
     workdir = Path(ro.attempts[-1].workdir).relative_to("/var/lib/harnessrl/rollouts")
     out = (dc.volume("rollouts") / workdir / "stdout.log").read_text().strip().splitlines()
     run.redteam = json.loads(out[-1]) if out else {}
-    control = dc.exec("controller", "python", "-c", source, json.dumps(
-        {**targets, "bomb": 20, "hog_mb": 16}))  # (limits: not what the control is about)
+    control = dc.docker(  # as a harness there got its gateway (limits: not what this is about)
+        "exec", "-e", f"OPENAI_BASE_URL=http://gateway:{e['GATEWAY_HTTP_PORT']}/v1", "-e",
+        "OPENAI_API_KEY=none", "-w", "/tmp", dc.container("controller"), "python", "-c", source,
+        json.dumps({**targets, "bomb": 20, "hog_mb": 16}), check=False)
     lines = control.stdout.strip().splitlines()
     run.redteam_control = json.loads(lines[-1]) if lines else {"error": control.stderr[-2000:]}
 
@@ -667,6 +669,7 @@ def test_the_redteam_harness_as_a_rollout_container(compose: ComposeRun) -> None
     assert set(NETWORK_PROBES) <= set(outcomes), seen
     assert all(o in ("refused", "contained") for o in outcomes.values()), seen
     assert outcomes["fork_bomb"] == outcomes["memory_hog"] == "contained", seen
+    assert "error" not in compose.redteam_control, compose.redteam_control["error"]
     control = {name: r["outcome"] for name, r in compose.redteam_control.items()}
     connects = [p for p in NETWORK_PROBES if p.startswith("connect_")]
     assert {p: control.get(p) for p in connects} == dict.fromkeys(connects, "succeeded"), \
