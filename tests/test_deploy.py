@@ -941,7 +941,7 @@ PORT_VARS = ("REDIS_PORT", "STORE_PORT", "GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT
              "STORE_METRICS_PORT", "CONTROLLER_METRICS_PORT", "TRAINER_METRICS_PORT",
              "CONTROLLER_PORT", "TRAINER_PORT", "ENGINE_PORT")
 ROLLOUT_CONTAINER_SERVICES = ("gate", "gateway-door")
-NOT_STARTED = {"trainer-cpu", *ROLLOUT_CONTAINER_SERVICES}
+NOT_STARTED = {"trainer-cpu"}
 # Where the images put the example harness and its venv (services/controller/Dockerfile).
 IMAGE_PATHS = {"/opt/harness/bin/python": sys.executable,
                "/opt/examples/calc": str(REPO / "examples" / "calc")}
@@ -1146,14 +1146,14 @@ def test_compose_services_run_the_example(tmp_path: Path, tiny_model_dir: Path) 
     # its docker backend's containers, and the gate and the gateway's door are left out
     # (tests/test_compose_real.py runs them, and the rollouts in containers through them).
     ctl = cfg["services"]["controller"]
-    for dep in ROLLOUT_CONTAINER_SERVICES:
-        del ctl["depends_on"][dep]
+    for name in ROLLOUT_CONTAINER_SERVICES:
+        del ctl["depends_on"][name], cfg["services"][name]
     ctl["environment"].update({"HARNESSRL_CONTROLLER_DEFAULT_BACKEND": "local",
                                "HARNESSRL_CONTROLLER_LOCAL_BACKEND": "true"})
     run = ComposeRun(cfg, tmp_path, volumes)
     svcs = run.services
     assert set(svcs) == {"pki", "redis", "store", "gateway", "controller", "model-cpu",
-                         "engine-cpu", "trainer-cpu", *ROLLOUT_CONTAINER_SERVICES}
+                         "engine-cpu", "trainer-cpu"}
     # The trainer's settings (not started): valid for its config, its files there.
     trainer_env = run.env("trainer-cpu")
     code = ("from services.trainer.config import TrainerConfig; import json; "
