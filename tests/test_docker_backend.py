@@ -120,6 +120,17 @@ async def test_the_gate_refuses_every_way_out(gate: tuple[str, str], example_ima
                 await direct.remove("hrl-gate-bad")
         assert {w: s for w, (s, _) in refused.items()} == {w: 403 for w in cases}, refused
         assert all("harnessrl gate" in m for _, m in refused.values()), refused
+        # a volume of the right name that the gate did not make (no label), or none at all
+        for volume in ("hrl-foreign", "hrl-missing"):
+            if volume == "hrl-foreign":
+                await direct.create_volume(volume, {})
+            try:
+                with pytest.raises(DockerError, match="not a rollout's|not made through"):
+                    await via_gate.create("hrl-gate-bad", _rollout_body(example_image, Mounts=[
+                        {"Type": "volume", "Source": volume, "Target": "/workspace"}]))
+            finally:
+                await direct.remove("hrl-gate-bad")
+                await direct.remove_volume(volume)
         # a container that is not a rollout's: no call on it goes through
         await direct.create("not-a-rollout", {"Image": example_image, "Cmd": ["true"]})
         try:

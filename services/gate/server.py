@@ -34,13 +34,17 @@ class Gate:
             max_nano_cpus=int(cfg.max_cpus * 1e9))
         self.docker: ClientSession | None = None
 
-    async def _managed(self, kind: str, name: str, starting: bool) -> None:
+    async def _managed(self, kind: str, name: str, starting: bool = False,
+                       must_exist: bool = False) -> None:
         """Refused unless container/volume `name` carries the managed label (absent: the
-        daemon's own 404 answers); a container to start must have its root read-only."""
+        daemon's own 404 answers, unless it `must_exist`); a container to start must have its
+        root read-only."""
         assert self.docker is not None
         path = f"/containers/{name}/json" if kind == "container" else f"/volumes/{name}"
         async with self.docker.get(f"http://docker{path}") as r:
             if r.status == 404:
+                if must_exist:
+                    raise policy.Refused(f"{kind} {name} was not made through the gate")
                 return
             data = await r.json()
         labels = (data.get("Config") or {}).get("Labels") if kind == "container" \
@@ -62,6 +66,8 @@ class Gate:
                 raise policy.Refused("the body is not JSON") from None
             if "/containers/" in request.path:
                 policy.check_container(request.query.get("name", ""), data, self.limits)
+                for mount in data["HostConfig"].get("Mounts") or []:  # (Docker would make a
+                    await self._managed("volume", mount["Source"], must_exist=True)  # missing one)
             else:
                 policy.check_volume(data)
         elif request.method == "PUT" and tail == "archive":
