@@ -1,5 +1,8 @@
-"""The docker job backend (`services/controller/backends/docker.py`) through the rollout gate
-(`services/gate`), on the test's real Docker daemon and the example harness image.
+"""Rollout isolation in Compose (issue 41), its mechanism: the docker job backend
+(`services/controller/backends/docker.py`) through the rollout gate (`services/gate`), on the
+test's real Docker daemon and the example harness image. The red-team harness as a rollout of
+a running Compose project is `tests/test_compose_real.py`'s
+`test_the_redteam_harness_as_a_rollout_container` (it runs on that module's stack).
 
 The gate first: the backend's own calls go through, and each way out of a rollout container
 that a compromised controller could ask for (privileged, a bind mount of /, the host's
