@@ -71,8 +71,23 @@ def _check_task(task: SweTask, tmp: Path, runner: TestRunner) -> list[str]:
     return problems
 
 
+# CI checks 3 tasks of each (library, kind), every way the generator makes a task: 53 of the
+# 351 (all of them took 111 s of a CI run, 2026-12-07). HARNESSRL_LONG_TESTS=1: all.
+PER_KIND = 3
+
+
 def test_every_shipped_task_fails_without_its_fix_and_passes_with_it(train, val, tmp_path):
     tasks = train + val
+    if os.environ.get("HARNESSRL_LONG_TESTS") != "1":
+        seen: Counter[tuple[str, str]] = Counter()
+        sample = []
+        for t in sorted(tasks, key=lambda t: t.instance_id):
+            kind = (t.model_extra["library"], t.model_extra["kind"])
+            if seen[kind] < PER_KIND:
+                seen[kind] += 1
+                sample.append(t)
+        assert len(seen) >= 6, seen  # (a group may hold fewer than PER_KIND)
+        tasks = sample
     local = threading.local()
     runners: list[TestRunner] = []
 
