@@ -16,7 +16,7 @@ from pydantic_settings import SettingsConfigDict
 
 from harnessrl import log as hlog
 from harnessrl.config import ServiceConfig
-from harnessrl.streams import relay
+from harnessrl.streams import splice
 
 log = logging.getLogger("harnessrl.door")
 
@@ -41,16 +41,9 @@ async def serve(cfg: DoorConfig) -> None:
 
     async def carry(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up_reader, up_writer = await asyncio.open_connection(host, port)
+            await splice(reader, writer, host, port)
         except OSError as exc:
             log.warning("target %s unreachable: %s", cfg.target, exc)
-            writer.close()
-            return
-        try:
-            await asyncio.gather(relay(reader, up_writer), relay(up_reader, writer))
-        finally:
-            for w in (writer, up_writer):
-                w.close()
 
     server = await asyncio.start_server(carry, *_split(cfg.listen))
     log.info("door %s -> %s", cfg.listen, cfg.target)

@@ -73,8 +73,12 @@ class Gate:
         elif request.method == "PUT" and tail == "archive":
             policy.check_archive(name)
         elif request.method == "GET" and request.path.endswith("/containers/json"):
-            filters = json.loads(request.query.get("filters", "{}") or "{}")
-            if f"{policy.MANAGED_KEY}={policy.MANAGED_VALUE}" not in filters.get("label", []):
+            try:
+                filters = json.loads(request.query.get("filters", "{}") or "{}")
+            except ValueError:
+                raise policy.Refused("filters is not JSON") from None
+            if not isinstance(filters, dict) or \
+                    f"{policy.MANAGED_KEY}={policy.MANAGED_VALUE}" not in filters.get("label", []):
                 raise policy.Refused("container lists must filter on the managed label")
 
     def _caller(self, request: web.Request) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.controller.backends.base import (GraderOutput, JobBackend, JobInfo, JobResult,
+from services.controller.backends.base import (GraderOutput, JobBackend, JobResult,
                                                JobSpec)
 from services.controller.backends.docker_api import DockerAPI, DockerError
 from services.controller.backends.k8s_manifests import GRADER, HARNESS, REFUSED_ENV, job_name
@@ -277,9 +277,6 @@ class DockerBackend(JobBackend):
                          grader=grader)
 
     # -- the interface's other verbs ---------------------------------------------------------
-    async def wait(self, job_id: str) -> JobResult:
-        return await self._wait_tracked(job_id)
-
     async def cancel(self, job_id: str, reason: str = "") -> None:
         job = self._jobs.get(job_id)
         if job is None or job.task is None or job.task.done():
@@ -288,9 +285,6 @@ class DockerBackend(JobBackend):
         job.cancelled.set()
         with contextlib.suppress(Exception):
             await asyncio.shield(job.task)
-
-    async def list_jobs(self, labels: dict[str, str] | None = None) -> list[JobInfo]:
-        return self._list_tracked(labels)
 
     async def cleanup(self, job_id: str) -> None:
         job = self._jobs.get(job_id)

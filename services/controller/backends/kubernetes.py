@@ -41,7 +41,7 @@ from kubernetes.client.exceptions import ApiException
 
 from services.controller.backends import k8s_manifests as manifests
 from services.controller.backends.k8s_api import api_client, why as _why
-from services.controller.backends.base import (GraderOutput, JobBackend, JobInfo, JobResult,
+from services.controller.backends.base import (GraderOutput, JobBackend, JobResult,
                                                JobSpec)
 
 log = logging.getLogger(__name__)
@@ -473,9 +473,6 @@ class KubernetesBackend(JobBackend):
 
     # -- the interface's other verbs ---------------------------------------------------------
 
-    async def wait(self, job_id: str) -> JobResult:
-        return await self._wait_tracked(job_id)
-
     async def cancel(self, job_id: str, reason: str = "") -> None:
         job = self._jobs.get(job_id)
         if job is None or job.task is None or job.task.done():
@@ -483,9 +480,6 @@ class KubernetesBackend(JobBackend):
         job.cancel_reason = reason or "cancelled"
         job.changed.set()
         await asyncio.shield(job.task)
-
-    async def list_jobs(self, labels: dict[str, str] | None = None) -> list[JobInfo]:
-        return self._list_tracked(labels)
 
     async def cleanup(self, job_id: str) -> None:
         job = self._jobs.get(job_id)

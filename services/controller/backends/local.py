@@ -39,7 +39,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.controller.backends.base import JobBackend, JobInfo, JobResult, JobSpec
+from services.controller.backends.base import JobBackend, JobResult, JobSpec
 from services.controller.backends.process_group import group_members, signal_group, start_ticks
 from services.controller.sandbox import Sandbox
 
@@ -294,9 +294,6 @@ class LocalBackend(JobBackend):
         if spec.sandbox is not None and self.sandbox is not None:
             self.sandbox.release(spec.job_id)
 
-    async def wait(self, job_id: str) -> JobResult:
-        return await self._wait_tracked(job_id)
-
     async def cancel(self, job_id: str, reason: str = "") -> None:
         job = self._jobs.get(job_id)
         if job is None or job.task is None or job.task.done():
@@ -312,9 +309,6 @@ class LocalBackend(JobBackend):
                                for job_id in list(self._jobs)))
         if self.sandbox is not None:
             await self.sandbox.close()
-
-    async def list_jobs(self, labels: dict[str, str] | None = None) -> list[JobInfo]:
-        return self._list_tracked(labels)
 
     async def cleanup(self, job_id: str) -> None:
         await self.cancel(job_id)

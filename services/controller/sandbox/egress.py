@@ -25,7 +25,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from harnessrl.streams import relay
+from harnessrl.streams import splice
 
 log = logging.getLogger("harnessrl.controller.sandbox")
 
@@ -85,16 +85,9 @@ class Doors:
     async def _carry(self, target: Target, reader: asyncio.StreamReader,
                      writer: asyncio.StreamWriter) -> None:
         try:
-            up_r, up_w = await asyncio.open_connection(target.host, target.port)
+            await splice(reader, writer, target.host, target.port)
         except OSError as exc:
             log.warning("sandbox door to %s: cannot connect (%s)", target, exc)
-            writer.close()
-            return
-        try:
-            await asyncio.gather(relay(reader, up_w), relay(up_r, writer))
-        finally:
-            for w in (writer, up_w):
-                w.close()
 
     async def close(self) -> None:
         for server in self._servers.values():
