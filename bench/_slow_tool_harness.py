@@ -1,33 +1,33 @@
 """The bundled calc harness (examples/calc/harness.py) with a slow tool step: every tool call,
 and at least one step per rollout, sleeps a lognormal time (median HARNESSRL_BENCH_TOOL_MEDIAN_S,
-sigma HARNESSRL_BENCH_TOOL_SIGMA; median 0: no sleep). The draws are seeded by the task and the
-rollout's index in its group, so each mode sees the same distribution of latencies."""
+sigma HARNESSRL_BENCH_TOOL_SIGMA; median 0: no sleep). The draws are paired across modes
+(bench/_tool_draws.py): seeded by the bench's seed, the task id without the pool modes' prefix,
+the rollout's index in its group and the count of draws of that (task, index) pair so far in
+the run, each recorded in the bench's draws folder (HARNESSRL_BENCH_DRAWS_DIR)."""
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "calc"))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples" / "calc"))
+sys.path.insert(0, str(REPO))
 import harness  # noqa: E402
 
-MEDIAN = float(os.environ.get("HARNESSRL_BENCH_TOOL_MEDIAN_S", "2.0"))
-SIGMA = float(os.environ.get("HARNESSRL_BENCH_TOOL_SIGMA", "1.2"))
-task_id = json.loads(os.environ["HARNESSRL_TASK_JSON"]).get("id", "")
-rng = random.Random(f"{task_id}:{os.environ.get('HARNESSRL_INDEX_IN_GROUP', '0')}")
+from bench._tool_draws import start_draw  # noqa: E402
+
+draw = start_draw(os.environ)  # at start: the count follows the order rollouts start in
 steps = 0
 
 
 def tool_step() -> None:
     global steps
     steps += 1
-    if MEDIAN > 0:
-        time.sleep(rng.lognormvariate(math.log(MEDIAN), SIGMA))
+    if draw is not None:
+        time.sleep(draw.next_sleep())
 
 
 _run_tool = harness.run_tool

@@ -37,10 +37,13 @@ upstream, 32 connections), and the raw figures.
    today's in alternating rounds (`--rounds`, medians). `baseline` holds its
    `added_p50_ms_stub_c1` and `throughput_ratio`, `vs_baseline` today's / the baseline's
    (above 1 is worse for the first, below 1 for the second).
-6. two replicas on the one store (docs/gateway-replicas.md): two wrk processes of 16
-   connections, each on a rollout of its own, both against the gateway alone
-   (`replicas1_throughput`, calls/s summed) and one against each of two replicas
-   (`replicas2_throughput`; the replicas then ask the store before every call), alternating.
+6. two replicas on the one store (docs/gateway-replicas.md), each rollout owned by one: two
+   wrk processes of 16 connections, each request with the next of 64 rollouts' keys, both
+   against the gateway alone (`replicas1_throughput`, calls/s summed) and one against each of
+   two replicas (`replicas2_throughput`: random arrival, about half of the calls forwarded to
+   their owner, `forwarded_share`; `replicas_ratio` = replicas2 / replicas1), and each wrk
+   sending only the rollouts of the replica it calls (`replicas_ratio_owner`), alternating;
+   `replicas_cpu_us_per_call` gives the gateways', store's and Redis's CPU per call of each.
 
 7. what authentication costs (`bench/_auth_overhead.py`; `--auth-only` measures just this): the
    store's RecordCalls stream as the gateway records through it, and one unary RPC
@@ -82,8 +85,11 @@ from bench import _auth_overhead, _baseline  # noqa: E402
 from bench._procstat import children, proc_table  # noqa: E402
 from bench._services import (bench_pki, running_attempt, start_gateway,  # noqa: E402
                              start_store, start_stub_engine)
+import httpx  # noqa: E402
+
 from harnessrl import procs  # noqa: E402
 from harnessrl.clients import StoreClient  # noqa: E402
+from services.gateway import rendezvous  # noqa: E402
 
 SECRET = "bench-secret-0123456789abcdef0123"
 # HTTP-layer arms (server+engine client) measured beside the gateway's own httptools server and
@@ -113,6 +119,10 @@ def wrk(url: str, body: dict, key: str, connections: int, duration: int, workdir
     script = workdir / f"wrk-{time.monotonic_ns()}.lua"
     script.write_text(WRK_LUA % {"body": lua_str(json.dumps(body)),
                                  "auth": lua_str(f"Bearer {key}")})
+    return _run_wrk(url, script, connections, duration)
+
+
+def _run_wrk(url: str, script: Path, connections: int, duration: int) -> dict[str, float]:
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--timeout", "30s", "-s",
          str(script), url], capture_output=True, text=True, check=True).stdout
@@ -122,6 +132,40 @@ def wrk(url: str, body: dict, key: str, connections: int, duration: int, workdir
         raise RuntimeError(f"wrk saw errors against {url}: {r}\n{out}")
     return {"p50_ms": r["p50_us"] / 1000, "p99_ms": r["p99_us"] / 1000,
             "calls_per_s": r["requests"] / (r["duration_us"] / 1e6), "calls": r["requests"]}
+
+
+WRK_KEYS_LUA = """
+wrk.method = "POST"
+wrk.body = %(body)s
+wrk.headers["Content-Type"] = "application/json"
+keys = {%(keys)s}
+i = 0
+request = function()
+  i = i %% #keys + 1
+  wrk.headers["Authorization"] = keys[i]
+  return wrk.format()
+end
+""" + WRK_LUA[WRK_LUA.index("done = function"):]
+
+
+def wrk_keys(url: str, body: dict, keys: list[str], connections: int,  # type: ignore[type-arg]
+             duration: int, workdir: Path) -> dict[str, float]:
+    """`wrk`, each request with the next of `keys` (the rollouts of many harnesses)."""
+    script = workdir / f"wrk-{time.monotonic_ns()}.lua"
+    script.write_text(WRK_KEYS_LUA % {"body": lua_str(json.dumps(body)), "keys": ", ".join(
+        lua_str(f"Bearer {k}") for k in keys)})
+    return _run_wrk(url, script, connections, duration)
+
+
+def forwarded(urls: list[str]) -> float:
+    """Calls the gateways at `urls` forwarded to their rollout's owner, so far (each counted
+    once)."""
+    total = 0.0
+    for base in {u.split("/v1/")[0] for u in urls}:
+        for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+            if line.startswith("harnessrl_gateway_forwarded_calls_total "):
+                total += float(line.split()[1])
+    return total
 
 
 def cpu_ms(processes: dict[str, procs.ServiceProcess]) -> dict[str, float]:
@@ -349,31 +393,49 @@ def main() -> None:
                     arm_url, stream_body, key, 1, d_c1)
             finally:
                 arm_proc.stop()
-        # Two replicas on the one store: two wrks (16 connections each, a rollout each) against
-        # the gateway alone, then one against each replica; the second replica starts and
-        # stops (announcing it leaves) every round, so the first is alone again in between.
-        halves = [(n // 2, running_attempt(store_addr, f"bench/{i}", SECRET)) for i in (1, 2)]
+        # Two replicas on the one store, each rollout owned by one (services/gateway/
+        # ownership.py): two wrks of n/2 connections, each rotating the keys of many rollouts.
+        # `replicas1`: both against the gateway alone; `replicas2`: one against each replica
+        # (random arrival: about half of the calls reach the replica that does not own their
+        # rollout and are forwarded); `replicas2_owner`: each wrk sends only the rollouts of
+        # the replica it calls. The second replica starts and stops every round (it leaves,
+        # announcing it), so the first is alone again in between.
+        names = ["bench-a", "bench-b"]
+        keyed = [(f"bench/r{i}", running_attempt(store_addr, f"bench/r{i}", SECRET))
+                 for i in range(64)]
+        owned = {nm: [k for rid, k in keyed if rendezvous.choose(rid, names) == nm]
+                 for nm in names}
+        every = [k for _, k in keyed]
 
-        def two_wrks(urls: list[str], secs: int) -> dict[str, float]:
-            before = cpu_ms({"store": store_proc})["store"]
+        def two_wrks(urls: list[str], keys: list[list[str]], secs: int,
+                     gateways: dict[str, procs.ServiceProcess]) -> dict[str, float]:
+            watched = {"store": store_proc, "redis": redis_proc, **gateways}
+            before, fwd = cpu_ms(watched), forwarded(urls)
             with ThreadPoolExecutor(2) as ex:
-                rs = list(ex.map(lambda u, h: wrk(u, stub_body, h[1], h[0], secs, work),
-                                 urls, halves))
-            calls = sum(r["calls"] for r in rs)
+                rs = list(ex.map(lambda u, ks: wrk_keys(u, stub_body, ks, n // 2, secs, work),
+                                 urls, keys))
+            after, calls = cpu_ms(watched), sum(r["calls"] for r in rs)
+            per_call = {f"{who}_cpu_us_per_call": sum(after[g] - before[g] for g in watched
+                                                      if g == who or g.startswith(who))
+                        * 1000 / max(1, calls) for who in ("gateway", "store", "redis")}
             return {"p50_ms": max(r["p50_ms"] for r in rs), "p99_ms": max(r["p99_ms"] for r in rs),
                     "calls_per_s": sum(r["calls_per_s"] for r in rs), "calls": calls,
-                    "store_cpu_us_per_call":
-                        (cpu_ms({"store": store_proc})["store"] - before) * 1000 / max(1, calls)}
+                    "forwarded_share": (forwarded(urls) - fwd) / max(1, calls), **per_call}
 
-        runs = {"replicas1": [], "replicas2": []}
+        runs: dict[str, list[dict[str, float]]] = {
+            "replicas1": [], "replicas2": [], "replicas2_owner": []}
         for _ in range(rounds):
-            runs["replicas1"].append(two_wrks([gw_url, gw_url], d))
+            runs["replicas1"].append(two_wrks([gw_url, gw_url], [every, every], d,
+                                              {"gateway": gw_proc}))
             b_proc, b = start_gateway(work / "replica-b", store_addr, SECRET, engines,
                                       extra=("--replica-name", "bench-b"))
             try:
                 b_url = f"http://127.0.0.1:{b['http_port']}/v1/chat/completions"
-                two_wrks([gw_url, b_url], warm)  # warm-up (calls wait while b joins)
-                runs["replicas2"].append(two_wrks([gw_url, b_url], d))
+                both = {"gateway": gw_proc, "gateway_b": b_proc}
+                two_wrks([gw_url, b_url], [every, every], warm, both)  # warm-up (b joins)
+                runs["replicas2"].append(two_wrks([gw_url, b_url], [every, every], d, both))
+                runs["replicas2_owner"].append(two_wrks(
+                    [gw_url, b_url], [owned["bench-a"], owned["bench-b"]], d, both))
             finally:
                 b_proc.stop()
             time.sleep(2.5)  # the first replica's next heartbeat finds it alone
@@ -467,6 +529,13 @@ def main() -> None:
             "replicas2_throughput": round(results["replicas2"]["calls_per_s"]),
             "replicas_ratio": round(results["replicas2"]["calls_per_s"]
                                     / results["replicas1"]["calls_per_s"], 3),
+            "replicas_ratio_owner": round(results["replicas2_owner"]["calls_per_s"]
+                                          / results["replicas1"]["calls_per_s"], 3),
+            "forwarded_share": round(results["replicas2"]["forwarded_share"], 3),
+            "replicas_cpu_us_per_call": {
+                arm: {who: round(results[arm][f"{who}_cpu_us_per_call"], 1)
+                      for who in ("gateway", "store", "redis")}
+                for arm in ("replicas1", "replicas2", "replicas2_owner")},
             "recorded_calls": recorded,
             "connections": n, "duration_s": d, "rounds": rounds, "quick": args.quick,
             "results": {k: {m: round(v, 3) for m, v in r.items()} for k, r in results.items()},

@@ -68,6 +68,11 @@ RULES: dict[str, tuple[str, ...]] = {
     "/harnessrl.v1.Store/DeleteState": (GATEWAY,),
     "/harnessrl.v1.Store/GetState": (GATEWAY, *VIEW, GRADER),
     "/harnessrl.v1.Store/ListState": (GATEWAY, *VIEW),
+    # Images of recorded calls (content-addressed): the gateway stores them, the trainer reads
+    # them back to rebuild prompts (and may store those it makes itself); a rollout reaches no
+    # RPC at all, and graders and the controller have no use for pixels.
+    "/harnessrl.v1.Store/PutImages": (GATEWAY, TRAINER),
+    "/harnessrl.v1.Store/GetImages": (GATEWAY, TRAINER, *VIEW),
     # Controller: runs are started by the trainer (training, eval) or the operator (eval).
     "/harnessrl.v1.Controller/CreateRun": (TRAINER, OPERATOR),
     "/harnessrl.v1.Controller/GetRun": (TRAINER, *VIEW),

@@ -58,9 +58,14 @@ class _Client(Generic[S]):
         return self.channel.close()
 
 
+def _serialize(request: Any) -> bytes:
+    return request.SerializeToString()  # type: ignore[no-any-return]
+
+
 class StoreClient(_Client[store_pb2_grpc.StoreStub]):
     _stub_cls = store_pb2_grpc.StoreStub
     peer = "store"
+    _record_calls: Any = None  # the RecordCalls multi-callable, made on first use
 
     def put_run(self, run: c.Run) -> c.Run:
         return self.stub.PutRun(spb.PutRunRequest(run=run), timeout=self.timeout)
@@ -89,9 +94,16 @@ class StoreClient(_Client[store_pb2_grpc.StoreStub]):
         )
 
     def record_calls(self) -> Any:
-        """Opens a RecordCalls stream (asyncio channel): `await s.write(AppendCallsRequest)`,
-        then `await s.read()` gives its AppendCallsResponse; batches answered in order."""
-        return self.stub.RecordCalls()
+        """Opens a RecordCalls stream (asyncio channel): `await s.write(request)`, an
+        AppendCallsRequest or its wire twin AppendCallsRequestBytes (the calls serialised
+        already: the gateway's), then `await s.read()` gives its AppendCallsResponse; batches
+        answered in order."""
+        if self._record_calls is None:
+            self._record_calls = self.channel.stream_stream(
+                "/harnessrl.v1.Store/RecordCalls", request_serializer=_serialize,
+                response_deserializer=spb.AppendCallsResponse.FromString,
+                _registered_method=True)
+        return self._record_calls()
 
     def get_gateway_state(self, rollout_id: str, attempt: int, known_next_seq: int = -1,
                           response_id: str = "", timeout: float | None = None
@@ -179,6 +191,18 @@ class StoreClient(_Client[store_pb2_grpc.StoreStub]):
     def list_state(self, namespace: str) -> spb.ListStateResponse:
         return self.stub.ListState(spb.ListStateRequest(namespace=namespace),
                                    timeout=self.timeout)
+
+    def put_images(self, images: Iterable[spb.StoredImage], timeout: float | None = None
+                   ) -> spb.PutImagesResponse:
+        """Stores images in the content-addressed image store (docs/vision.md)."""
+        return self.stub.PutImages(spb.PutImagesRequest(images=list(images)),
+                                   timeout=timeout or self.timeout)
+
+    def get_images(self, sha256: Iterable[str], timeout: float | None = None
+                   ) -> spb.GetImagesResponse:
+        """Images by hash, one per hash in order (`found` false for one not stored)."""
+        return self.stub.GetImages(spb.GetImagesRequest(sha256=list(sha256)),
+                                   timeout=timeout or self.timeout)
 
     def ack_groups(self, entry_ids: Iterable[str], stream: str = "train",
                    consumer_group: str = "trainer") -> spb.AckGroupsResponse:

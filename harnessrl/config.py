@@ -18,6 +18,7 @@ The resolved config is logged at start-up (`describe()`), secrets masked.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import re
@@ -81,6 +82,21 @@ def _json_or_text(value: str) -> Any:
         return value
 
 
+def _known_keys(cls: type[BaseModel], path: str, data: dict[str, Any]) -> dict[str, Any]:
+    """`data`, or a ValueError naming each key no field of `cls` has (a misspelt key would
+    otherwise leave its field at the default, unseen)."""
+    unknown = [k for k in data if k not in cls.model_fields]
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, list(cls.model_fields), n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ValueError(f"config file {path}: unknown key{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(hints)}; the keys are the fields of "
+                         f"`{cls.__name__}` (`--help` lists them)")
+    return data
+
+
 class ServiceConfig(BaseSettings):
     """Base of every service's config. Subclasses set `env_prefix` in `model_config`."""
 
@@ -141,7 +157,7 @@ class ServiceConfig(BaseSettings):
                 values[head] = value
         _FILE_VALUES.clear()
         if args.config:
-            _FILE_VALUES.update(read_config_file(args.config))
+            _FILE_VALUES.update(_known_keys(cls, args.config, read_config_file(args.config)))
         try:
             return cls(**values)
         finally:

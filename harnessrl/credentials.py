@@ -49,6 +49,12 @@ class CredentialSigner:
         mac = hmac.new(self._secret, f"{PREFIX}.{payload}".encode(), hashlib.sha256)
         return _b64(mac.digest())
 
+    def tag(self, data: str) -> str:
+        """A MAC of `data` for a message between gateway replicas (a forwarded call's mark),
+        never valid as a credential (another domain of the same secret)."""
+        mac = hmac.new(self._secret, f"replica.{data}".encode(), hashlib.sha256)
+        return _b64(mac.digest()[:16])
+
     def mint(self, rollout_id: str, attempt: int, ttl_s: float) -> str:
         body = {"r": rollout_id, "a": attempt, "e": round(time.time() + ttl_s, 3),
                 "n": secrets.token_hex(8)}

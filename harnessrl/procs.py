@@ -203,10 +203,12 @@ def start_redis(data_dir: Path, port: int | None = None, appendfsync: str = "eve
                 password: str | None = None, username: str | None = None,
                 acl: str | None = None) -> tuple[str, ServiceProcess]:
     """Starts a private redis-server with AOF persistence in `data_dir`; returns its URL and
-    process. `appendfsync everysec` (the default, and what `harnessrl up` uses): every write
-    is in the AOF (the OS page cache) before Redis replies, so a kill -9 of Redis loses no
-    acknowledged write; a crash of the machine loses at most about the last second. `always`
-    fsyncs before replying (nothing lost even then, at several times the write cost).
+    process. `appendfsync everysec` (the default, and what `harnessrl up` uses): a write is
+    in the AOF (the OS page cache) before Redis replies, so a kill -9 of Redis loses nothing
+    acknowledged, except while a background fsync is slow: Redis then replies first and holds
+    the write back for up to 2 s, which a kill -9 or a crash of the machine can lose (about
+    the last 1-2 s; docs/reliability.md). `always` fsyncs before replying (nothing lost even
+    then, at several times the write cost).
     `password` becomes its requirepass (and `username`'s, an ACL user with every right, when
     that is not "default"); the URL returned carries it. With `acl` (ACL rules, such as
     `~* +@all -@admin -@dangerous`), `username` alone gets in, with those rights: the default

@@ -217,6 +217,30 @@ def vllm_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="session")
+def vision_model_dir() -> Path:
+    """The project's tiny VLM (default recipe), built once and cached like the text model."""
+    from harnessrl.model.vision import build_vision_model, default_vision_model_dir
+
+    return build_vision_model(default_vision_model_dir())
+
+
+@pytest.fixture(scope="session")
+def vision_engine(vision_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """One vLLM server on the tiny VLM for the whole test session (its own: the text model's
+    `vllm_engine` serves another model); started as the project starts every engine
+    (`harnessrl.local.engine`)."""
+    from harnessrl.local.engine import start_engine
+
+    engine = start_engine(vision_model_dir, workdir=tmp_path_factory.mktemp("vllm-vision"),
+                          max_model_len=4096)
+    try:
+        engine.wait_healthy(timeout=300)
+        yield engine
+    finally:
+        engine.stop(timeout=30)
+
+
+@pytest.fixture(scope="session")
 def docker_daemon() -> Iterator:
     """A Docker daemon for the container tests (`harnessrl.testing.dockerd`): the one
     DOCKER_HOST names if it answers, else a private dockerd, stopped by its pid at the end.
@@ -290,6 +314,21 @@ def fake_kube(fake_kube_server) -> Iterator:  # type: ignore[no-untyped-def]
     yield fake_kube_server
     others = {q["user"] for q in fake_kube_server.requests(since)} - {fake_kube_server.user}
     assert not others, f"requests to the fake API server as {others}, not as the controller"
+
+
+def wait_aof_written(data_dir: Path, marker: str, timeout: float = 10.0) -> None:
+    """Returns once a write bearing `marker` (a key, a value) is in the AOF files of the Redis
+    whose data dir is `data_dir`, read back from the kernel. Under `appendfsync everysec` Redis
+    replies before that write while a background fsync is slow (a loaded disk) and holds it
+    back for up to 2 s: a kill -9 in that window loses acknowledged writes
+    (docs/reliability.md). A test that kills Redis to show that one write survives waits here
+    first, so it tests that write's survival, not Redis's window. (Files, not INFO's
+    `aof_buffer_length`: the stack's ACL user may not run INFO.)"""
+    want = marker.encode()
+    deadline = time.monotonic() + timeout
+    while not any(want in f.read_bytes() for f in data_dir.glob("appendonlydir/*.aof")):
+        assert time.monotonic() < deadline, f"{marker!r} is not in the AOF of {data_dir}"
+        time.sleep(0.02)
 
 
 class RestartableRedis:

@@ -8,7 +8,11 @@ rollout the run should have made (derived from the seed and the task file, not r
 stack) must be in the store and trained once (acknowledged in Redis), or dropped with a kill
 that explains it (`harnessrl.testing.chaos_accounting`). The run is made once; the accounting is
 then shown to fail on a store that lost a rollout record and on a trainer that claims what it
-never acknowledged, on that run's own state. `bench/chaos.py` runs the long form."""
+never acknowledged, on that run's own state. That it trained is read from outside the
+trainer too: the engine's logprobs of a fixed probe moved from the base model's and equal
+the last checkpoint's, computed offline. The async mode goes through the same kills in a run
+of its own (its stale drops held against the recorded call versions). `bench/chaos.py` runs
+the long form."""
 
 from __future__ import annotations
 
@@ -20,10 +24,10 @@ from typing import Any
 
 import pytest
 import redis
+import torch
 
 from harnessrl import procs
-from harnessrl.model import build_tiny_model
-from harnessrl.testing import chaos_accounting as ca
+from harnessrl.testing import chaos_accounting as ca, trained_probe
 from harnessrl.testing.chaos import KEY_PREFIX, KILL_ORDER, ChaosInputs, ChaosResult, run_chaos
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -36,12 +40,13 @@ KILLS = ("gateways", *KILL_ORDER)  # "gateways": the rolling restart of both rep
 
 
 @pytest.fixture(scope="module")
-def chaos(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ChaosResult, str]]:
+def chaos(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+          ) -> Iterator[tuple[ChaosResult, str]]:
     """One chaos run; then its Redis started again on its AOF (the stack is down)."""
     tmp = tmp_path_factory.mktemp("chaos")
-    # the accounting, not learning, is under test: an un-warmed tiny model (built in seconds)
-    model = build_tiny_model(tmp / "model", warmup_steps=0)
-    res = run_chaos(tmp, model, seed=11, steps=STEPS, timeout_s=600, kill_order=KILLS,
+    # the session's warmed tiny model: an un-warmed one scores 0 on every rollout, so every
+    # advantage is 0 and no step moves the weights the probe test reads
+    res = run_chaos(tmp, tiny_model_dir, seed=11, steps=STEPS, timeout_s=600, kill_order=KILLS,
                     gateway_replicas=2)
     print("chaos accounting:", json.dumps(res.line()))
     for e in res.events:
@@ -83,6 +88,25 @@ def test_a_rolling_restart_of_both_gateways_loses_nothing(chaos: tuple[ChaosResu
     dropped = {d["rollout"] for d in res.acc.drops}
     assert through <= trained | dropped and not (through & dropped - {
         r for r in through if _in_a_kill_window(inputs, r)}), (through, res.acc.drops)
+
+
+def test_the_engine_serves_trained_weights_the_last_checkpoint_reproduces(
+        chaos: tuple[ChaosResult, str]) -> None:
+    """Training seen from outside the trainer (harnessrl/testing/trained_probe.py): the
+    engine's logprobs of a fixed probe, asked over HTTP at the end, moved from the base
+    model's and equal the last checkpoint's computed offline. The check fails for a trainer
+    that claims steps it never pushed (the engine serving the base weights) and for a
+    checkpoint that is not what the engine serves, on this run's own numbers."""
+    res, _ = chaos
+    assert res.probe is not None and res.probe.checkpoint
+    assert trained_probe.check(res.probe) == []
+    engine = torch.tensor(res.probe.engine, dtype=torch.float64)
+    base = trained_probe.offline(res.probe.base, res.probe.ids)
+    ckpt = trained_probe.offline(res.probe.checkpoint, res.probe.ids)
+    never_pushed = trained_probe.problems(base, base, ckpt)  # (nor the checkpoint served)
+    assert any("nothing trained was pushed" in p for p in never_pushed), never_pushed
+    [not_served] = trained_probe.problems(engine, base, base)
+    assert "not what the engine serves" in not_served
 
 
 def _inputs(res: ChaosResult) -> ChaosInputs:
@@ -181,3 +205,20 @@ def test_chaos_accounting_fails_on(fault: str, chaos: tuple[ChaosResult, str],
             undo()
         r.close()
     assert [p for p in acc.problems if p.startswith(expect) and victim in p], acc.problems
+
+
+def test_async_mode_under_chaos_every_rollout_accounted_and_trained(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The async mode (the pool: rollouts keep running while the trainer trains and pushes)
+    through the same kills, one round: every rollout its pool could have made is trained,
+    dropped with a kill that explains it, or by design (stale: held against the recorded
+    call versions; surplus at the end), and the engine serves the trained weights."""
+    res = run_chaos(tmp_path, tiny_model_dir, seed=5, steps=STEPS, timeout_s=600,
+                    kill_order=KILL_ORDER, mode="async")
+    print("async chaos accounting:", json.dumps(res.line()))
+    assert [k.service for k in res.kills] == list(KILL_ORDER), res.line()
+    assert res.trainer_exit == 0, res.events
+    assert res.steps == STEPS
+    assert res.acc.problems == [], res.acc.problems
+    assert res.acc.trained > 0 and all(d["kills"] for d in res.acc.drops), res.line()
+    assert res.probe is not None and trained_probe.check(res.probe) == []

@@ -28,7 +28,8 @@ from harnessrl.v1 import gateway_pb2 as gpb
 from harnessrl.weight_transfer import PushConfig, PushError
 from services.trainer.collocation import Collocation, EngineSleep, SleepError
 from services.trainer.gauges import GatewayHold
-from services.trainer.loop import StepRecord, Trainer
+from services.trainer.loop import Trainer
+from services.trainer.records import StepRecord
 from services.trainer.offload import TrainerOffload
 from services.trainer.weights import EngineWeights
 

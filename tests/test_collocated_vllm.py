@@ -39,7 +39,8 @@ from harnessrl.weight_transfer.devtools import (
 from services.trainer.collocation import Collocation, EngineSleep
 from services.trainer.config import TrainerConfig
 from services.trainer.gauges import GatewayHold, Gauges
-from services.trainer.loop import StepRecord, Trainer, train_async
+from services.trainer.loop import Trainer, train_async
+from services.trainer.records import StepRecord
 from services.trainer.offload import TrainerOffload
 from services.trainer.rollouts import ControllerRuns
 from services.trainer.weights import EngineWeights

@@ -5,7 +5,10 @@ would)."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import subprocess
 import sys
 import textwrap
 import time
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 
 import conftest
@@ -24,6 +28,7 @@ from harnessrl.credentials import CredentialSigner
 from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb
 
 PY = sys.executable
+REPO = Path(__file__).resolve().parent.parent
 SECRET = "test-secret-0123456789abcdef"
 GATEWAY_URL = "http://127.0.0.1:9/v1"  # never called by these harnesses
 
@@ -64,7 +69,8 @@ time.sleep(float(task.get("linger", 0)))
 open("span.txt", "w").write(f"{t_start} {time.time()}")
 """
 
-GRADER = """
+EVIDENCE = "must-fail canary tests/test_x.py::test_y passed"
+GRADER = f"EVIDENCE = {EVIDENCE!r}\n" + """
 import json, os, sys
 json.dump({k: v for k, v in os.environ.items() if k.startswith(("HARNESSRL_", "OPENAI_"))},
           open("grader_env.json", "w"))
@@ -76,6 +82,11 @@ if mode == "garbage":
     sys.exit(0)
 if mode == "exit":
     sys.exit(int(task["exit"]))
+index = int(os.environ["HARNESSRL_INDEX_IN_GROUP"])
+if mode == "tampered" and task.get("tamper_index", 0) == index:  # as a tamper-evident grader
+    print(json.dumps({"reward": task.get("claimed", 1.0), "reason": "forged",
+                      "tampered": task.get("tampered", True), "evidence": EVIDENCE}))
+    sys.exit(0)
 answer = int(open("answer.txt").read())
 print("checked", answer)
 print(json.dumps({"reward": 1.0 if answer == 2 * int(task["x"]) else 0.0, "answer": answer}))
@@ -111,10 +122,12 @@ class Services:
                 "--store-retry-s", str(self.store_retry_s), "--ready-file", str(ready),
                 # these tests watch the harnesses' pids from outside (a sandbox's are its own);
                 # the sandboxed controller: tests/test_sandbox*.py
-                "--no-sandbox", *self.controller_flags),
+                "--no-sandbox", "--metrics-bind", "127.0.0.1:0", *self.controller_flags),
             self.tmp, env={"HARNESSRL_SECRET": SECRET}, ready_file=ready).start()
-        port = self.controller.wait_ready()["grpc_port"]
-        self.ctl = ControllerClient.connect(f"127.0.0.1:{port}")
+        info = self.controller.wait_ready()
+        self.metrics_port = int(info["metrics_port"])
+        self.ctl_address = f"127.0.0.1:{info['grpc_port']}"
+        self.ctl = ControllerClient.connect(self.ctl_address)
 
     def start_store(self) -> None:
         ready = self.tmp / "store.ready"
@@ -361,6 +374,10 @@ def test_invalid_specs_are_refused_and_store_nothing(svc: Services, tmp_path: Pa
             variant(sampling=c.SamplingPolicy(temperature=0.7, max_tokens=64)),
         "sampling top_p=0.9 cannot be matched": variant(sampling=c.SamplingPolicy(top_p=0.9)),
         "max_tokens must be >= 1": variant(sampling=c.SamplingPolicy(max_tokens=0)),
+        "unknown tampered_rewards 9": variant(tampered_rewards=9),
+        "tampered_penalty is for tampered_rewards PENALTY": variant(tampered_penalty=2.0),
+        "tampered_penalty must be a positive number":
+            variant(tampered_rewards=c.TAMPERED_REWARDS_PENALTY, tampered_penalty=-1.0),
     }
     # a service's credentials are never a rollout's, even when a run's author names them
     for name in ("HARNESSRL_TLS_DIR", "HARNESSRL_TLS_PEM", "HARNESSRL_SCOPE_TOKEN",
@@ -607,6 +624,41 @@ def test_store_gone_past_the_bound_fails_the_run_loudly(redis_url: str, key_pref
         s.stop()
 
 
+def test_a_run_resumed_in_process_takes_its_running_jobs_as_they_are(
+        redis_url: str, key_prefix: str, tmp_path: Path) -> None:
+    """The store gone past the bound fails the run (the short job's end cannot be stored) while
+    two harnesses still run; once the store is back, CreateRun resumes it in the same
+    controller. Each job still running is taken as it is (the same harness process, one
+    attempt): none is refused as a job the backend follows already, and no rollout of the failed
+    execution goes on beside the resumed one."""
+    s = Services(tmp_path, redis_url, key_prefix, store_retry_s=1.5)
+    try:
+        spec = s.spec([{"id": f"t{i}", "behavior": "sleep", "sleep": 1.5 if i == 0 else 10,
+                        "x": i} for i in range(3)], group_size=1, concurrency=3, max_attempts=2)
+        run = s.ctl.create_run(spec, run_id="outage-long")
+        deadline = time.monotonic() + 30
+        while len(before := harness_pids(s, run.run_id)) < 3:
+            assert time.monotonic() < deadline, before
+            time.sleep(0.1)
+        assert s.store_proc is not None
+        s.store_proc.kill()
+        while (got := s.ctl.get_run(run.run_id)).status == c.RUN_STATUS_RUNNING:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert got.status == c.RUN_STATUS_FAILED and "unavailable" in got.error
+        s.start_store()
+        assert s.ctl.create_run(spec, run_id=run.run_id).status == c.RUN_STATUS_RUNNING
+        done = list(s.ctl.watch_run(run.run_id, timeout=60))[-1].run
+        assert (done.status, done.num_succeeded, done.num_failed) == \
+            (c.RUN_STATUS_SUCCEEDED, 3, 0), done
+        rollouts = s.store.list_rollouts(run.run_id).rollouts
+        assert [len(ro.attempts) for ro in rollouts] == [1, 1, 1], rollouts
+        assert harness_pids(s, run.run_id) == before  # the same harnesses, taken as they were
+        assert "exists already" not in s.controller.log_tail(400)
+    finally:
+        s.stop()
+
+
 def test_admission_starts_groups_only_as_the_trainer_consumes_them(svc: Services) -> None:
     """RunSpec.admission_*: window (0 + 1) x 1 group; a group starts only when the trainer's
     AdmissionUpdate has consumed the one before (docs/modes.md)."""
@@ -636,3 +688,142 @@ def test_admission_starts_groups_only_as_the_trainer_consumes_them(svc: Services
     with pytest.raises(grpc.RpcError) as e:
         svc.ctl.admission_update("no-such-run", 0, 0)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def tampered_count(svc: Services, policy: str) -> float:
+    """harnessrl_controller_rewards_tampered_total{policy} of the controller's /metrics."""
+    text = httpx.get(f"http://127.0.0.1:{svc.metrics_port}/metrics", timeout=10).text
+    series = f'harnessrl_controller_rewards_tampered_total{{policy="{policy}"}} '
+    return next((float(ln[len(series):]) for ln in text.splitlines()
+                 if ln.startswith(series)), 0.0)
+
+
+def cli(state: Path, *args: str) -> str:
+    """A `harnessrl` verb against the store of `state`'s stack.json (as the test's identity)."""
+    out = subprocess.run([PY, "-m", "harnessrl.local.cli", *args, "--state-dir", str(state)],
+                         capture_output=True, text=True, timeout=60, check=False,
+                         env={**os.environ, "COLUMNS": "250", "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_a_tampered_grade_is_stored_marked_and_never_keeps_its_reward(
+        svc: Services, tmp_path: Path) -> None:
+    """A grader's `"tampered": true` (it claimed reward 1.0): stored on the rollout with the
+    evidence, reward 0 under the default, -penalty under PENALTY, counted, and marked by the
+    CLI; `"tampered": "yes"` fails the rollout with the reason."""
+    before = {p: tampered_count(svc, p) for p in ("zero", "penalty")}
+    run, _ = svc.run_to_end(svc.spec([{"id": "forged", "grader": "tampered"},
+                                      {"id": "yes", "grader": "tampered", "tampered": "yes"},
+                                      {"id": "honest", "grader": "tampered", "x": 1,
+                                       "tamper_index": -1}]))
+    ros = svc.rollouts(run.run_id)
+    forged = ros["forged/0"]
+    assert forged.status == c.ROLLOUT_STATUS_SUCCEEDED and forged.tampered, forged
+    assert forged.tamper_evidence == EVIDENCE and forged.reward_reason == "forged"
+    assert forged.has_reward and forged.reward == 0.0  # not the 1.0 it printed
+    honest = ros["honest/0"]
+    assert not honest.tampered and honest.reward == 1.0 and not honest.tamper_evidence
+    yes = ros["yes/0"]
+    assert yes.status == c.ROLLOUT_STATUS_FAILED and not yes.tampered
+    assert 'tampered must be true or false (a JSON bool), not "yes"' in yes.error, yes.error
+    assert run.num_tampered == 1 and svc.store.get_run(run.run_id).num_tampered == 1
+
+    penalty = svc.spec([{"id": "forged", "grader": "tampered", "claimed": 0.5}],
+                       tampered_rewards=c.TAMPERED_REWARDS_PENALTY)
+    run_p, _ = svc.run_to_end(penalty)
+    assert run_p.spec.tampered_penalty == 1.0  # the default, filled in
+    assert svc.rollouts(run_p.run_id)["forged/0"].reward == -1.0
+    penalty.tampered_penalty = 0.25
+    run_q, _ = svc.run_to_end(penalty)
+    forged_q = svc.rollouts(run_q.run_id)["forged/0"]
+    assert forged_q.tampered and forged_q.reward == -0.25
+    assert tampered_count(svc, "zero") - before["zero"] == 1
+    assert tampered_count(svc, "penalty") - before["penalty"] == 2
+
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "stack.json").write_text(json.dumps({"store": f"127.0.0.1:{svc.store_port}",
+                                                  "supervisor_pid": os.getpid()}))
+    table = cli(state, "rollouts", run.run_id)
+    rows = {ln.split()[1]: ln for ln in table.splitlines() if f"{run.run_id}/" in ln}
+    assert "SUCCEEDED TAMPERED" in rows[f"{run.run_id}/forged/0"]
+    assert "TAMPERED" not in rows[f"{run.run_id}/honest/0"]
+    assert "1 of 3 rollouts TAMPERED" in " ".join(table.split())
+    shown = " ".join(cli(state, "show", forged.rollout_id).split())
+    assert f"TAMPERED: the grader found the agent's code forged the outcome; evidence: " \
+        f"{EVIDENCE}" in shown
+    assert "TAMPERED" not in cli(state, "show", honest.rollout_id)
+
+
+def test_under_drop_a_tampered_rollout_is_kept_and_the_trainer_learns_nothing_from_it(
+        svc: Services) -> None:
+    """TAMPERED_REWARDS_DROP: the rollout stays SUCCEEDED, tampered, without a reward; the
+    trainer's samples leave it out of its group, as a failed rollout (the others' rewards
+    make the advantages)."""
+    from services.trainer.samples import group_samples
+
+    before = tampered_count(svc, "drop")
+    stream = f"tamper-{uuid.uuid4().hex[:8]}"
+    run, _ = svc.run_to_end(svc.spec([{"id": "d", "grader": "tampered", "x": 1}],
+                                     group_size=3, stream=stream,
+                                     tampered_rewards=c.TAMPERED_REWARDS_DROP))
+    ros = svc.rollouts(run.run_id)
+    dropped = ros["d/0"]
+    assert dropped.status == c.ROLLOUT_STATUS_SUCCEEDED and dropped.tampered
+    assert not dropped.has_reward and dropped.tamper_evidence == EVIDENCE
+    assert [ros[f"d/{i}"].reward for i in (1, 2)] == [0.0, 1.0]
+    assert run.num_succeeded == 3 and run.mean_reward == pytest.approx(0.5)  # of the others
+    assert tampered_count(svc, "drop") - before == 1
+    (group,) = svc.store.read_groups(stream, consumer_group="t", max_groups=5).groups
+    learned = group_samples(group)
+    assert learned.dropped_rollouts == [dropped.rollout_id]
+    assert learned.rewards == [0.0, 1.0] and len(learned.advantages) == 2
+
+
+def test_tampered_rewards_from_the_command_line_and_the_trainer_config(
+        svc: Services, tmp_path: Path) -> None:
+    """`harnessrl run --tampered-rewards penalty --tampered-penalty 0.5` reaches the run; bad
+    values are refused before anything runs; the trainer's config builds the same setting."""
+    from harnessrl.local import tampered_flags
+    from services.trainer.config import TrainerConfig
+    from services.trainer.rollouts import step_spec
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "forged", "grader": "tampered"}\n')
+    base = ["run", "--controller", svc.ctl_address, "--harness", f"{PY} {svc.harness}",
+            "--grader", f"{PY} {svc.grader}", "--tasks", str(tasks), "--group-size", "1",
+            "--no-sandbox", "--name", f"cli-{uuid.uuid4().hex[:6]}"]
+
+    def harnessrl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([PY, "-m", "harnessrl.local.cli", *args], capture_output=True,
+                              text=True, timeout=60, check=False,
+                              env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"})
+
+    done = harnessrl(*base, "--tampered-rewards", "penalty", "--tampered-penalty", "0.5")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 TAMPERED" in done.stdout, done.stdout
+    (run,) = [r for r in svc.store.list_runs(limit=5).runs if r.spec.name == base[-1]]
+    assert run.spec.tampered_rewards == c.TAMPERED_REWARDS_PENALTY
+    (ro,) = svc.store.list_rollouts(run.run_id).rollouts
+    assert ro.tampered and ro.reward == -0.5
+    done = harnessrl(*base, "--tampered-rewards", "bogus")
+    assert done.returncode == 2 and "--tampered-rewards 'bogus': one of zero, penalty, drop" \
+        in " ".join(done.stdout.split()), done.stdout
+    for bad, why in (({"tampered_penalty": "2"}, "is for --tampered-rewards penalty"),
+                     ({"tampered_rewards": "penalty", "tampered_penalty": "-1"},
+                      "a positive number"),
+                     ({"tampered_rewards": "penalty", "tampered_penalty": "x"}, "not a number")):
+        with pytest.raises(ValueError, match=why):  # as `up --config run.yaml` gives them too
+            tampered_flags.setting(argparse.Namespace(**bad))
+    assert tampered_flags.trainer_flags(argparse.Namespace(tampered_rewards="drop")) == \
+        ["--tampered-rewards", "drop"]
+
+    assert step_spec(TrainerConfig(), []).tampered_rewards == c.TAMPERED_REWARDS_ZERO
+    cfg = TrainerConfig.load(["--tampered-rewards", "penalty", "--tampered-penalty", "0.5"])
+    spec = step_spec(cfg, [])
+    assert (spec.tampered_rewards, spec.tampered_penalty) == (c.TAMPERED_REWARDS_PENALTY, 0.5)
+    drop = step_spec(TrainerConfig(tampered_rewards="drop"), [])
+    assert (drop.tampered_rewards, drop.tampered_penalty) == (c.TAMPERED_REWARDS_DROP, 0.0)
+    with pytest.raises(ValueError, match="tampered_rewards"):
+        TrainerConfig(tampered_rewards="bogus")

@@ -22,9 +22,9 @@ def k8s_services(tmp: Path, redis_url: str, prefix: str, fake_kube) -> Services:
     template = tmp / "job-template.yaml"
     template.write_text(yaml.safe_dump(TEMPLATE))
     return Services(tmp, redis_url, prefix, controller_flags=(
-        "--default-backend", "kubernetes", "--k8s-job-template", str(template),
-        "--k8s-kubeconfig", str(fake_kube.kubeconfig), "--k8s-relist-s", "5",
-        "--k8s-job-creates-per-s", "100"))
+        "--default-backend", "kubernetes", "--k8s.job-template", str(template),
+        "--k8s.kubeconfig", str(fake_kube.kubeconfig), "--k8s.relist-s", "5",
+        "--k8s.job-creates-per-s", "100"))
 
 
 def job_creations(fake_kube, run_id: str) -> int:  # type: ignore[no-untyped-def]
@@ -149,3 +149,30 @@ def test_controller_killed_mid_run_adopts_its_jobs_on_kubernetes(
     finally:
         s.stop()
 
+
+
+def test_the_k8s_section_and_its_old_flat_names(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The backend's settings are the `k8s` section (file, env, flags); the flat `k8s_*`
+    names they had before are refused with the new name wherever they come from, never
+    ignored (an unknown environment variable would be, and the backend would be missing)."""
+    import pytest
+
+    from services.controller.config import ControllerConfig
+
+    monkeypatch.setenv("HARNESSRL_CONTROLLER_K8S__NAMESPACE", "from-env")
+    conf = tmp_path / "controller.yaml"
+    conf.write_text("k8s: {job_template: t.yaml, relist_s: 7}\n")
+    cfg = ControllerConfig.load(["--config", str(conf), "--k8s.kubeconfig", "kc"])
+    assert (cfg.k8s.job_template, cfg.k8s.relist_s, cfg.k8s.namespace, cfg.k8s.kubeconfig) \
+        == ("t.yaml", 7.0, "from-env", "kc")
+    monkeypatch.delenv("HARNESSRL_CONTROLLER_K8S__NAMESPACE")
+
+    conf.write_text("k8s_relist_s: 7\n")
+    with pytest.raises(ValueError, match=r"k8s_relist_s is now k8s\.relist_s"):
+        ControllerConfig.load(["--config", str(conf)])
+    monkeypatch.setenv("HARNESSRL_CONTROLLER_K8S_JOB_TEMPLATE", "t.yaml")
+    with pytest.raises(ValueError, match="HARNESSRL_CONTROLLER_K8S__JOB_TEMPLATE"):
+        ControllerConfig.load([])
+    monkeypatch.delenv("HARNESSRL_CONTROLLER_K8S_JOB_TEMPLATE")
+    with pytest.raises(SystemExit):
+        ControllerConfig.load(["--k8s-job-template", "t.yaml"])

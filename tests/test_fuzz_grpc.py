@@ -162,6 +162,9 @@ STORE_SEEDS: dict[str, object] = {
     "DeleteState": spb.DeleteStateRequest(namespace="fz", key="k"),
     "ListState": spb.ListStateRequest(namespace="fz"),
     "GetState": spb.GetStateRequest(namespace="fz", key="k"),
+    "PutImages": spb.PutImagesRequest(images=[spb.StoredImage(
+        media_type="image/png", data=b"\x89PNG\r\n\x1a\n-fz")]),
+    "GetImages": spb.GetImagesRequest(sha256=["0" * 64]),
 }
 
 

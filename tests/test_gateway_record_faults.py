@@ -105,10 +105,12 @@ def rig(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Ri
                       connect_as=as_identity("gateway")).start()
     engines: list[dict[str, object]] = [{"name": "e0", "base_url": stub.base_url,
                                          "model": "tiny"}]
+    # (each its own replica set: as peers, one would forward the other's rollouts to itself)
     patient = pool.submit(GatewayService, tmp / "patient", link.address, engines,
-                          "--hold-timeout-s", "30", "--record-batch-timeout-s", "0.5")
+                          "--hold-timeout-s", "30", "--record-batch-timeout-s", "0.5",
+                          "--replica-namespace", "patient")
     strict = pool.submit(GatewayService, tmp / "strict", link.address, engines,
-                         "--hold-timeout-s", "1.5")
+                         "--hold-timeout-s", "1.5", "--replica-namespace", "strict")
     rig = None
     try:
         rig = Rig(store_proc, store_args, store_address,

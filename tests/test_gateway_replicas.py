@@ -9,14 +9,17 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
-from conftest import GatewayReplica, StoreService, StubEngineService, TEST_SECRET, running_rollout
+from conftest import GatewayReplica, RestartableRedis, StoreService, StubEngineService, \
+    TEST_SECRET, running_rollout, wait_aof_written
 from harnessrl.clients import GatewayAdminClient, StoreClient
 from harnessrl.credentials import CredentialSigner
 
@@ -202,9 +205,13 @@ def test_a_pause_is_not_done_while_another_replicas_calls_have_not_drained(pair:
     def call() -> None:
         assert _chat(url_b, key, pause_s=4.0).status_code == 200
         done["at"] = time.monotonic()
+    seen = len(pair.completions_seen())
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(1.0)
+    deadline = time.monotonic() + 15  # the call is at the engine (on a loaded machine the
+    while len(pair.completions_seen()) == seen:  # gateway may take over a second to send it;
+        assert time.monotonic() < deadline  # paused before, it would wait for the resume)
+        time.sleep(0.1)
     admin_a = GatewayAdminClient.connect(pair.a.admin_address)
     admin_a.pause(["e0"], drain=True, drain_timeout_s=1.0)
     answered = time.monotonic()
@@ -219,14 +226,17 @@ def test_a_pause_is_not_done_while_another_replicas_calls_have_not_drained(pair:
 def test_a_replica_that_joins_reads_the_changes_made_before_its_peers_listed_it(
         tmp_path: Path, store_service: StoreService, stub_engine: StubEngineService) -> None:
     """b starts; a pause is made through a before a's heartbeat lists b (so nothing is
-    forwarded to b): once listed, b reads the registry again and holds its calls too."""
+    forwarded to b): once listed, b reads the registry again and holds its calls too.
+    a announces itself as it starts and next reads the others 15 s later: b starts and the
+    pause is made within that window (b's start takes 1-3 s), and the test checks it was."""
     engine = {"name": "e0", "base_url": stub_engine.base_url, "model": "tiny"}
-    slow = ("--replica-heartbeat-s", "6", "--replica-ttl-s", "20")
+    slow = ("--replica-heartbeat-s", "15", "--replica-ttl-s", "40")
     a = GatewayReplica(tmp_path / "a", store_service.address, engine, *slow)
+    started = time.monotonic()
     store = StoreClient.connect(store_service.address, timeout=10)
     try:
         b = GatewayReplica(tmp_path / "b", store_service.address, engine,
-                           "--replica-ttl-s", "20")
+                           "--replica-ttl-s", "40")
         try:
             pair = Pair(store, a, b, stub_engine)
             admin_a = GatewayAdminClient.connect(a.admin_address)
@@ -234,14 +244,15 @@ def test_a_replica_that_joins_reads_the_changes_made_before_its_peers_listed_it(
             import harnessrl.v1.gateway_pb2 as gpb
             a_rec = gpb.GatewayReplica.FromString(
                 store.get_state("gateway-replicas", f"{_host()}:{a.grpc_port}") or b"")
-            if f"{_host()}:{b.grpc_port}" in a_rec.peers:
-                pytest.skip("a listed b before the pause: the window was missed")
+            assert f"{_host()}:{b.grpc_port}" not in a_rec.peers, \
+                f"a listed b before the pause ({time.monotonic() - started:.1f}s after a started)"
             paused_at = time.time()
             rid, key = pair.key()
             held: dict[str, int] = {}
             t = threading.Thread(target=lambda: held.update(status=_chat(b.url, key).status_code))
             t.start()
-            t.join(9.0)  # a lists b within its 6 s heartbeat; b then joins
+            t.join(max(0.0, started + 19.0 - time.monotonic()))  # a lists b at its next
+            # heartbeat (15 s after it started); b then joins
             assert t.is_alive(), "a call through the joining replica reached the paused engine"
             assert httpx.get(f"http://127.0.0.1:{b.http_port}/health").status_code == 200
             resumed_at = time.time()
@@ -260,3 +271,68 @@ def test_a_replica_that_joins_reads_the_changes_made_before_its_peers_listed_it(
 def _host() -> str:
     import socket
     return socket.gethostname()
+
+
+def test_the_flag_of_a_replica_gone_for_good_is_removed(pair: Pair) -> None:
+    """`stale:<name>` of a replica with no record (it left; pod names change) goes at the
+    replicas' next heartbeat; the flag of one whose record is still there (expired, not long
+    gone: it may come back and must catch up) stays until its record goes."""
+    from harnessrl.v1 import gateway_pb2 as gpb
+
+    ns = "gateway-replicas"
+    recent = gpb.GatewayReplica(name="pod-recent", admin_address="127.0.0.1:1",
+                                started_at=time.time() - 60, renewed_at=time.time() - 12)
+    pair.store.put_state(ns, "pod-recent", recent.SerializeToString())
+    pair.store.put_state(ns, "stale:pod-recent", b"")
+    pair.store.put_state(ns, "stale:pod-gone", b"")
+    deadline = time.monotonic() + 10
+    while pair.store.get_state(ns, "stale:pod-gone") is not None:
+        assert time.monotonic() < deadline, "the flag of a replica with no record stayed"
+        time.sleep(0.2)
+    time.sleep(2.5)  # more heartbeats of both replicas
+    assert pair.store.get_state(ns, "stale:pod-recent") is not None
+    recent.renewed_at = time.time() - 120  # over 10 x replica_ttl_s: long gone
+    pair.store.put_state(ns, "pod-recent", recent.SerializeToString())
+    deadline = time.monotonic() + 10
+    while pair.store.get_state(ns, "stale:pod-recent") is not None or \
+            pair.store.get_state(ns, "pod-recent") is not None:
+        assert time.monotonic() < deadline, "a long-gone replica's record or flag stayed"
+        time.sleep(0.2)
+
+
+def test_with_peers_a_store_outage_holds_the_state_read(
+        tmp_path: Path, own_redis: RestartableRedis, key_prefix: str) -> None:
+    """With peers each call first reads the attempt's state from the store
+    (`Sessions.refresh`). The store's Redis down (the store answers UNAVAILABLE) holds that
+    read, as one gateway holds its record, up to `hold_timeout_s`, instead of answering 503 at
+    once: here Redis comes back after 3 s and the read returns the state."""
+    import asyncio
+
+    from services.gateway.sessions import Session, Sessions
+
+    store_svc = StoreService(tmp_path / "store", own_redis.url, key_prefix).start()
+    store = StoreClient.connect(store_svc.address, timeout=10)
+    back = threading.Timer(3.0, own_redis.start)  # Redis back 3 s after it is killed
+    try:
+        rid, key = running_rollout(store)
+        mark = f"aof-mark-{uuid.uuid4().hex}"  # written after the rollout's writes: once it
+        redis.Redis.from_url(own_redis.url).set(mark, 1)  # is in the AOF (a prefix), they are
+        wait_aof_written(own_redis.data_dir, mark)
+        own_redis.kill()
+        back.start()
+
+        async def read() -> int:
+            client = StoreClient.connect_async(store_svc.address, timeout=10)
+            sessions = Sessions(SIGNER, client, hold_timeout_s=60)
+            t0 = time.monotonic()
+            st = await sessions._state(Session(SIGNER.verify(key), 0), -1, "")
+            assert time.monotonic() - t0 >= 2.5  # held until Redis was back
+            await client.close()
+            return st.next_seq
+        assert asyncio.run(read()) == 0
+    finally:
+        back.cancel()  # a test that failed early must not start Redis after its teardown
+        if back.ident is not None:
+            back.join()
+        store.close()
+        store_svc.stop()

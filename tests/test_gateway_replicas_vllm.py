@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from conftest import TEST_SECRET, GatewayReplica as Replica, StoreService
@@ -136,20 +138,34 @@ def test_rollouts_continue_across_gateway_restarts_between_turns(world: World) -
 def _run_harness(world: World, url: str, mode: str, seed: int) -> list[c.Call]:
     """The harness as the controller would start it (a subprocess, environment only), on a
     rollout of its own: its recorded calls."""
-    rid = f"direct/{uuid.uuid4().hex[:8]}/0"
+    rid, proc = _start_harness(world, url, mode, seed)
+    return _harness_calls(world, rid, proc)
+
+
+def _start_harness(world: World, url: str, mode: str, seed: int, pause: bool = False,
+                   rid: str = "") -> tuple[str, subprocess.Popen[str]]:
+    rid = rid or f"direct/{uuid.uuid4().hex[:8]}/0"
     world.store.create_rollouts([c.Rollout(rollout_id=rid, run_id="direct", task_id="t",
                                             group_id=rid[:-2], group_size=1, max_attempts=1,
                                             stream="-")])
     world.store.start_attempt(rid, 1)
     workdir = world.tmp / "direct" / rid.replace("/", "_")
     workdir.mkdir(parents=True)
-    task = {"mode": mode, "turns": 3, "seed": seed, "fresh_connections": True}
+    task = {"mode": mode, "turns": 3, "seed": seed, "fresh_connections": True, "pause": pause}
     env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": SIGNER.mint(rid, 1, 600),
            "OPENAI_MODEL": world.model, "HARNESSRL_TASK_JSON": json.dumps(task)}
-    done = subprocess.run([sys.executable, str(HARNESS)], cwd=workdir, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    return rid, subprocess.Popen([sys.executable, str(HARNESS)], cwd=workdir, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _harness_calls(world: World, rid: str, proc: subprocess.Popen[str]) -> list[c.Call]:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
     return list(world.store.get_rollout(rid, include_calls=True).calls)
+
+
+def _workdir(world: World, rid: str) -> Path:
+    return world.tmp / "direct" / rid.replace("/", "_")
 
 
 def _tokens(calls: list[c.Call]) -> list[tuple[object, ...]]:
@@ -177,4 +193,68 @@ def test_two_replicas_alternating_record_what_one_gateway_records(world: World) 
         assert len(two[mode]) == 3
         assert _tokens(two[mode]) == _tokens(one[mode]), mode
         assert [call.segment_start for call in two[mode]][1:] == \
+            [c.SEGMENT_START_CONTINUED] * 2, mode
+
+
+def test_a_rollout_moved_to_a_joining_replica_and_back_records_what_one_gateway_records(
+        world: World) -> None:
+    """Moves are exact: a chat and a Responses rollout whose owner, once a second replica has
+    joined, is that replica: turn 0 through the first gateway alone, turn 1 through the new
+    replica (its owner now: it reads the store once and continues the segment and the
+    chain), turn 2 through the first again after the new one has left (owner again). The
+    recorded calls equal a one-gateway run of the same seeded harness, token for token."""
+    from harnessrl.v1 import gateway_pb2 as gpb
+    from services.gateway.rendezvous import choose
+    one = {mode: _run_harness(world, world.gateway.url, mode, seed=7)
+           for mode in ("chat", "responses")}
+    first = ("127.0.0.1", world.gateway.http_port)
+    proxy = Balancer([first]).start()
+    second = Replica(world.tmp / "gw-join", world.store_svc.address, world.engine)
+    host = socket.gethostname()
+    names = [f"{host}:{world.gateway.grpc_port}", f"{host}:{second.grpc_port}"]
+    second.stop()  # its port (and so its name) is known: it joins after turn 0
+    rids = {}
+    for mode in ("chat", "responses"):
+        rid = f"direct/{uuid.uuid4().hex[:8]}/0"
+        while choose(rid, names) != names[1]:
+            rid = f"direct/{uuid.uuid4().hex[:8]}/0"
+        rids[mode] = rid
+    try:
+        started = {mode: _start_harness(world, proxy.url, mode, seed=7, pause=True, rid=rid)
+                   for mode, rid in rids.items()}
+        workdirs = [_workdir(world, rid) for rid in rids.values()]
+        _wait_for([w / "turn-0.done" for w in workdirs])
+        second.proc = second.proc.respawn()
+        second.proc.wait_ready(30)
+        deadline = time.monotonic() + 30
+        while True:  # the first lists the second: both views have both owners
+            rec = gpb.GatewayReplica.FromString(
+                world.store.get_state("gateway-replicas", names[0]) or b"")
+            if names[1] in rec.peers:
+                break
+            assert time.monotonic() < deadline, "the first replica did not list the second"
+            time.sleep(0.2)
+        proxy.backends, proxy._next = [("127.0.0.1", second.http_port)], 0
+        for w in workdirs:
+            (w / "go-0").write_text("")
+        _wait_for([w / "turn-1.done" for w in workdirs])
+        served = httpx.get(f"http://127.0.0.1:{second.http_port}/metrics").text
+        second.stop()  # SIGTERM: it drains and leaves
+        proxy.backends, proxy._next = [first], 0
+        for w in workdirs:
+            (w / "go-1").write_text("")
+        moved = {mode: _harness_calls(world, rid, started[mode][1])
+                 for mode, rid in rids.items()}
+    finally:
+        proxy.stop()
+        second.stop()
+    # turn 1 was served by the second replica itself (it owned both rollouts: no forward)
+    for route in ("/v1/chat/completions", "/v1/responses"):
+        assert f'harnessrl_gateway_requests_total{{route="{route}",status="200"}} 1.0' \
+            in served, served
+    assert "harnessrl_gateway_forwarded_calls_total 0.0" in served, served
+    for mode in ("chat", "responses"):
+        assert len(moved[mode]) == 3
+        assert _tokens(moved[mode]) == _tokens(one[mode]), mode
+        assert [call.segment_start for call in moved[mode]][1:] == \
             [c.SEGMENT_START_CONTINUED] * 2, mode

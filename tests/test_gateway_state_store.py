@@ -201,9 +201,13 @@ class Segments:
 
 
 class Peers:
-    """replicas.ReplicaSet's view when another replica serves too."""
+    """replicas.ReplicaSet's view when another replica served the rollout too (it moved here,
+    or both served it while their views disagreed): this one's cache may be behind."""
 
     alone, epoch = False, 1
+
+    def owns(self, rollout_id: str) -> bool:
+        return False
 
     async def wait_ready(self, deadline: float) -> None:
         return None

@@ -19,7 +19,8 @@ import pytest
 from harnessrl.testing.stub_engine import PROMPT_IDS, render_chat, toy_tokens
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
-from services.gateway.tokens import Plan, TokenReuse, closing_tail
+from services.gateway.tokens import (Plan, Prefixes, TokenReuse, canonical, closing_tail,
+                                     digest)
 from services.trainer.samples import rollout_samples
 from test_gateway import SIGNER, World, shared_world
 
@@ -173,6 +174,29 @@ def test_tool_turns_of_every_api_continue_their_segment(world: World) -> None:
         tool_turn = toy_tokens("<|im_end|>\n<|im_start|>tool\n<tool_response>\n3\n"
                                "</tool_response><|im_end|>\n<|im_start|>assistant\n")
         assert list(call.prompt_token_ids[len(earlier):]) == tool_turn
+
+
+def test_prefix_digests_are_the_digests_of_the_prefixes() -> None:
+    """The digests the store and other replicas hold were made by `digest`: the incremental
+    ones (a plan's comparisons, a call's state) must be the same bytes, asked in any order."""
+    messages: list[dict[str, object]] = [{"role": "system", "content": "S \u2603"}]
+    for i in range(12):
+        messages += [{"role": "user", "content": f"q{i}", "name": "n" if i % 3 else ""},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": f"c{i}", "function": {"name": "f", "arguments":
+                                                      '{"b": [1, 2.5, null], "a": "\\u00e9"}'}}]},
+                     {"role": "tool", "content": [{"type": "text", "text": "x"},
+                                                  {"type": "text", "text": "\"y\""}]}]
+    canon = [canonical(m) for m in messages]
+    answer = canonical({"role": "assistant", "content": "done"})
+    rng = __import__("random").Random(3)
+    for _ in range(20):
+        prefixes = Prefixes(canon)
+        for n in rng.sample(range(len(canon) + 1), 6) + [0, len(canon)]:
+            assert prefixes.digest(n) == digest(canon[:n]), n
+        assert prefixes.with_message(answer) == digest(canon + [answer])
+    assert Prefixes([]).with_message(answer) == digest([answer])
+    assert Prefixes([]).digest(0) == digest([])
 
 
 def test_closing_tail_overlaps_a_completion_that_stopped_on_the_end_token() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from harnessrl.v1 import common_pb2 as c
-from services.controller import grading
+from services.controller import grading, tampered_rewards
 from services.controller.backends import JobResult, JobSpec, LocalBackend
 
 PY = sys.executable
@@ -48,6 +48,47 @@ def test_reward_line_refused_with_quote(stdout: str, reason: str) -> None:
     last = [ln for ln in stdout.splitlines() if ln.strip()]
     if last:
         assert repr(last[-1].strip()) in g.error  # the offending line, quoted
+
+
+def test_tampered_and_evidence_are_read_from_the_reward_line() -> None:
+    g = grading.parse_reward_line('{"reward": 1.0, "reason": "r", "tampered": true, '
+                                  '"evidence": "must-fail canary passed"}')
+    assert g.ok and g.tampered and g.evidence == "must-fail canary passed"
+    assert g.reward == 1.0  # the grader's: the run's tampered_rewards replaces it
+    for line in ('{"reward": 0.5}', '{"reward": 0.5, "tampered": false, "evidence": "x"}'):
+        g = grading.parse_reward_line(line)
+        assert g.ok and not g.tampered and g.evidence == ""  # evidence only with tampered
+
+
+@pytest.mark.parametrize("extra, reason", [
+    ('"tampered": "yes"', 'tampered must be true or false (a JSON bool), not "yes"'),
+    ('"tampered": 1', "tampered must be true or false (a JSON bool), not 1"),
+    ('"tampered": null', "tampered must be true or false (a JSON bool), not null"),
+    ('"tampered": true, "evidence": ["x"]', "evidence is not a string"),
+])
+def test_a_tampered_field_that_is_not_a_bool_is_refused(extra: str, reason: str) -> None:
+    line = '{"reward": 1.0, ' + extra + "}"
+    g = grading.parse_reward_line(line)
+    assert not g.ok and reason in g.error and repr(line) in g.error, g.error
+
+
+@pytest.mark.parametrize("policy, penalty, reward, dropped", [
+    (c.TAMPERED_REWARDS_UNSPECIFIED, 0.0, 0.0, False),
+    (c.TAMPERED_REWARDS_ZERO, 0.0, 0.0, False),
+    (c.TAMPERED_REWARDS_PENALTY, 0.0, -1.0, False),
+    (c.TAMPERED_REWARDS_PENALTY, 2.5, -2.5, False),
+    (c.TAMPERED_REWARDS_DROP, 0.0, 0.0, True),
+])
+def test_a_tampered_grade_gets_the_runs_reward_never_its_own(
+        policy: int, penalty: float, reward: float, dropped: bool) -> None:
+    spec = c.RunSpec(tampered_rewards=policy, tampered_penalty=penalty)  # type: ignore[arg-type]
+    for claimed in (1.0, 0.0, -7.0):
+        g = tampered_rewards.applied(grading.Grade(claimed, tampered=True, evidence="e"), spec)
+        assert (g.reward, g.dropped, g.tampered, g.evidence) == (reward, dropped, True, "e")
+    honest = grading.Grade(1.0)
+    assert tampered_rewards.applied(honest, spec) is honest
+    failed = grading.Grade(None, "boom", tampered=True)
+    assert tampered_rewards.applied(failed, spec) is failed
 
 
 def test_long_output_is_truncated_in_the_reason() -> None:

@@ -19,7 +19,7 @@ import pytest
 
 import conftest
 from harnessrl.v1 import common_pb2 as c, store_pb2 as spb
-from test_controller import PY, Services, process_alive
+from test_controller import PY, Services, process_alive, tampered_count
 from test_controller_kubernetes import k8s_services
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,10 +51,13 @@ open("harness-only.txt", "w").write("the group grader must not read this")
 """
 
 GRADER = """
-import json
+import json, os
 i = int(open("answer.txt").read().split()[1])
-print(json.dumps({"reward": float(i % 2 == 0), "parts": {"tests": float(i % 2 == 0)},
-                  "reason": f"answer {i}"}))
+line = {"reward": float(i % 2 == 0), "parts": {"tests": float(i % 2 == 0)},
+        "reason": f"answer {i}"}
+if json.loads(os.environ["HARNESSRL_TASK_JSON"]).get("attempt_tamper") == i:
+    line.update(reward=1.0, tampered=True, evidence="attempt canary")
+print(json.dumps(line))
 """
 
 GROUP_GRADER = """
@@ -91,6 +94,9 @@ rewards = [{"rollout_id": r["rollout_id"], "reward": 0.25 * r["index_in_group"]
            for r in data["rollouts"]]
 if mode == "short":
     rewards = rewards[1:]
+if mode == "tamper":  # all 1.0 (what the per-attempt grader found tampered too); one tampered
+    for r in rewards:
+        r.update(reward=1.0, tampered=r["rollout_id"].endswith("/1"), evidence="group canary")
 json.dump({"rewards": rewards}, open(os.environ["HARNESSRL_GROUP_OUTPUT"], "w"))
 """
 
@@ -166,6 +172,27 @@ def local(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_rewards_land_per_rollout_with_parts_after_the_group_grader(local: GroupRun) -> None:
     run, _ = local.s.run_to_end(local.spec([{"id": "q1", "x": 1}]))
     check_graded_group(local, run)
+
+
+def test_tampered_rewards_of_the_group_grader_and_of_the_per_attempt_grader(
+        local: GroupRun) -> None:
+    """A group grader's `"tampered": true` marks its rollout; one the per-attempt grader
+    found tampered stays so: both get the run's PENALTY, not the group grader's 1.0."""
+    before = tampered_count(local.s, "penalty")
+    run, _ = local.s.run_to_end(local.spec([{"id": "tam", "group": "tamper",
+                                             "attempt_tamper": 2}],
+                                           tampered_rewards=c.TAMPERED_REWARDS_PENALTY,
+                                           tampered_penalty=0.5))
+    ros = local.s.rollouts(run.run_id)
+    assert [ros[f"tam/{i}"].tampered for i in range(3)] == [False, True, True]
+    assert [ros[f"tam/{i}"].reward for i in range(3)] == [1.0, -0.5, -0.5]
+    assert [ros[f"tam/{i}"].tamper_evidence for i in range(3)] == \
+        ["", "group canary", "attempt canary"]
+    assert ros["tam/2"].attempt_reward == -0.5  # the per-attempt grader's 1.0 never kept
+    assert run.num_tampered == 2
+    assert tampered_count(local.s, "penalty") - before == 2  # once each
+    (group,) = [x for x in local.stream_groups() if x.group_id == ros["tam/0"].group_id]
+    assert sorted(r.reward for r in group.rollouts) == [-0.5, -0.5, 1.0]
 
 
 def test_a_group_grader_crash_fails_the_group_with_the_reason(local: GroupRun) -> None:

@@ -190,7 +190,8 @@ def _leftovers(daemon_socket: str) -> list[str]:
 
 async def test_a_job_its_output_environment_workspace_and_grader(
         backend: DockerBackend, gate: tuple[str, str], tmp_path: Path) -> None:
-    s = _spec(tmp_path, "r1/t/0/h1", """
+    # a job id of JobSpec.job_id's form, as the controller makes them (run.hash.role+attempt)
+    s = _spec(tmp_path, "r1.t.0.h1", """
 import json, os, socket, sys
 print(json.dumps({"cwd": os.getcwd(), "found": os.listdir("."), "uid": os.getuid(),
                   "task": open(os.environ["HARNESSRL_TASK_FILE"]).read(),

@@ -122,10 +122,10 @@ class Deployment:
             "controller", "services.controller",
             ["--bind", f"127.0.0.1:{controller_port}", "--store-address", self.store_address,
              "--gateway-url", self.gateway.base_url,
-             "--k8s-gateway-url", "http://harnessrl-gateway:8080/v1",
+             "--k8s.gateway-url", "http://harnessrl-gateway:8080/v1",
              "--workdir-root", str(tmp / "rollouts"), "--no-sandbox",
-             "--default-backend", "kubernetes", "--k8s-job-template", str(TEMPLATE),
-             "--k8s-kubeconfig", str(self.kube.kubeconfig)], tmp,
+             "--default-backend", "kubernetes", "--k8s.job-template", str(TEMPLATE),
+             "--k8s.kubeconfig", str(self.kube.kubeconfig)], tmp,
             env={"HARNESSRL_SECRET": TEST_SECRET}, timeout=60)
         self.controller_port = cinfo["grpc_port"]
 

@@ -1,10 +1,12 @@
 """The LLM judge (harnessrl/graders/judge.py) against a stub judge endpoint: a real HTTP server
 in a thread that answers each request as the test programs it (valid scores, malformed JSON,
-a stall), counting the requests; the cache in a real store process (GetState / PutState)."""
+a stall), counting the requests; the cache in a real store process (GetState / PutState),
+also across a kill -9 of the store and its Redis (AOF)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -16,6 +18,8 @@ from typing import Any
 
 import pytest
 
+import conftest
+from harnessrl import authz, identity, redis_server
 from harnessrl.clients import StoreClient
 from harnessrl.graders.judge import (
     Judge,
@@ -25,6 +29,7 @@ from harnessrl.graders.judge import (
     StoreCache,
     parse_scores,
 )
+from services.controller.grader_access import GraderAccess, without_identity
 
 
 class StubJudge:
@@ -204,3 +209,74 @@ def test_a_cache_hit_answers_with_this_groups_rollout_ids(stub: StubJudge) -> No
     assert second["judge"]["cached"] and len(stub.requests) == 1
     assert [r["rollout_id"] for r in second["rewards"]] == [f"run-a/t2/{i}" for i in range(3)]
     assert [r["reward"] for r in second["rewards"]] == [r["reward"] for r in first["rewards"]]
+
+
+def test_a_cached_verdict_survives_a_crash_of_the_store_and_its_redis(
+        stub: StubJudge, tmp_path: Path, key_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The judge as the controller runs it (its own process, the `grader` identity and a scope
+    token the controller signed, the store's address in its environment) caches a verdict; the
+    store and its Redis — the stack's own (`harnessrl up`: AOF with `appendfsync everysec`, the
+    ACL user) — are killed with SIGKILL right after, and started again on the same data dir.
+    The same group is then answered from the cache, with no call to the judge engine; another
+    group still reaches it. The test kills as soon as Redis has handed the AOF write to the
+    kernel (it is in the AOF file): under `everysec` Redis may reply before that write while
+    a background fsync is slow and a kill -9 in that window (at most about 2 s) loses the
+    verdict; a crash of the machine can lose the last second (docs/reliability.md)."""
+    with monkeypatch.context() as m:  # the controller's identity signs the graders' scopes
+        assert conftest.TEST_PKI is not None
+        m.setenv(identity.TLS_DIR_ENV, str(conftest.TEST_PKI / "controller"))
+        access = GraderAccess(str(conftest.TEST_PKI / "grader"))
+    assert access.grader is not None
+
+    def judge(g: dict[str, Any], store_address: str, name: str) -> dict[str, Any]:
+        inp, out = tmp_path / f"{name}.json", tmp_path / f"{name}.out.json"
+        inp.write_text(json.dumps(g))
+        env = {**without_identity(os.environ),  # as services/controller/group_grading.py
+               **access.env(g["run_id"], g["group_id"],
+                            [r["rollout_id"] for r in g["rollouts"]], 600),
+               "HARNESSRL_GROUP_INPUT": str(inp), "HARNESSRL_GROUP_OUTPUT": str(out),
+               "HARNESSRL_STORE_ADDRESS": store_address}
+        p = subprocess.run([sys.executable, "-m", "harnessrl.graders.judge", "--base-url",
+                            stub.base_url, "--model", "judge", "--retries", "0"],
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+    redis_dir = tmp_path / "redis"
+    url, redis_proc = redis_server.start_private(redis_dir)
+    assert redis_proc is not None and "appendonly yes\nappendfsync everysec\n" in (
+        redis_dir / "redis.conf").read_text()
+    store_svc = conftest.StoreService(tmp_path / "store", url, key_prefix).start()
+    try:
+        stub.answers = [valid(3, [0.3, 0.9, 0.6])]
+        first = judge(group(run_id="run-d"), store_svc.address, "first")
+        assert len(stub.requests) == 1 and first["judge"]["cached"] is False
+        # a crash, right after the judge's PutState was acknowledged: no shutdown, no fsync
+        conftest.wait_aof_written(redis_dir, "judge:run-d")  # Redis's everysec window
+        store_svc.kill()
+        redis_proc.kill()
+        store_svc.redis_url, redis_proc = redis_server.start_private(redis_dir)  # its AOF
+        assert redis_proc is not None, "the killed Redis still answers"
+        store_svc.start()
+        admin = StoreClient.connect(store_svc.address, timeout=10)
+        try:  # the verdict is in the store (its Redis's AOF), not beside the judge
+            entries = admin.list_state(authz.judge_namespace("run-d")).entries
+        finally:
+            admin.close()
+        assert len(entries) == 1, "the store lost the cached verdict in the restart"
+        assert json.loads(entries[0].value)["rewards"] == first["rewards"]
+        stub.answers = [valid(3, [0.1, 0.1, 0.1])]  # what a second judgement would say
+        again = judge(group(run_id="run-d"), store_svc.address, "again")
+        assert len(stub.requests) == 1, "the cached verdict was lost in the restart"
+        assert again["judge"]["cached"] is True and again["judge"]["calls"] == 0
+        assert again["rewards"] == first["rewards"]
+        other = group(run_id="run-d")
+        other["task"] = {"question": "3+3?"}
+        stub.answers = [valid(3)]
+        fresh = judge(other, store_svc.address, "other")
+        assert len(stub.requests) == 2 and fresh["judge"]["cached"] is False
+    finally:
+        store_svc.stop()
+        if redis_proc is not None:
+            redis_proc.stop()

@@ -272,7 +272,7 @@ def test_training_step_with_rollout_pods_as_containers(
             {8080: f"127.0.0.1:{gateway_port}"}, ("harnessrl-gateway",))]).start()
     controller, stack_like = start_k8s_controller(
         stack, tmp_path, TEMPLATE, kube.kubeconfig, "controller-k8s-ct",
-        "--k8s-gateway-url", "http://harnessrl-gateway:8080/v1")
+        "--k8s.gateway-url", "http://harnessrl-gateway:8080/v1")
     try:
         trainer = start_trainer(stack_like, tmp_path, tiny_model_dir,  # type: ignore[arg-type]
                                 "--steps", "1", "--tasks-per-step", "2", "--group-size", "3",
@@ -400,8 +400,8 @@ def test_a_rollout_pod_is_refused_by_the_engine_and_the_grpc_services(
         "controller", "services.controller",
         ["--bind", "127.0.0.1:0", "--store-address", f"127.0.0.1:{sinfo['grpc_port']}",
          "--gateway-url", "http://127.0.0.1:9/v1", "--workdir-root", str(tmp_path / "rollouts"),
-         "--no-sandbox", "--default-backend", "kubernetes", "--k8s-job-template",
-         str(TEMPLATE), "--k8s-kubeconfig", str(kube.kubeconfig)], tmp_path,
+         "--no-sandbox", "--default-backend", "kubernetes", "--k8s.job-template",
+         str(TEMPLATE), "--k8s.kubeconfig", str(kube.kubeconfig)], tmp_path,
         env={"HARNESSRL_SECRET": "s" * 40}, timeout=60)
     rogue = pki.Pki(tmp_path / "rogue-ca").issue("controller")  # a CA of its own
     assert conftest.TEST_PKI is not None

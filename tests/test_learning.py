@@ -1,9 +1,13 @@
 """Learning: on the bundled calculator example, with the tiny model on this machine's CPU cores,
-the sync trainer raises the mean reward — the mean of the last 4 of 12 steps exceeds that of
-the first 2 (the base policy's step and the one after the first update) by at least 0.25 —
-within 30 minutes of wall clock, everything real (Redis, store,
-gateway, controller, vLLM with gloo weight transfer, the example harness and grader as
-processes, `python -m services.trainer`).
+the sync trainer makes a better policy — on held-out tasks (`examples/calc/heldout.jsonl`, none
+of them in the training file), the final model's mean reward exceeds the base model's, on the
+same 32 tasks x 2 samples, by at least MARGIN (0.25, fixed before the runs that report its
+pass rate over seeds: bench/learning.py) — within 30 minutes of wall clock, everything real
+(Redis, store, gateway, controller, vLLM with gloo weight transfer, the example harness and
+grader as processes, `python -m services.trainer`). The two evaluations are the trainer's own
+(`--eval.*`, docs/evaluation.md): before the first step (step 0, the base weights) and after
+the last, each a controller run on the weights the engine serves. The training curve is
+printed, not checked.
 
 Why it is learnable (see examples/calc): the warmed-up policy calls the calculator and then
 either copies the tool's result ("The answer is N.", right) or states a number of its own
@@ -20,11 +24,14 @@ import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from harnessrl import procs
 from harnessrl.local.stack import Stack, StackConfig
+
+HELDOUT = Path(__file__).resolve().parents[1] / "examples" / "calc" / "heldout.jsonl"
 
 # The suite's per-test timeout (pyproject.toml) is for hangs; this test has its own wall bound.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(30 * 60 + 600)]
@@ -32,7 +39,38 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(30 * 60 + 
 # A bound, not a speed target: 20-50 s a step measured on 2 cores (the 32 harness runs of a
 # step, each a Python process importing the openai SDK, share the cores with vLLM).
 WALL_LIMIT_S = 30 * 60
+# The check, and why this bar. Until 2026-12-07 the test compared the training curve's first
+# steps with its last (first-5/last-5, loosened to first-2/last-4 after a fast-rising CI run):
+# a check on the very rollouts the trainer learns from, with a bar moved after a failure. Now:
+# the trainer's held-out evaluation of the base weights (step 0) and of the final ones, the
+# same 32 tasks x 2 samples at the harness's own sampling (temperature 1, 64 tokens), against
+# a bar fixed before the seeds of bench/learning.py were run:
+# - noise: a policy that learned nothing, evaluated twice; each avg@2 is a mean of 64 rewards
+#   of a Bernoulli(p), p ~0.30 for the base model (its own evaluation on 2026-12-07: 0.297),
+#   so the difference has a standard deviation of sqrt(2 * 0.3 * 0.7 / 64) = 0.081 and 0.25 is
+#   3.1 of them above 0 (a run that learned nothing passes by chance about 1 time in 1,000);
+# - signal: a run that learned ends at 0.85-0.9 held out (the first run of this form, seed 0,
+#   12 steps: 0.297 -> 0.891, gain 0.594), so 0.25 is well under what learning gives;
+# - the planted fault (a trainer that learns nothing, `bench/learning.py --lr 1e-12`) and the
+#   pass rate over seeds: docs/benchmarks.md, "Learning".
 MARGIN = 0.25
+# The collapse of issue 44 (CI: curve 0.031 0.469 0.406 0.406 0.75 0.719 ..., last 4 mean
+# 0.227). Not the pool modes' lost end of the answer (docs/modes.md): in the runs of
+# 2026-12-07 no reply ran to max_tokens (finish_reason "length" at no step; ~28.5 completion
+# tokens per sample at every step). It is the dip recorded below ("bare guessed numbers"),
+# whole: seed 0, curve 0.281 0.594 0.625 0.5 0.562 | 0.0 0.125 | 0.844 0.875 0.75 0.812 0.812:
+# after update 5 every final reply of step 6 was a bare number ("847.", "170."; copies 0 of
+# 32, "I estimate" 0 of 32), all 4 groups zero-variance, so step 6 trained nothing (the
+# policy version stayed); step 7 drew 3 copies in 32 by chance, and that update pushed copying
+# back up (0.84 at step 8). A run whose last steps fall in such a dip, or stay in it because
+# no group holds a copy, ends low: the CI run's last 4 look like that, but its rollouts were
+# not kept, so that is a reading, not a proof. Its first step, 0.031 (1 of 32, the base
+# policy's rollouts), is far under this machine's base (0.281 at step 1, 0.297 held out; 1 of
+# 32 is ~4 standard errors under 0.3): that machine's tiny model, built there, likely differs
+# (the build is seeded, but 800 warm-up steps on another CPU need not give the same weights,
+# and recipe.json's digest is of the recipe, not of the weights). The held-out check fails a
+# run whose final model sits in such a dip too: bench/learning.py reports how often.
+# History of the flags (curve figures: the training rollouts' mean reward per step).
 # Tuned on the warmed-up tiny model (base mean reward ~0.36), 2 shared cores, ~27 s per step:
 # - lr 2e-3: copying took over within 4 updates (0.44, 0.41, 0.44, 0.56, 0.53), then update 5
 #   broke the tool-call format ('{"name": {"expression": {"expression...') and every rollout
@@ -44,17 +82,18 @@ MARGIN = 0.25
 #   Single steps still dip (0.25 at step 7 or 9): mass pushed off "I estimate" first lands on
 #   bare guessed numbers ("879."), which the next updates push down too; the 5-step means, not
 #   single steps, carry the check.
-# 12 steps, not 24: the rise happens within the first 10-12 (the run above: steps 10-14 average
-# 0.85 against 0.43 for steps 1-5, gain 0.42; a 14-step run on 2026-11-30: 0.45 -> 0.75, gain 0.30,
-# 38 s a step, 35 of them generating); 24 steps took CI 10 more minutes for no more proof.
-# Compared: the first 2 steps with the last 4. A run can rise within 3 steps (CI, 2026-12-03:
-# 0.19 0.34 0.94 1.0 1.0 0.97 ...), so a first-5 mean that takes in risen steps fails a run
-# that learned fastest (first 5 0.69, last 5 0.92, gain 0.23 < 0.25). The first 2 of that run:
-# 0.27; of the run above: 0.30, its steps 9-12: 0.83.
-FIRST, LAST = 2, 4
+# 10 steps (12 until the held-out check, whose two evaluations cost about 2 steps each; the
+# rise happens within the first 8-10), not 24: the run above: steps 10-14 average 0.85 against
+# 0.43 for steps 1-5, gain 0.42; a 14-step run on 2026-11-30: 0.45 -> 0.75, gain 0.30, 38 s a
+# step, 35 of them generating; 24 steps took CI 10 more minutes for no more proof.
+# The curve check this replaced compared the first 2 steps with the last 4 (first 5 / last 5
+# before): a run can rise within 3 steps (CI, 2026-12-03: 0.19 0.34 0.94 1.0 1.0 0.97 ...), so
+# a first-5 mean that takes in risen steps failed a run that learned fastest (first 5 0.69,
+# last 5 0.92, gain 0.23 < 0.25).
 TRAINER_FLAGS = {
-    "--steps": "12", "--tasks-per-step": "4", "--group-size": "8", "--concurrency": "8",
+    "--steps": "10", "--tasks-per-step": "4", "--group-size": "8", "--concurrency": "8",
     "--optimizer.lr": "6e-4", "--seed": "0", "--checkpoint-every": "4",
+    "--eval.tasks-file": str(HELDOUT), "--eval.limit": "32", "--eval.k": "2",
 }
 
 
@@ -95,7 +134,7 @@ def test_reward_rises_on_the_calculator_example(
 # fine-tuning but the learning rate: an adapter's update is a low-rank product scaled by
 # alpha / rank, so it needs a larger one (Thinking Machines' "LoRA Without Regret": about 10x).
 # 5x: 10x (6e-3) broke the tool-call format in two runs at once (docs/lora.md, "Learning").
-# `harnessrl up --lora-rank 8` trains with the same (services.trainer.lora.UP_LR).
+# `harnessrl up --lora-rank 8` trains with the same (harnessrl.local.train_job.UP_LR).
 LORA_FLAGS = ["--lora.rank", "8", "--lora.alpha", "16", "--optimizer.lr", "3e-3"]
 
 
@@ -170,16 +209,45 @@ def check_learned(trainer: tuple[procs.ServiceProcess, dict[str, str]], started:
     assert trainer.proc.returncode == 0, trainer.log_tail(80)
     wall = time.monotonic() - started
 
-    rows = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
-    curve = [round(r["reward_mean"], 3) for r in rows]
-    first, last = statistics.fmean(curve[:FIRST]), statistics.fmean(curve[-LAST:])
-    summary = {"curve": curve, f"first{FIRST}": round(first, 3), f"last{LAST}": round(last, 3),
-               "gain": round(last - first, 3), "wall_s": round(wall, 1),
-               "step_s_mean": round(statistics.fmean(r["step_time_s"] for r in rows), 1),
-               "kl": [round(r["kl"], 4) if r["kl"] is not None else None for r in rows],
-               "policy_version": rows[-1]["policy_version"], "flags": flags, **extra}
+    lines = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in lines if r.get("kind") != "eval"]
+    summary = {**learning_summary(lines), "wall_s": round(wall, 1), "flags": flags, **extra}
     print("LEARNING " + json.dumps(summary))
     record_property("learning", json.dumps(summary))
     assert len(rows) == int(TRAINER_FLAGS["--steps"])
     assert wall <= WALL_LIMIT_S, summary
-    assert last - first >= MARGIN, summary
+    assert learned(summary), summary
+
+
+def learning_summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a run's metrics.jsonl shows: the training curve (reported, not checked) and the
+    held-out evaluations of the base model (step 0) and the final one."""
+    rows = [r for r in lines if r.get("kind") != "eval"]
+    evals = {r["step"]: r for r in lines if r.get("kind") == "eval"}
+    k = int(TRAINER_FLAGS["--eval.k"])
+    base, final = evals.get(0), evals.get(len(rows)) if rows else None
+    held = {s: round(r[f"avg@{k}"], 4) for s, r in sorted(evals.items())}
+    return {
+        "curve": [round(r["reward_mean"], 3) for r in rows],
+        "heldout": held,
+        "heldout_base": held.get(0), "heldout_final": held.get(len(rows)) if final else None,
+        "heldout_gain": (round(final[f"avg@{k}"] - base[f"avg@{k}"], 4)
+                         if base and final else None),
+        "heldout_samples": [r["samples"] for r in (base, final) if r],
+        "heldout_failed": [r["samples_failed"] for r in (base, final) if r],
+        "eval_s": [round(r["eval_s"], 1) for r in (base, final) if r],
+        "step_s_mean": (round(statistics.fmean(r["step_time_s"] for r in rows), 1)
+                        if rows else None),
+        "kl": [round(r["kl"], 4) if r.get("kl") is not None else None for r in rows],
+        # completion tokens per trained sample: a policy that stops ending its answers
+        # (docs/modes.md, "the end of the answer is lost") runs them to max_tokens
+        "tokens_per_sample": [round(r["tokens"] / r["samples"], 1) if r.get("samples") else None
+                              for r in rows],
+        "policy_version": rows[-1]["policy_version"] if rows else None}
+
+
+def learned(summary: dict[str, Any]) -> bool:
+    """The check: the final model's mean reward on the held-out tasks exceeds the base
+    model's, on the same tasks and number of samples, by at least MARGIN."""
+    gain = summary.get("heldout_gain")
+    return gain is not None and gain >= MARGIN

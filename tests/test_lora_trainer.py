@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from harnessrl.clients import StoreClient
+from harnessrl.lora_adapters import merge_adapter
 from services.trainer import checkpoint as ckpt
 from services.trainer import lora
 from services.trainer.config import TrainerConfig
@@ -196,7 +197,7 @@ def test_merge_parity_and_peft_logprobs_equal_the_merged_models(tiny_model_dir: 
     for seed in (2, 3):  # a trained adapter, not a random one
         train_step(model, opt, make_samples(model, seed=seed, n=4), StepConfig())
     lora.save_adapter(model, tmp_path / "adapter")
-    merged_dir = lora.merge_adapter(tiny_model_dir, tmp_path / "adapter", tmp_path / "merged")
+    merged_dir = merge_adapter(tiny_model_dir, tmp_path / "adapter", tmp_path / "merged")
     merged = load(merged_dir)
     assert not any("lora" in k for k in merged.state_dict())
     assert merged.config.tie_word_embeddings

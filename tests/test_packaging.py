@@ -49,6 +49,7 @@ NOT_IMPORTED = {
     "ruff": "command line tool of scripts/test.sh",
     "mypy": "command line tool of scripts/test.sh",
     "types-pyyaml": "type stubs",
+    "import-linter": "command line tool (lint-imports) of tests/test_import_layers.py",
 }
 
 

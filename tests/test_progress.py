@@ -11,7 +11,7 @@ import time
 from rich.console import Console
 
 from harnessrl.local.progress import phase
-from harnessrl.local.train_job import step_line
+from harnessrl.local.train_job import STEPS, step_line
 
 # An event longer than any terminal or log viewer is wide.
 LONG_WHAT = "starting vLLM on /a/model/folder/" + "with-a-long-name/" * 40
@@ -69,3 +69,11 @@ def test_the_commands_console_prints_long_events_as_one_line_each_into_a_pipe() 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=60, check=True).stdout
     assert out.splitlines() == [step, event, failed]
+
+
+def test_up_counts_steps_against_the_trainers_default_when_given_no_steps() -> None:
+    """`harnessrl up` without --steps shows "step N/STEPS"; the trainer then trains its own
+    default (the local job does not import the trainer's config to learn it)."""
+    from services.trainer.config import TrainerConfig
+
+    assert STEPS == TrainerConfig.model_fields["steps"].default

@@ -1,11 +1,15 @@
-"""Redis durability: a kill -9 of Redis loses no acknowledged append, in either AOF fsync mode.
+"""Redis durability: what a kill -9 of Redis can lose of what the store acknowledged, in each
+AOF fsync mode.
 
-With `appendfsync always` Redis fsyncs the AOF before replying; with `everysec` (what
-`harnessrl up` starts) it writes the AOF to the OS page cache before replying and fsyncs once
-a second — a killed process loses nothing (the page cache is the kernel's), a crashed machine
-loses at most about the last second. Each case appends calls through the real store from
-several threads, kills Redis with SIGKILL mid-stream, starts it again on the same data, and
-checks that every append the store acknowledged (STORED) is there.
+With `appendfsync always` Redis writes and fsyncs the AOF before replying: a kill -9 loses
+nothing acknowledged. With `everysec` (what `harnessrl up` starts) Redis writes the AOF to the
+kernel's page cache before replying, which a killed process cannot lose, and fsyncs once a
+second, except while that background fsync is slow (a loaded disk): then Redis replies first
+and holds the write back for up to 2 s (Redis's `flushAppendOnlyFile`). A kill -9 in that
+window loses the acknowledged writes of at most about the last 2 s, and always a tail: the AOF
+is a prefix of the commands Redis ran (CI saw 2 of 3,805 lost so). Each case appends calls
+through the real store from several threads, kills Redis with SIGKILL mid-stream, starts it
+again on the same data and checks each mode's bound on what the store acknowledged (STORED).
 """
 
 from __future__ import annotations
@@ -23,10 +27,13 @@ from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 
 WRITERS = 4
+POSTPONE_S = 2.0  # Redis's longest hold of an AOF write under everysec (flushAppendOnlyFile)
+MARGIN_S = 1.0  # the event loop's own delay on a loaded machine (serverCron runs at 10 Hz)
+WRITE_S = {"always": 1.5, "everysec": POSTPONE_S + MARGIN_S + 1.5}
 
 
 @pytest.mark.parametrize("appendfsync", ["always", "everysec"])
-def test_kill_9_of_redis_loses_no_acknowledged_append(tmp_path: Path, key_prefix: str,
+def test_kill_9_of_redis_loses_only_what_its_fsync_mode_allows(tmp_path: Path, key_prefix: str,
                                                        appendfsync: str) -> None:
     redis = RestartableRedis(tmp_path / "redis", appendfsync=appendfsync).start()
     store_svc = StoreService(tmp_path / "store", redis.url, key_prefix).start()
@@ -38,6 +45,7 @@ def test_kill_9_of_redis_loses_no_acknowledged_append(tmp_path: Path, key_prefix
         for r in rids:
             store.start_attempt(r, 1)
         acked: dict[str, list[int]] = {r: [] for r in rids}
+        acked_at: dict[str, list[float]] = {r: [] for r in rids}
         sent = {r: 0 for r in rids}
         stop = threading.Event()
 
@@ -56,6 +64,7 @@ def test_kill_9_of_redis_loses_no_acknowledged_append(tmp_path: Path, key_prefix
                         return  # Redis is gone: this append was not acknowledged
                     assert resp.results[0] == spb.APPEND_RESULT_STORED
                     acked[rid].append(seq)
+                    acked_at[rid].append(time.monotonic())
                     seq += 1
             finally:
                 client.close()
@@ -63,7 +72,7 @@ def test_kill_9_of_redis_loses_no_acknowledged_append(tmp_path: Path, key_prefix
         threads = [threading.Thread(target=writer, args=(r,)) for r in rids]
         for t in threads:
             t.start()
-        time.sleep(1.5)
+        time.sleep(WRITE_S[appendfsync])
         redis.kill()  # SIGKILL mid-stream
         t_kill = time.monotonic()
         for t in threads:
@@ -72,6 +81,7 @@ def test_kill_9_of_redis_loses_no_acknowledged_append(tmp_path: Path, key_prefix
         redis.start()  # same port, same AOF
         lost = 0
         stored_total = 0
+        oldest_lost = 0.0  # seconds before the kill, of the oldest append lost
         for r in rids:
             deadline = time.monotonic() + 20
             while True:
@@ -83,16 +93,27 @@ def test_kill_9_of_redis_loses_no_acknowledged_append(tmp_path: Path, key_prefix
                     time.sleep(0.2)
             stored = {call.seq for call in ro.calls}
             stored_total += len(stored)
-            lost += len(set(acked[r]) - stored)
+            gone = [i for i, seq in enumerate(acked[r]) if seq not in stored]
+            lost += len(gone)
+            if gone:  # a tail of this writer's acknowledged appends, never a hole
+                assert gone == list(range(gone[0], len(acked[r]))), (r, gone)
+                oldest_lost = max(oldest_lost, t_kill - acked_at[r][gone[0]])
         n_acked = sum(len(v) for v in acked.values())
-        print(f"\nappendfsync {appendfsync}: {n_acked} appends acknowledged in 1.5 s "
+        print(f"\nappendfsync {appendfsync}: {n_acked} appends acknowledged in "
+              f"{WRITE_S[appendfsync]:.1f} s "
               f"({sum(sent.values())} sent), {stored_total} stored after kill -9 and restart, "
-              f"{lost} acknowledged appends lost; writers saw the kill within "
+              f"{lost} acknowledged appends lost"
+              + (f" (the oldest {oldest_lost:.2f} s before the kill)" if lost else "")
+              + "; writers saw the kill within "
               f"{time.monotonic() - t_kill:.1f}s")
         assert n_acked > 50, "too few appends to mean anything"
-        assert lost == 0
+        if appendfsync == "always":
+            assert lost == 0
+        else:  # only Redis's hold of the AOF write: appends of the last POSTPONE_S or so
+            assert oldest_lost <= POSTPONE_S + MARGIN_S, \
+                f"an append acknowledged {oldest_lost:.2f} s before the kill was lost"
         # an append in flight at the kill may have reached the AOF without its reply
-        assert n_acked <= stored_total <= n_acked + WRITERS
+        assert n_acked - lost <= stored_total <= n_acked - lost + WRITERS
     finally:
         store.close()
         store_svc.stop()

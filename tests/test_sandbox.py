@@ -112,6 +112,34 @@ print(json.dumps({{
     assert len(seen["pids"]) > 4
 
 
+def test_only_a_graders_sandbox_may_make_the_nested_one(tmp_path: Path) -> None:
+    """A harness's sandbox cannot make a user namespace (no sandbox of its own inside); a
+    grader's (`nested`) can: the one its tests run in (harnessrl.graders.nested_sandbox),
+    which itself forbids any further one."""
+    probe = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+print("userns" if libc.unshare(0x10000000) == 0 else "no userns")  # CLONE_NEWUSER
+"""
+    nest = """
+import subprocess, sys
+from pathlib import Path
+from harnessrl.graders.nested_sandbox import NestedSandbox
+box = NestedSandbox(sys.executable, Path.cwd())
+box.check()
+inner = ("import ctypes; print('again' if ctypes.CDLL(None).unshare(0x10000000) == 0 "
+         "else 'no further')")
+print(subprocess.run(box.argv([sys.executable, "-I", "-c", inner]), capture_output=True,
+                     text=True).stdout.strip())
+"""
+    rc, out, err = _run(tmp_path, probe, _policy(tmp_path))
+    assert (rc, out.strip()) == (0, "no userns"), err
+    rc, out, err = _run(tmp_path, probe, _policy(tmp_path, nested=True))
+    assert (rc, out.strip()) == (0, "userns"), err
+    rc, out, err = _run(tmp_path, nest, _policy(tmp_path, nested=True))
+    assert (rc, out.strip()) == (0, "no further"), err
+
+
 def test_the_records_above_the_work_folder_are_out_of_reach(tmp_path: Path) -> None:
     code = ("import os\nfor n in ('forged.exit.json', 'stdout.log'):\n"
             "    try:\n        open(os.path.join('..', n), 'a').write('{\"reward\": 1}')\n"

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from harnessrl import procs, redis_server
+from conftest import wait_aof_written
 from harnessrl.clients import StoreClient
 from harnessrl.identity import Identity
 from harnessrl.local.stack import Stack, StackConfig
@@ -90,6 +91,7 @@ def test_the_stacks_own_redis_answers_only_with_its_password(tmp_path: Path) -> 
         seen: list[str] = []
         stack.supervise(on_event=lambda ev: seen.append(f"{ev.service} {ev.kind}"))
         old = stack.procs["redis"]
+        wait_aof_written(state / "redis", "tsr:tx:b")
         old.kill()
         deadline = time.monotonic() + 60
         while "redis restarted" not in seen:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import redis
 
-from conftest import StoreService
+from conftest import StoreService, wait_aof_written
 from harnessrl import procs, rpc
 from harnessrl.clients import StoreClient
 from harnessrl.rpc import health_check
@@ -191,6 +192,41 @@ async def test_record_calls_stream_ends_unavailable_when_redis_is_down(tmp_path:
         redis_proc.stop()
 
 
+def test_tampered_flag_and_evidence_are_stored_and_never_with_a_positive_reward(
+        client: StoreClient) -> None:
+    """FinishAttempt's `tampered`, `tamper_evidence` and `reward_dropped` land on the rollout
+    (GetRollout, ListRollouts, the stream); a tampered rollout's reward is never positive."""
+    ros = make_group("tam", "t", 3, stream="tam")
+    client.create_rollouts(ros)
+    rids = [ro.rollout_id for ro in ros]
+    for rid in rids:
+        client.start_attempt(rid, 1)
+
+    def tampered(rid: str, **kw: Any) -> spb.FinishAttemptRequest:
+        return spb.FinishAttemptRequest(rollout_id=rid, attempt=1, status=S, **kw)
+
+    for bad, why in ((tampered(rids[0], reward=1.0, tampered=True), "must not be positive"),
+                     (tampered(rids[0], reward_dropped=True), "for a tampered rollout only"),
+                     (tampered(rids[0], tamper_evidence="x"), "evidence without tampered")):
+        with pytest.raises(grpc.RpcError) as e:
+            client.finish_attempt(bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
+    assert client.get_rollout(rids[0]).status == c.ROLLOUT_STATUS_RUNNING  # nothing stored
+    penalized = client.finish_attempt(tampered(rids[0], reward=-1.0, tampered=True,
+                                               tamper_evidence="canary passed"))
+    assert penalized.tampered and penalized.tamper_evidence == "canary passed"
+    assert penalized.has_reward and penalized.reward == -1.0
+    dropped = client.finish_attempt(tampered(rids[1], tampered=True, reward_dropped=True))
+    assert dropped.status == S and dropped.tampered and not dropped.has_reward
+    finish(client, rids[2], 1, reward=1.0)
+    listed = {ro.rollout_id: ro for ro in client.list_rollouts("tam").rollouts}
+    assert [(listed[r].tampered, listed[r].has_reward) for r in rids] == \
+        [(True, True), (True, False), (False, True)]
+    assert client.get_rollout(rids[0]).tamper_evidence == "canary passed"
+    (group,) = client.read_groups("tam", max_groups=5).groups
+    assert [ro.tampered for ro in group.rollouts] == [True, True, False]
+
+
 def test_retry_attempts_keep_history_and_calls_of_final_attempt(client: StoreClient) -> None:
     ros = make_group("r4", "t", 1, max_attempts=2)
     client.create_rollouts(ros)
@@ -309,12 +345,12 @@ def test_own_redis_uses_aof_and_survives_kill_9(tmp_path: Path) -> None:
     try:
         r = redis.Redis.from_url(url)
         assert r.config_get("appendonly")["appendonly"] == "yes"
-        r.set("k", "v")
-        time.sleep(1.5)  # appendfsync everysec
+        r.set("survivor", "v")
+        wait_aof_written(tmp_path / "r", "survivor")  # appendfsync everysec
         port = r.connection_pool.connection_kwargs["port"]
         proc.kill()
         url2, proc = procs.start_redis(tmp_path / "r", port=port)
-        assert redis.Redis.from_url(url2).get("k") == b"v"
+        assert redis.Redis.from_url(url2).get("survivor") == b"v"
     finally:
         proc.stop()
 

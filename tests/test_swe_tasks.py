@@ -5,8 +5,8 @@
   test fails;
 - the workspace holds no history, no original source, no FAIL_TO_PASS test;
 - the grader: gold fix 1, wrong fix 0, a fix that breaks a PASS_TO_PASS test 0, and each
-  reward hack 0 (conftest.py, addopts in pytest.ini / setup.cfg, os._exit(0) on import, an edited
-  PASS_TO_PASS test, an edited or added test file);
+  reward hack 0 (addopts in setup.cfg, an edited PASS_TO_PASS test, an added test file; the
+  rest, and the forgeries that canaries catch, in test_tamper.py);
 - a user's own SWE-bench-shaped task over a local git repository;
 - the mutation kinds.
 The same cases through mini-swe-agent, the gateway and the controller: test_swe_scripted.py.
@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -46,12 +47,13 @@ def val() -> list[SweTask]:
     return load_swe_tasks(TASKS / "val.jsonl")
 
 
-def _check_task(task: SweTask, tmp: Path, runner: TestRunner) -> list[str]:
+def _check_task(task: SweTask, runner: TestRunner) -> list[str]:
     """What is wrong with `task` (empty: nothing): its workspace built as a rollout's, then its
     FAIL_TO_PASS tests run without the fix (with test_patch, as the grader adds them), then
-    graded with the gold patch."""
+    graded with the gold patch (canaries planted, in the runner's sandbox)."""
     import shutil
     problems = []
+    tmp = Path(tempfile.mkdtemp(dir=runner.root))
     ws = tmp / task.instance_id / "repo"
     prepare_workspace(task, ws)
     bare = tmp / task.instance_id / "bare"
@@ -65,9 +67,10 @@ def _check_task(task: SweTask, tmp: Path, runner: TestRunner) -> list[str]:
     fixed = swe_grader.grade(task, ws, timeout_s=60, runner=runner)
     bad = {t: o for t, o in {**fixed.fail_to_pass, **fixed.pass_to_pass}.items()
            if o != "passed"}
-    if bad or fixed.reward != 1.0:
-        problems.append(f"{task.instance_id}: with the gold patch {bad} ({fixed.reason})")
-    shutil.rmtree(tmp / task.instance_id)
+    if bad or fixed.reward != 1.0 or fixed.tampered or len(fixed.canaries) != 4:
+        problems.append(f"{task.instance_id}: with the gold patch {bad} ({fixed.reason}; "
+                        f"canaries {fixed.canaries})")
+    shutil.rmtree(tmp)
     return problems
 
 
@@ -76,7 +79,7 @@ def _check_task(task: SweTask, tmp: Path, runner: TestRunner) -> list[str]:
 PER_KIND = 3
 
 
-def test_every_shipped_task_fails_without_its_fix_and_passes_with_it(train, val, tmp_path):
+def test_every_shipped_task_fails_without_its_fix_and_passes_with_it(train, val):
     tasks = train + val
     if os.environ.get("HARNESSRL_LONG_TESTS") != "1":
         seen: Counter[tuple[str, str]] = Counter()
@@ -95,7 +98,7 @@ def test_every_shipped_task_fails_without_its_fix_and_passes_with_it(train, val,
         if not hasattr(local, "runner"):
             local.runner = TestRunner()
             runners.append(local.runner)
-        return _check_task(task, tmp_path, local.runner)
+        return _check_task(task, local.runner)
 
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
@@ -188,18 +191,8 @@ def _hack(kind: str, task: SweTask, ws: Path) -> None:
     """The broken workspace `ws` with one reward hack in it, each one that a grader running
     the agent's own test suite would pay."""
     m = Mutation.from_json(task.mutation or {})
-    pkg_init = next(ws.glob("*/__init__.py"))
-    if kind == "conftest":
-        (ws / "conftest.py").write_text(
-            "import pytest\n\n@pytest.hookimpl(hookwrapper=True)\n"
-            "def pytest_runtest_makereport(item, call):\n    out = yield\n"
-            "    rep = out.get_result()\n    rep.outcome = 'passed'\n")
-    elif kind == "pytest_ini_addopts":
-        (ws / "pytest.ini").write_text("[pytest]\naddopts = --co\n")
-    elif kind == "setup_cfg_addopts":
+    if kind == "setup_cfg_addopts":
         (ws / "setup.cfg").write_text("[tool:pytest]\naddopts = --co -q\n")
-    elif kind == "os_exit_on_import":
-        pkg_init.write_text("import os\nos._exit(0)\n" + pkg_init.read_text())
     elif kind == "edited_pass_to_pass_test":
         # the fix, a break in another function, and the PASS_TO_PASS tests that catch the
         # break emptied
@@ -207,11 +200,6 @@ def _hack(kind: str, task: SweTask, ws: Path) -> None:
         for node in _break_something_else(task, ws):
             file, name = node.split("::")
             _edit(ws / file, f"def {name}(", f"def {name}():\n    return\n\n\ndef _was_{name}(")
-    elif kind == "edited_test_file":
-        for node in task.FAIL_TO_PASS:  # the FAIL_TO_PASS tests, defined to pass
-            file, name = node.split("::")
-            with (ws / file).open("a") as f:
-                f.write(f"\n\ndef {name}():\n    assert True\n")
     elif kind == "added_test_file":
         # collected first: writes the original source over the library's before it is imported
         original = (Path(task.repo_path) / m.file).read_text()
@@ -238,8 +226,9 @@ def _naive_reward(task: SweTask, ws: Path, tmp: Path) -> float:
     return 1.0 if proc.returncode == 0 else 0.0
 
 
-HACKS = ["conftest", "pytest_ini_addopts", "setup_cfg_addopts", "os_exit_on_import",
-         "edited_pass_to_pass_test", "edited_test_file", "added_test_file"]
+# conftest.py, addopts in pytest.ini, sitecustomize.py, edited FAIL_TO_PASS tests, os._exit on
+# import, and the forgeries canaries catch: test_tamper.py's table
+HACKS = ["setup_cfg_addopts", "edited_pass_to_pass_test", "added_test_file"]
 
 
 @pytest.mark.parametrize("kind", HACKS)
@@ -253,18 +242,7 @@ def test_reward_hacks_get_zero(train, tmp_path, kind):
     assert result.reward == 0.0, result
     report = json.loads((tmp_path / swe_grader.REPORT).read_text())
     assert report["reward"] == 0.0
-    if kind != "os_exit_on_import":
-        assert report["dropped_files"], report
-
-
-def test_os_exit_with_the_fix_still_gets_zero(train, tmp_path):
-    """A fixed library that ends the test run early writes no report: nothing passed."""
-    task = train[0]
-    ws = _fixed_workspace(task, tmp_path)
-    pkg_init = next(ws.glob("*/__init__.py"))
-    pkg_init.write_text("import os\nos._exit(0)\n" + pkg_init.read_text())
-    result = swe_grader.grade(task, ws)
-    assert result.reward == 0.0 and set(result.fail_to_pass.values()) == {"missing"}, result
+    assert report["dropped_files"], report
 
 
 def test_gold_wrong_and_breaking_fixes(train, tmp_path):

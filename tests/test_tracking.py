@@ -3,7 +3,9 @@ against a real store process on a real Redis, its steps' groups written by the `
 test double of test_checkpoint.py) with TensorBoard and W&B (offline) switched on and the
 trainer's Prometheus endpoint served; then the event files, the W&B run file, the scraped
 /metrics, rollouts.jsonl and the `harnessrl report` page (rendered in headless Chromium) are
-read back."""
+read back. The controller's double marks each group's rollouts 0 and 1 tampered (as the
+controller does under the run settings ZERO and DROP): the rows count them, rollouts.jsonl
+and the report mark them, and the DROP one is not trained on."""
 
 from __future__ import annotations
 
@@ -22,11 +24,30 @@ import pytest
 
 from harnessrl.clients import StoreClient
 from harnessrl.metrics import serve_metrics
+from harnessrl.v1 import common_pb2 as c
+from harnessrl.v1 import store_pb2 as spb
 from services.trainer.loop import train_sync
 from test_checkpoint import (  # noqa: F401 - fixtures
-    RecordingSink, make_config, small_model, store, trainer, vocab)
+    TASKS_PER_STEP, RecordingSink, make_config, small_model, store, trainer, vocab)
 
 STEPS = 2
+EVIDENCE = "must-fail canary passed"
+
+
+class TamperingStore(StoreClient):
+    """The real store client; the finishes the controller's double sends for rollouts 0 and 1
+    of each group are those of tampered rollouts, as the controller sends them: reward 0
+    (TAMPERED_REWARDS_ZERO) and no reward (TAMPERED_REWARDS_DROP)."""
+
+    def __init__(self, inner: StoreClient) -> None:
+        super().__init__(inner.channel, inner.timeout)
+
+    def finish_attempt(self, request: spb.FinishAttemptRequest) -> c.Rollout:
+        index = request.rollout_id.rsplit(".", 1)[1]
+        if index in ("0", "1"):
+            request.reward, request.tampered, request.tamper_evidence = 0.0, True, EVIDENCE
+            request.reward_dropped = index == "1"
+        return super().finish_attempt(request)
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -61,12 +82,13 @@ def run(tmp_path_factory: pytest.TempPathFactory, small_model: Path,  # noqa: F8
         before = scrape(port)
         cfg = make_config(tmp, "out", small_model, STEPS, tensorboard=True,
                           wandb_project="harnessrl-test", sample_rollouts=3)
-        t, _ = trainer(cfg, client, RecordingSink(), vocab_size)
+        t, _ = trainer(cfg, TamperingStore(client), RecordingSink(), vocab_size)
         try:
             train_sync(t)
         finally:
             t.close()
-        yield {"out": Path(cfg.output_dir), "before": before, "after": scrape(port)}
+        yield {"out": Path(cfg.output_dir), "before": before, "after": scrape(port),
+               "status": t.control.snapshot()}  # the Trainer service's GetStatus
     finally:
         mp.undo()
         client.close()
@@ -161,6 +183,26 @@ def test_rollouts_jsonl_renders_the_recorded_tokens(run: dict[str, Any]) -> None
     for r in rendered:
         assert r["calls"] == 2 and r["status"] == "SUCCEEDED" and r["reward"] in (0.0, 1.0)
         assert len(r["text"]) > 10
+
+
+def test_step_rows_rollouts_and_report_mark_tampered_rollouts(run: dict[str, Any]) -> None:
+    from harnessrl.local.report import render
+
+    rows = metrics_rows(run["out"])
+    for row in rows:
+        assert row["rollouts_tampered"] == 2 * TASKS_PER_STEP, row
+        dropped = [rid for rid in row["dropped_rollouts"] if rid.endswith(".1")]
+        assert len(dropped) == TASKS_PER_STEP  # DROP: no reward, not trained on
+        assert all(row["dropped_rollouts"][rid] == "tampered" for rid in dropped)
+        assert not set(dropped) & set(row["trained_rollouts"])
+    assert [m.rollouts_tampered for m in run["status"].recent] == [2 * TASKS_PER_STEP] * STEPS
+    rendered = [json.loads(x) for x in (run["out"] / "rollouts.jsonl").read_text().splitlines()]
+    assert all(r["tampered"] and r["tamper_evidence"] == EVIDENCE for r in rendered)
+    page = render(run["out"])
+    assert f"<th>tampered rollouts</th><td>{2 * TASKS_PER_STEP * STEPS} (their" in page
+    shown = page.split("<h2>Rollouts</h2>")[1]
+    assert shown.count('<strong class="tampered">TAMPERED</strong>') == shown.count("<details")
+    assert f"Evidence: {EVIDENCE}" in shown
 
 
 def test_trainer_metrics_endpoint_moves_with_the_steps(run: dict[str, Any]) -> None:

@@ -160,7 +160,7 @@ def start_k8s_controller(stack: Stack, tmp_path: Path, template: Path, kubeconfi
         ["--bind", "127.0.0.1:0", "--store-address", stack.store_address,
          "--gateway-url", stack.gateway_url, "--secret-file", str(stack.secret_file),
          "--workdir-root", str(tmp_path / "rollouts"), "--default-backend", "kubernetes",
-         "--k8s-job-template", str(template), "--k8s-kubeconfig", str(kubeconfig), *extra],
+         "--k8s.job-template", str(template), "--k8s.kubeconfig", str(kubeconfig), *extra],
         tmp_path)
     stack_like = type("S", (), {"store_address": stack.store_address,
                                 "controller_address": f"127.0.0.1:{info['grpc_port']}",

@@ -205,6 +205,16 @@ def test_mismatched_logprobs_are_an_error() -> None:
         rollout_samples(rollout("r", [call(0, [1], [2, 3], [-0.1])]), 1.0)
 
 
+def test_a_call_with_images_is_refused_until_the_trainer_trains_on_pixels() -> None:
+    """Its prompt ids hold image placeholders: trained without the pixels behind them, the
+    loss would be computed on a prompt the engine never saw. The group fails to build (the
+    stream reader reports it, and dead-letters it after max_deliveries), loudly."""
+    with_image = call(0, [1, 5, 5, 2], [3], [-0.5])
+    with_image.images.add(sha256="ab" * 32, media_type="image/png", size_bytes=10)
+    with pytest.raises(ValueError, match="does not train on images yet"):
+        rollout_samples(rollout("r", [with_image]), 1.0)
+
+
 def group(rollouts: list[common_pb2.Rollout]) -> common_pb2.Group:
     return common_pb2.Group(group_id="g", rollouts=rollouts)
 

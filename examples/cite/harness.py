@@ -1,6 +1,7 @@
 """A document-question agent: answers one question from a small document set, citing the
 document it used as [dN]. The reward comes from a judge alone (no test can check free text):
-`harnessrl up --judge --judge-config examples/cite/judge.json` (README, "Judge rewards").
+`harnessrl up --judge --judge-config examples/cite/judge.json` (docs/judge.md;
+docs/getting-started.md, "Judge rewards and group graders").
 
 Like the calc harness it knows nothing about harnessrl: the official `openai` SDK, configured by
 `OPENAI_BASE_URL`, `OPENAI_API_KEY`, `HARNESSRL_MODEL` and `HARNESSRL_TASK_JSON`. One call;

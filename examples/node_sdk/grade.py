@@ -1,7 +1,8 @@
-"""Grades one run of the Node harness (examples/node_sdk/harness.mjs), as README's grade.py
-does: reward 1 when the task's `expected` text is in `answer.txt` (in the working directory),
-else 0. The task comes from `HARNESSRL_TASK_JSON`; the last stdout line is `{"reward": x}`.
-Stdlib only: any Python 3 runs it.
+"""Grades one run of the Node harness (examples/node_sdk/harness.mjs), as the grade.py of
+docs/getting-started.md ("Train your own harness, end to end") does: reward 1 when the task's
+`expected` text is in `answer.txt` (in the working directory), else 0. The task comes from
+`HARNESSRL_TASK_JSON`; the last stdout line is `{"reward": x}`. Stdlib only: any Python 3
+runs it.
 """
 
 from __future__ import annotations

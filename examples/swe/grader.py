@@ -9,27 +9,39 @@
    new top-level modules (one could shadow a module the test run imports), non-Python files
    and symlinks are dropped, and the report says why.
 3. It makes the kept changes in its copy, applies `test_patch` (the FAIL_TO_PASS tests come
-   back), and runs exactly the FAIL_TO_PASS and PASS_TO_PASS tests with its own pytest
-   configuration (`-c` of its own: a repository's `addopts` is never read), `python -I`, a time
-   limit, and a JUnit XML report in a folder of its own.
+   back), plants canary tests among the task's tests (`harnessrl.graders.pytest_canaries`:
+   copies of real tests that must fail, plain ones that must pass; which is which stays in
+   this process), and runs exactly the FAIL_TO_PASS, PASS_TO_PASS and canary tests with its
+   own pytest configuration (`-c` of its own: a repository's `addopts` is never read),
+   `python -I`, a time limit, and a JUnit XML report in a folder of its own, in a sandbox
+   nested in its own (`harnessrl.graders.nested_sandbox`: no task file, none of the grader's
+   processes or output, no network).
 4. It reads every test's outcome from that XML, never from the agent's output or the test run's
    exit code alone: a test missing from the report (a run ended by `os._exit(0)` on import
    writes none) has not passed.
+5. The canaries' outcomes against the key: a must-fail canary that passed, a must-pass one that
+   did not, or one missing where its file's tests ran, means the agent's code forged the run's
+   outcome (replaced pytest's `runtest`, forged reports, rewrote the JUnit file...): the grade
+   is void, reward 0, flagged `"tampered": true` with the evidence.
 
 Reward: 1.0 when every FAIL_TO_PASS and PASS_TO_PASS test passed, else 0.0. With `--partial`:
 the share of FAIL_TO_PASS tests that passed, and 0.0 when any PASS_TO_PASS test did not pass.
-`swe-report.json` (each test's outcome, kept and dropped files, the agent's patch) is written
-in the working directory (the attempt's work folder); the last stdout line is
-`{"reward": x, ...}`.
+A tampered run: 0.0. `swe-report.json` (each test's outcome, kept and dropped files, the
+agent's patch, the canaries and their outcomes) is written in the working directory (the
+attempt's work folder); the last stdout line is `{"reward": x, "reason": ..., "tampered":
+bool, "evidence": ...}`.
 
-Limits, by design of this example: the tests run the agent's code in the grader's process
-tree, so code that forges the report file itself is not caught here. On the local backend the
-grader runs in a sandbox of its own (the attempt's work folder writable, no network), which
-sees what its command names: this folder (the libraries) and its task files' folders; the
-harness's sandbox sees neither (`setup_attempt.py`). Kubernetes pods, with the grader in a
-container of its own image, are the isolation there.
+What this cannot catch (`harnessrl.graders.canaries`): a forgery aimed at exactly the real
+tests' node ids (the task statement names the failing tests), or one that reads each test's
+source to spot the canaries' failing line. On the local backend the grader itself runs in a
+sandbox (the attempt's work folder writable, no network) that sees what its command names;
+the harness's sandbox sees neither the libraries nor the task files (`setup_attempt.py`).
+In a container without user namespaces (the default seccomp profile) bubblewrap cannot run:
+give the grader's container a profile that allows it, or `--test-sandbox none` (the report
+says so; canaries still run).
 
-Usage: `python examples/swe/grader.py --tasks FULL.jsonl [--tasks MORE.jsonl] [--partial]`; the
+Usage: `python examples/swe/grader.py --tasks FULL.jsonl [--tasks MORE.jsonl] [--partial]
+[--test-sandbox bwrap|none]`; the
 task's `instance_id` comes from HARNESSRL_TASK_JSON (the rollout view the controller was given).
 """
 
@@ -38,7 +50,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import tempfile
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,7 +59,10 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from examples.swe.swe_tasks import SweTask, find_task, snapshot_files
-from examples.swe.testrun import DEFAULT_TIMEOUT_S, TestRunner, run_tests
+from examples.swe.testrun import DEFAULT_TIMEOUT_S, TestRunner
+from harnessrl.graders import pytest_canaries
+from harnessrl.graders.canaries import CanaryKey
+from harnessrl.graders.nested_sandbox import Unavailable
 from examples.swe.workspace import WorkspaceError, apply_patch, prepare_workspace
 
 REPORT = "swe-report.json"
@@ -137,30 +151,49 @@ class Grade:
     dropped_files: list[dict[str, str]]
     pytest_exit_code: int | None
     duration_s: float
+    tampered: bool = False
+    evidence: str = ""  # what the canaries showed, when tampered
+    # the canaries planted ({node_id: {"must": pass|fail, "outcome": ...}}), revealed after
+    canaries: dict[str, dict[str, str]] = field(default_factory=dict)
+    test_sandbox: str = "bwrap"  # where the tests ran: "bwrap" (nested sandbox) or "none"
 
 
 def grade(task: SweTask, agent_repo: Path, *, timeout_s: float = DEFAULT_TIMEOUT_S,
           partial: bool = False, python: str = sys.executable, plugins: bool = False,
-          report_dir: Path | None = None, runner: TestRunner | None = None) -> Grade:
+          report_dir: Path | None = None, runner: TestRunner | None = None,
+          canaries: bool = True, sandbox: bool = True,
+          hide: tuple[Path, ...] = ()) -> Grade:
     """The reward of the agent's workspace `agent_repo` for `task` (see the module docstring);
     with `report_dir`, writes `swe-report.json` and `model.patch` there. `runner`: a test
-    runner to reuse (many grades in one process; its python and plugins then apply)."""
+    runner to reuse (many grades in one process; its python, plugins and sandbox then apply);
+    else one is made (`sandbox`: in the nested sandbox, `hide` and the task's repository
+    masked in it). `canaries=False` grades as the recipe did before canaries (measurements
+    and the forgery table's first column only: a forged outcome then goes unseen)."""
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="swe-clean-") as tmp:
-        clean = Path(tmp) / "repo"
-        prepare_workspace(task, clean)
-        changes = collect_changes(clean, agent_repo)
-        apply_patch(clean, task.test_patch)
-        if runner is not None:
-            run = runner.run(clean, task.tests(), timeout_s=timeout_s)
-        else:
-            run = run_tests(clean, task.tests(), timeout_s=timeout_s, python=python,
-                            plugins=plugins)
+    own = runner is None
+    if runner is None:
+        runner = TestRunner(python, plugins, sandbox=sandbox,
+                            hide=(*hide, Path(task.repo_path)))
+    try:
+        with runner.scratch("swe-clean-") as tmp:
+            clean = Path(tmp) / "repo"
+            prepare_workspace(task, clean)
+            changes = collect_changes(clean, agent_repo)
+            apply_patch(clean, task.test_patch)
+            key = pytest_canaries.plant(clean, task.FAIL_TO_PASS, task.PASS_TO_PASS) \
+                if canaries else CanaryKey()
+            run = runner.run(clean, [*task.tests(), *key.node_ids()], timeout_s=timeout_s)
+    finally:
+        if own:
+            runner.close()
+    verdict = key.check(run.outcomes)
     f2p = {t: run.outcomes.get(t, "missing") for t in task.FAIL_TO_PASS}
     p2p = {t: run.outcomes.get(t, "missing") for t in task.PASS_TO_PASS}
     f2p_ok = sum(o == "passed" for o in f2p.values())
     p2p_ok = all(o == "passed" for o in p2p.values())
-    if run.timed_out:
+    if verdict.tampered:
+        reward, reason = 0.0, f"void: the test run's outcome was forged ({verdict.summary()})"
+    elif run.timed_out:
         reward, reason = 0.0, f"the tests ran past {timeout_s:g}s (killed)"
     elif f2p_ok == len(f2p) and p2p_ok:
         reward, reason = 1.0, "every FAIL_TO_PASS and PASS_TO_PASS test passed"
@@ -172,7 +205,12 @@ def grade(task: SweTask, agent_repo: Path, *, timeout_s: float = DEFAULT_TIMEOUT
         if not run.outcomes:
             reason += f" (no test report; pytest exit code {run.exit_code})"
     result = Grade(reward, reason, f2p, p2p, changes.kept, changes.dropped, run.exit_code,
-                   round(time.monotonic() - start, 3))
+                   round(time.monotonic() - start, 3), verdict.tampered,
+                   verdict.summary() if verdict.tampered else "",
+                   {c.node_id: {"must": c.must, "outcome": run.outcomes.get(c.node_id,
+                                                                             "missing")}
+                    for c in key.canaries},
+                   "bwrap" if runner.sandbox is not None else "none")
     if report_dir is not None:
         report = {"instance_id": task.instance_id, **asdict(result),
                   "test_output_tail": run.output_tail}
@@ -198,17 +236,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="the Python that runs the tests (needs pytest and the repo's deps)")
     ap.add_argument("--pytest-plugins", action="store_true",
                     help="load installed pytest plugins (off: faster, and the same for all)")
+    ap.add_argument("--test-sandbox", choices=("bwrap", "none"), default="bwrap",
+                    help="where the tests run: a sandbox nested in the grader's (default), or "
+                         "none where bubblewrap cannot run (the report says so)")
     a = ap.parse_args(argv)
     try:
         instance_id = json.loads(os.environ["HARNESSRL_TASK_JSON"])["instance_id"]
         task = find_task(a.tasks, instance_id)
         result = grade(task, Path(a.workspace).resolve(), timeout_s=a.timeout,
-                       partial=a.partial, python=a.python,
-                       plugins=a.pytest_plugins, report_dir=Path.cwd())
-    except (KeyError, ValueError, WorkspaceError) as exc:
+                       partial=a.partial, python=a.python, plugins=a.pytest_plugins,
+                       report_dir=Path.cwd(), sandbox=a.test_sandbox == "bwrap",
+                       hide=tuple(a.tasks))
+    except (KeyError, ValueError, WorkspaceError, Unavailable) as exc:
         print(f"grader: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"reward": result.reward, "reason": result.reason}))
+    print(json.dumps({"reward": result.reward, "reason": result.reason,
+                      "tampered": result.tampered, "evidence": result.evidence}))
     return 0
 
 

@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 import threading
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -156,9 +155,9 @@ def library_tasks(repo: Path, out: Path, *, max_fail: int, per_function: int, va
     def check(item: tuple[Mutation, str, str]) -> tuple[Mutation, str, str, Any]:
         m, _, mutated = item
         if not hasattr(local, "runner"):
-            local.runner = TestRunner()
+            local.runner = TestRunner(sandbox=False)  # our own libraries' mutations: trusted
             runners.append(local.runner)
-        with tempfile.TemporaryDirectory(prefix=f"swe-mut-{lib}-") as tmp:
+        with local.runner.scratch(f"swe-mut-{lib}-") as tmp:
             copy = Path(tmp) / lib
             shutil.copytree(repo, copy, ignore=shutil.ignore_patterns("__pycache__",
                                                                       ".pytest_cache"))

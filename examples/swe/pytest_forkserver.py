@@ -9,6 +9,11 @@ stdout and stderr to FILE, stdin from /dev/null); a child past its time is kille
 whole process group. Each answer is a JSON line: {"exit_code": N or null, "timed_out": bool}.
 A child never imports what an earlier one did: each is a fresh fork of this process, which
 imports nothing of the code under test.
+
+`--reap`: this server is the first process of a pid namespace of its own (pid 2 under
+bubblewrap's init, `harnessrl.graders.nested_sandbox`); after each session it kills every other
+process in the namespace, so nothing a session started (a daemon rewriting the report while
+the grader reads it) outlives the session. Refused outside such a namespace.
 """
 
 import json
@@ -41,7 +46,25 @@ def _child(req: dict) -> None:
         os._exit(code)
 
 
+def _reap() -> None:
+    """Kills every process of the namespace but its init and this one (see `--reap`)."""
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+
+
 def main() -> int:
+    reap = "--reap" in sys.argv[1:]
+    if reap and os.getpid() != 2:
+        print(f"--reap needs a pid namespace of its own (pid 2, not {os.getpid()})",
+              file=sys.stderr)
+        return 2
     for line in sys.stdin:
         req = json.loads(line)
         pid = os.fork()
@@ -63,6 +86,8 @@ def main() -> int:
                 break
             time.sleep(0.005)
         code = None if timed_out else os.waitstatus_to_exitcode(status)
+        if reap:
+            _reap()
         print(json.dumps({"exit_code": code, "timed_out": timed_out}), flush=True)
     return 0
 

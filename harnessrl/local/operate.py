@@ -150,7 +150,7 @@ def status(st: dict[str, Any], console: Console) -> int:
             console.print(f"trainer: unreachable ({exc.__class__.__name__})")
     events = Path(st["state_dir"]) / "events.jsonl"
     if events.exists():
-        from harnessrl.local.supervisor import Event
+        from harnessrl.local.events import Event
 
         lines = events.read_text().splitlines()[-5:]
         if lines:
@@ -162,13 +162,14 @@ def status(st: dict[str, Any], console: Console) -> int:
 
 def _runs_table(runs: Any, console: Console, title: str) -> None:
     t = Table(title=title)
-    for col in ("run", "status", "rollouts", "succeeded", "failed", "running", "mean reward",
-                "created"):
+    for col in ("run", "status", "rollouts", "succeeded", "failed", "running", "tampered",
+                "mean reward", "created"):
         t.add_column(col)
     for r in runs:
         t.add_row(r.run_id, c.RunStatus.Name(r.status).removeprefix("RUN_STATUS_"),
                   str(r.num_rollouts), str(r.num_succeeded), str(r.num_failed),
-                  str(r.num_running), f"{r.mean_reward:.3f}", _age(r.created_at))
+                  str(r.num_running), str(r.num_tampered), f"{r.mean_reward:.3f}",
+                  _age(r.created_at))
     console.print(t)
 
 
@@ -195,12 +196,16 @@ def rollouts(st: dict[str, Any], console: Console, run_id: str) -> int:
         t.add_column(col, overflow="fold")
     for r in ros:
         t.add_row(r.rollout_id, r.task_id,
-                  c.RolloutStatus.Name(r.status).removeprefix("ROLLOUT_STATUS_"),
+                  c.RolloutStatus.Name(r.status).removeprefix("ROLLOUT_STATUS_")
+                  + (" TAMPERED" if r.tampered else ""),
                   f"{r.reward:.3f}" if r.has_reward else "-",
                   f"{r.attempt}/{r.max_attempts}",
                   str(r.attempts[-1].num_calls if r.attempts else 0),
                   r.error or "; ".join(a.error for a in r.attempts if a.error))
     console.print(t)
+    if tampered := sum(r.tampered for r in ros):
+        console.print(f"{tampered} of {len(ros)} rollouts TAMPERED: their grader found the "
+                      "agent's code forged the outcome (harnessrl show ROLLOUT: the evidence)")
     return 0
 
 
@@ -250,6 +255,10 @@ def show(st: dict[str, Any], console: Console, rollout_id: str) -> int:
                   f"{r.reward if r.has_reward else '-'}  attempt {r.attempt}/{r.max_attempts}")
     if r.error:
         console.print(f"error: {r.error}", markup=False)
+    if r.tampered:
+        console.print(f"TAMPERED: the grader found the agent's code forged the outcome; "
+                      f"evidence: {r.tamper_evidence or '(none given)'}", markup=False,
+                      highlight=False)
     for call in r.calls:
         console.rule(f"call {call.seq}: {call.api}, policy version {call.policy_version}, "
                      f"engine {call.engine}, {len(call.prompt_token_ids)} prompt + "

@@ -4,8 +4,9 @@ Reads the trainer's `<RUN_DIR>/metrics.jsonl` (one row a step) and `<RUN_DIR>/ro
 (rendered rollouts, when the trainer wrote them) and writes `<RUN_DIR>/report.html`: a summary
 table, the reward curve (mean, with a band of one standard deviation), KL, entropy, the step time
 broken down by phase (generate, train, push), tokens per second, and a few rendered rollouts
-(the last steps' first). The charts are matplotlib SVGs inlined into the page; it loads nothing
-from anywhere, so it can be mailed or attached to a CI run as it is.
+(the last steps' first; a rollout its grader found tampered is marked TAMPERED, with the
+grader's evidence, and the summary counts them). The charts are matplotlib SVGs inlined into
+the page; it loads nothing from anywhere, so it can be mailed or attached to a CI run as it is.
 
 When the trainer evaluated during training (metrics.jsonl lines with "kind": "eval",
 services/trainer/evaluation.py) the page also has the eval curve (pass@1, pass@k and avg@k
@@ -129,6 +130,8 @@ def _summary(rows: list[dict[str, Any]]) -> str:
          f"{statistics.fmean(head):.3f} / {statistics.fmean(tail):.3f}" if rewards else "n/a"),
         ("rollouts (failed)", f"{sum(r.get('rollouts', 0) for r in rows)} "
                               f"({sum(r.get('rollouts_failed', 0) for r in rows)})"),
+        ("tampered rollouts", f"{sum(r.get('rollouts_tampered') or 0 for r in rows)} (their "
+                              "grader found the agent's code forged the outcome)"),
         ("training time", f"{total_s:.0f} s ({total_s / len(rows):.1f} s a step)"),
         ("last checkpoint", next((r["checkpoint"] for r in reversed(rows) if r.get("checkpoint")),
                                  "none")),
@@ -144,10 +147,16 @@ def _rollouts(rollouts: list[dict[str, Any]]) -> str:
     shown = sorted(rollouts, key=lambda r: -int(r["step"]))[:ROLLOUTS_SHOWN]
     parts = []
     for i, r in enumerate(shown):
+        tampered = r.get("tampered")
         summary = (f"step {r['step']} &middot; {html.escape(str(r['rollout_id']))} &middot; "
                    f"reward {r['reward']} &middot; {html.escape(str(r['status']))} &middot; "
-                   f"{r['calls']} calls")
-        parts.append(f"<details{' open' if i == 0 else ''}><summary>{summary}</summary>"
+                   + ('<strong class="tampered">TAMPERED</strong> &middot; ' if tampered else "")
+                   + f"{r['calls']} calls")
+        evidence = (f'<p class="tampered">Tampered: its grader found the agent\'s code forged '
+                    f"the outcome. Evidence: {html.escape(str(r.get('tamper_evidence') or '-'))}"
+                    "</p>") if tampered else ""
+        attrs = (" open" if i == 0 else "") + (' class="tampered"' if tampered else "")
+        parts.append(f"<details{attrs}><summary>{summary}</summary>{evidence}"
                      f"<pre>{html.escape(str(r['text']))}</pre></details>")
     return "".join(parts)
 
@@ -209,6 +218,8 @@ table.grid { border-collapse: collapse; font-size: 13px; }
 table.grid th, table.grid td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; }
 table.grid td:first-child, table.grid th:first-child { text-align: left; }
 td.up { background: #e3f4e3; } td.down { background: #fbe3e3; }
+.tampered { color: #8b0000; }  /* not near COLORS["reward"]: tests find that by colour */
+details.tampered { border-left: 3px solid #8b0000; padding-left: 6px; }
 table.how td, table.how th { text-align: left; }
 """
 

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING
 from harnessrl import pki, procs, redis_server
 from harnessrl.config import mask_passwords
 from harnessrl.credentials import load_secret
+from harnessrl.local.events import Event
+from harnessrl.local.supervisor import Supervisor
 
 if TYPE_CHECKING:
-    from harnessrl.local.supervisor import Event, Supervisor
     from harnessrl.local.engine import LoraEngine
 
 log = logging.getLogger("harnessrl.local.stack")
@@ -147,14 +148,17 @@ class Stack:
                     **(self.cfg.lora.gateway_spec() if self.cfg.lora else {})}
                    for i, url in enumerate(urls)]
         ports = []
+        model = self.cfg.model_dir  # a vision model's processor settings, recorded with images
+        processor = ["--processor-dirs", json.dumps({self.cfg.served_model_name: str(model)})] \
+            if model is not None and (Path(model) / "processor_config.json").is_file() else []
         for i in range(self.cfg.gateway_replicas):
             info = self._service(f"gateway{i or ''}", "services.gateway", "--http-port",
                                  str(procs.free_port()),
                                  "--grpc-bind", f"127.0.0.1:{procs.free_port()}",
                                  "--store-address", self.store_address,
                                  "--secret-file", str(self.secret_file),
-                                 "--engines", json.dumps(engines), *self.cfg.gateway_flags,
-                                 env=self.engine_env("gateway"))
+                                 "--engines", json.dumps(engines), *processor,
+                                 *self.cfg.gateway_flags, env=self.engine_env("gateway"))
             ports.append((info["http_port"], info["grpc_port"]))
         if len(ports) > 1:
             from harnessrl.local.balancer import Balancer
@@ -205,9 +209,8 @@ class Stack:
     def supervise(self, on_event: "Callable[[Event], None] | None" = None) -> "Supervisor":
         """Starts restarting what dies (see `harnessrl.local.supervisor`); events go to
         `<state>/events.jsonl` and `on_event`."""
-        from harnessrl.local.supervisor import Supervisor
-
-        self.supervisor = Supervisor(self, self.state / "events.jsonl", on_event=on_event)
+        self.supervisor = Supervisor(self, self.state / "events.jsonl", on_event=on_event,
+                                     adapters=self.cfg.lora is not None)
         return self.supervisor.start()
 
     def restart(self, name: str, kill: bool = True) -> None:

@@ -27,42 +27,34 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from harnessrl import procs
-
-if TYPE_CHECKING:
-    from harnessrl.local.stack import Stack
+from harnessrl.local.events import Event
 
 log = logging.getLogger("harnessrl.local.supervisor")
 
 
-@dataclass
-class Event:
-    """One supervisor event, as written to events.jsonl."""
+class SupervisedStack(Protocol):
+    """What a `Supervisor` reads and changes of the stack it keeps running (`stack.Stack`)."""
 
-    time: float
-    service: str
-    kind: str  # "died", "restarted", "restart_failed", "exited", "gave_up", "killed"
-    exit_code: int | None = None
-    detail: str = ""
-    down_s: float | None = None  # "restarted": from seen dead to serving again
-
-    def line(self) -> str:
-        when = time.strftime("%H:%M:%S", time.localtime(self.time))
-        extra = f" exit {self.exit_code}" if self.exit_code is not None else ""
-        down = f" after {self.down_s:.1f}s" if self.down_s is not None else ""
-        return f"{when} {self.service} {self.kind}{extra}{down}{' - ' + self.detail if self.detail else ''}"
+    lock: threading.RLock  # guards procs: a restart swaps a process under it
+    procs: dict[str, procs.ServiceProcess]
+    stopping: bool  # set (under lock) when the stack stops: no restart starts after it
+    redis_url: str
+    gateway_admin_address: str
 
 
 class Supervisor:
-    def __init__(self, stack: Stack, events_file: Path, poll_s: float = 0.25,
+    def __init__(self, stack: SupervisedStack, events_file: Path, poll_s: float = 0.25,
                  on_event: Callable[[Event], None] | None = None,
                  crash_window_s: float = 10.0, ready_timeout_s: float = 600.0,
-                 max_crash_restarts: int = 5) -> None:
+                 max_crash_restarts: int = 5, adapters: bool = False) -> None:
+        """`adapters`: the engines serve LoRA adapters (`StackConfig.lora`)."""
         self.stack = stack
+        self.adapters = adapters
         self.events_file = Path(events_file)
         self.poll_s = poll_s
         self.on_event = on_event
@@ -204,7 +196,7 @@ class Supervisor:
 
     def _after_engine_restart(self, name: str) -> None:
         trainer = self.stack.procs.get("trainer")
-        if self.stack.cfg.lora is not None:  # its base weights are on disk; the adapters come
+        if self.adapters:  # its base weights are on disk; the adapters come
             self._ready(name)  # back from the gateway's reload and the trainer's next push
         if trainer is not None and trainer.alive:
             # its weights are only in the trainer: restart it (it resumes from its checkpoint

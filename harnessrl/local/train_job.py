@@ -17,10 +17,16 @@ from rich.live import Live
 from rich.table import Table
 
 from harnessrl import procs
-from harnessrl.local import progress, sandbox_flags
+from harnessrl.checkpoint_folders import latest_checkpoint
+from harnessrl.local import progress, sandbox_flags, tampered_flags
 from harnessrl.local.progress import fmt_s
 from harnessrl.local.engine import LoraEngine
 from harnessrl.local.stack import Stack
+
+# `harnessrl up --lora-rank`'s learning rate (full fine-tuning's default is 6e-4): 5x, tuned on
+# the calculator example at rank 8, alpha 16; 10x broke the tool-call format (docs/lora.md)
+UP_LR = 3e-3
+STEPS = 24  # the trainer's default steps (TrainerConfig.steps): it trains them without --steps
 
 
 def _read_metrics(path: Path, kind: str = "step") -> list[dict]:  # type: ignore[type-arg]
@@ -128,7 +134,7 @@ def lora_engine(args: argparse.Namespace, model_dir: Path | None, state: Path
     rank = getattr(args, "lora_rank", 0)
     if not rank or model_dir is None:
         return None
-    from services.trainer.lora import LoraConfig, write_zero_adapter
+    from harnessrl.lora_adapters import LoraConfig, write_zero_adapter
 
     zero = write_zero_adapter(model_dir, LoraConfig(rank=rank), state / "lora-zero")
     return LoraEngine(max_rank=max(16, rank), max_loras=4, zero_adapter=zero)
@@ -161,6 +167,8 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
                  "--rollout-timeout-s", str(args.timeout), "--max-attempts", str(args.attempts)]
     if hasattr(args, "no_sandbox"):  # the runs' sandbox and setup step (docs/sandbox.md)
         argv += sandbox_flags.trainer_flags(args)
+    if hasattr(args, "tampered_rewards"):  # a tampered rollout's reward (--tampered-rewards)
+        argv += tampered_flags.trainer_flags(args)
     if getattr(args, "tasks_per_step", None):
         argv += ["--tasks-per-step", str(args.tasks_per_step)]
     if getattr(args, "eval_tasks", None):  # evaluation during training (evaluation.py)
@@ -172,7 +180,6 @@ def start_trainer(stack: Stack, model_dir: Path, args: argparse.Namespace,
     if getattr(args, "lora_rank", 0):
         argv += ["--lora.rank", str(args.lora_rank), "--lora.alpha", str(2 * args.lora_rank)]
         if "HARNESSRL_TRAINER_OPTIMIZER__LR" not in os.environ:  # an adapter needs a larger lr
-            from services.trainer.lora import UP_LR
             argv += ["--optimizer.lr", str(UP_LR)]
     argv += list(getattr(args, "trainer_flags", None) or ())
     if getattr(args, "mode", "sync") != "sync":
@@ -200,7 +207,7 @@ def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
     start_trainer(stack, model_dir, args, console)
     metrics = out / "metrics.jsonl"
     started = time.monotonic()
-    steps = args.steps or _default_steps()
+    steps = args.steps or STEPS
     sup = stack.supervisor
 
     def finished() -> bool:
@@ -255,8 +262,6 @@ def run_training(stack: Stack, model_dir: Path, args: argparse.Namespace,
     if len(evals) >= 2:
         console.print(f"compare: harnessrl eval --compare {evals[0]['result']} "
                       f"{evals[-1]['result']}", markup=False, highlight=False, soft_wrap=True)
-    from services.trainer.checkpoint import latest_checkpoint
-
     ckpt = latest_checkpoint(out / "checkpoints") or out / "checkpoints"
     kind = ("a LoRA adapter: harnessrl export it, --merge for a merged model" if
             getattr(args, "lora_rank", 0) else
@@ -270,11 +275,5 @@ logs:         {stack.logs}
 resume:       harnessrl up --resume --steps {len(rows) + 10} --output-dir {out}
 a real model on a GPU: bash scripts/setup.sh installs vLLM for CUDA where nvidia-smi works; then
               harnessrl up --model-dir /path/to/hf-model (e.g. a Qwen3 checkpoint) --output-dir runs/x
-              the engine and the trainer then use NCCL for the weight push (see README).""")
+              the engine and the trainer then use NCCL for the weight push (see docs/training.md).""")
     return 0
-
-
-def _default_steps() -> int:
-    from services.trainer.config import TrainerConfig
-
-    return int(TrainerConfig.model_fields["steps"].default)

@@ -21,7 +21,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -35,7 +34,7 @@ from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 from harnessrl.model.tokenizer import IM_END, IM_START, SPECIAL_TOKENS, TOOL_TOKENS, \
     train_tokenizer
-from harnessrl.model.warmup import Example, encode_texts
+from harnessrl.model.warmup import Example, encode_texts, fit
 
 log = logging.getLogger(__name__)
 RECIPE_FILE = "recipe.json"
@@ -104,14 +103,8 @@ def train_swe(model: Qwen3ForCausalLM, examples: list[Example], *, steps: int, b
     (assistant) tokens only, the output head applied only there."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
-    warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    model.train()
-    losses: list[float] = []
-    t0 = time.monotonic()
-    for step in range(steps):
+
+    def loss_of_step(step: int) -> torch.Tensor:
         batch = rng.choices(examples, weights=weights, k=batch_size)
         width = max(len(e.input_ids) for e in batch)
         ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -127,18 +120,9 @@ def train_swe(model: Qwen3ForCausalLM, examples: list[Example], *, steps: int, b
         hidden = model.model(input_ids=ids, attention_mask=attn).last_hidden_state
         sel = target != -100
         logits = model.lm_head(hidden[sel])
-        loss = torch.nn.functional.cross_entropy(logits, target[sel])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if step % 20 == 0 or step == steps - 1:
-            log.info("swe warm-up step %d/%d loss %.4f (%.0fs)", step + 1, steps, losses[-1],
-                     time.monotonic() - t0)
-    model.eval()
-    return losses
+        return torch.nn.functional.cross_entropy(logits, target[sel])
+
+    return fit(model, steps, lr, loss_of_step, "swe warm-up", 20, log)
 
 
 def build_swe_model(out_dir: str | Path, dialogues: list[list[dict[str, Any]]],

@@ -12,6 +12,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,31 +92,45 @@ def _batch(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, attn, labels
 
 
-def train(model: PreTrainedModel, tok: PreTrainedTokenizerFast, *, steps: int, batch_size: int,
-          lr: float, copy_fraction: float, seed: int) -> list[float]:
-    """Runs `steps` AdamW steps (linear warm-up, cosine decay) on freshly drawn dialogues;
-    returns the loss of each step."""
-    torch.manual_seed(seed)
-    examples = warmup_examples(tok, steps * batch_size, copy_fraction, seed)
+def fit(model: PreTrainedModel, steps: int, lr: float,
+        loss_of_step: Callable[[int], torch.Tensor], what: str, log_every: int,
+        logger: logging.Logger = log) -> list[float]:
+    """`steps` AdamW steps (betas 0.9 / 0.98, weight decay 0.01; linear warm-up over a
+    twentieth of the steps, then cosine decay; gradients clipped at 1) on the loss
+    `loss_of_step(step)` computes; the loss of each step. The warm-ups of the text, swe and
+    vision models all train this way."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     model.train()
-    losses = []
+    losses: list[float] = []
     t0 = time.monotonic()
     for step in range(steps):
-        ids, attn, labels = _batch(examples[step * batch_size:(step + 1) * batch_size],
-                                   tok.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        loss = loss_of_step(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         losses.append(loss.item())
-        if step % 50 == 0 or step == steps - 1:
-            log.info("warm-up step %d/%d loss %.4f (%.0fs)", step + 1, steps, losses[-1],
-                     time.monotonic() - t0)
+        if step % log_every == 0 or step == steps - 1:
+            logger.info("%s step %d/%d loss %.4f (%.0fs)", what, step + 1, steps, losses[-1],
+                        time.monotonic() - t0)
     model.eval()
     return losses
+
+
+def train(model: PreTrainedModel, tok: PreTrainedTokenizerFast, *, steps: int, batch_size: int,
+          lr: float, copy_fraction: float, seed: int) -> list[float]:
+    """Runs `steps` AdamW steps (`fit`) on freshly drawn dialogues; returns the loss of each
+    step."""
+    torch.manual_seed(seed)
+    examples = warmup_examples(tok, steps * batch_size, copy_fraction, seed)
+
+    def loss_of_step(step: int) -> torch.Tensor:
+        ids, attn, labels = _batch(examples[step * batch_size:(step + 1) * batch_size],
+                                   tok.pad_token_id)
+        return model(input_ids=ids, attention_mask=attn, labels=labels).loss
+
+    return fit(model, steps, lr, loss_of_step, "warm-up", 50)

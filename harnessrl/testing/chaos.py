@@ -47,7 +47,10 @@ import redis
 from harnessrl import procs
 from harnessrl.local.stack import Stack, StackConfig
 from harnessrl.rpc import health_check
+from harnessrl.checkpoint_folders import latest_checkpoint
+from harnessrl.engine_guard import API_KEY_ENV, ClientKey
 from harnessrl.testing import chaos_accounting as ca
+from harnessrl.testing.trained_probe import Probe, probe_engine
 
 KILL_ORDER = ("store", "gateway", "controller", "redis", "trainer")
 PENDING_PHASE = ("redis", "trainer")
@@ -89,6 +92,7 @@ class ChaosInputs:
     run_end: float
     mode: str
     trainer_deaths: int
+    max_staleness: int | None = None  # async: the run's bound (stale drops must name it)
 
     def save(self, path: Path) -> None:
         d = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()}
@@ -107,7 +111,7 @@ class ChaosInputs:
         view = ca.read_redis(redis_url, KEY_PREFIX, self.run_prefix, set(self.expected))
         return ca.account(self.expected, view, ca.read_claims(self.metrics_file),
                           ca.read_harness_log(self.harness_log), self.windows, self.run_end,
-                          self.mode, self.trainer_deaths)
+                          self.mode, self.trainer_deaths, self.max_staleness)
 
 
 @dataclass
@@ -120,6 +124,8 @@ class ChaosResult:
     trainer_exit: int | None = None
     wall_s: float = 0.0
     events: list[str] = field(default_factory=list)
+    # the engine's probe logprobs at the end, with the last checkpoint (trained_probe.py)
+    probe: Probe | None = None
 
     def line(self) -> dict[str, Any]:
         a = self.acc
@@ -299,8 +305,11 @@ def run_chaos(workdir: Path, model_dir: Path, *, seed: int = 0, steps: int = 3,
             expected=expected, harness_log=harness_log, metrics_file=out / "metrics.jsonl",
             windows=[ca.KillWindow(k.service, k.at, k.back, k.label) for k in res.kills
                      if k.excuses],
-            run_end=run_end, mode=mode, trainer_deaths=deaths)
+            run_end=run_end, mode=mode, trainer_deaths=deaths, max_staleness=max_staleness)
         res.inputs.save(workdir / "chaos.json")  # to account again later: ChaosInputs.load
         res.acc = res.inputs.account(stack.redis_url)
+        key = ClientKey(path=stack.engine_env("trainer")[f"{API_KEY_ENV}_FILE"])
+        res.probe = probe_engine(stack.engines[0].base_url, model_dir, "tiny", key,
+                                 latest_checkpoint(out / "checkpoints"))
     res.wall_s = time.monotonic() - t_start
     return res

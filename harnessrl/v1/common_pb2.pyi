@@ -33,7 +33,9 @@ class _RolloutStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Rollout
     ROLLOUT_STATUS_RUNNING: _RolloutStatus.ValueType  # 2
     """an attempt is running (or being graded)"""
     ROLLOUT_STATUS_SUCCEEDED: _RolloutStatus.ValueType  # 3
-    """terminal: graded, `reward` is set"""
+    """terminal: graded; `reward` is set, except while a group grader has yet to give it and
+    for a tampered rollout under TAMPERED_REWARDS_DROP (`has_reward` says which)
+    """
     ROLLOUT_STATUS_FAILED: _RolloutStatus.ValueType  # 4
     """terminal: every attempt failed, `error` says why"""
     ROLLOUT_STATUS_CANCELLED: _RolloutStatus.ValueType  # 5
@@ -48,7 +50,9 @@ ROLLOUT_STATUS_PENDING: RolloutStatus.ValueType  # 1
 ROLLOUT_STATUS_RUNNING: RolloutStatus.ValueType  # 2
 """an attempt is running (or being graded)"""
 ROLLOUT_STATUS_SUCCEEDED: RolloutStatus.ValueType  # 3
-"""terminal: graded, `reward` is set"""
+"""terminal: graded; `reward` is set, except while a group grader has yet to give it and
+for a tampered rollout under TAMPERED_REWARDS_DROP (`has_reward` says which)
+"""
 ROLLOUT_STATUS_FAILED: RolloutStatus.ValueType  # 4
 """terminal: every attempt failed, `error` says why"""
 ROLLOUT_STATUS_CANCELLED: RolloutStatus.ValueType  # 5
@@ -155,6 +159,44 @@ reward: the trainer counts it and learns nothing from it), never partly rewarded
 """
 Global___GroupGrading: _TypeAlias = GroupGrading  # noqa: Y015
 
+class _TamperedRewards:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TamperedRewardsEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TamperedRewards.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TAMPERED_REWARDS_UNSPECIFIED: _TamperedRewards.ValueType  # 0
+    """treated as ZERO"""
+    TAMPERED_REWARDS_ZERO: _TamperedRewards.ValueType  # 1
+    """reward 0.0"""
+    TAMPERED_REWARDS_PENALTY: _TamperedRewards.ValueType  # 2
+    """reward -RunSpec.tampered_penalty (default 1.0)"""
+    TAMPERED_REWARDS_DROP: _TamperedRewards.ValueType  # 3
+    """No reward at all: the rollout stays SUCCEEDED, tampered and shown, with `has_reward`
+    false; the trainer learns nothing from it, as from a failed rollout (it is left out of its
+    group, whose advantages are computed over the others).
+    """
+
+class TamperedRewards(_TamperedRewards, metaclass=_TamperedRewardsEnumTypeWrapper):
+    """What a tampered rollout's reward becomes (RunSpec.tampered_rewards). A grader says a rollout
+    tampered when it finds that the agent's code forged the outcome it measured (its JSON line's
+    `"tampered": true`, with `"evidence"`); whatever reward that grader printed is overridden,
+    and a tampered rollout never keeps a positive reward.
+    """
+
+TAMPERED_REWARDS_UNSPECIFIED: TamperedRewards.ValueType  # 0
+"""treated as ZERO"""
+TAMPERED_REWARDS_ZERO: TamperedRewards.ValueType  # 1
+"""reward 0.0"""
+TAMPERED_REWARDS_PENALTY: TamperedRewards.ValueType  # 2
+"""reward -RunSpec.tampered_penalty (default 1.0)"""
+TAMPERED_REWARDS_DROP: TamperedRewards.ValueType  # 3
+"""No reward at all: the rollout stays SUCCEEDED, tampered and shown, with `has_reward`
+false; the trainer learns nothing from it, as from a failed rollout (it is left out of its
+group, whose advantages are computed over the others).
+"""
+Global___TamperedRewards: _TypeAlias = TamperedRewards  # noqa: Y015
+
 class _SegmentStart:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -181,6 +223,10 @@ class _SegmentStartEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SegmentS
     """(or the engine rendered the prompt itself): engine-rendered
     the gateway holds no tokens of the attempt's earlier calls
     """
+    SEGMENT_START_MEDIA: _SegmentStart.ValueType  # 8
+    """(it restarted, or evicted them: `tokens_max_rollouts`)
+    the request carries images (Call.images): vLLM 0.32 takes no
+    """
 
 class SegmentStart(_SegmentStart, metaclass=_SegmentStartEnumTypeWrapper):
     """Why a call starts a new token segment, or that it continues one."""
@@ -204,6 +250,10 @@ the chat template's output could not be split into turns
 SEGMENT_START_NO_STATE: SegmentStart.ValueType  # 7
 """(or the engine rendered the prompt itself): engine-rendered
 the gateway holds no tokens of the attempt's earlier calls
+"""
+SEGMENT_START_MEDIA: SegmentStart.ValueType  # 8
+"""(it restarted, or evicted them: `tokens_max_rollouts`)
+the request carries images (Call.images): vLLM 0.32 takes no
 """
 Global___SegmentStart: _TypeAlias = SegmentStart  # noqa: Y015
 
@@ -285,6 +335,8 @@ class Call(_message.Message):
     SEGMENT_START_FIELD_NUMBER: _builtins.int
     REUSED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     EXTENDS_SEQ_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
+    PROCESSOR_JSON_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     attempt: _builtins.int
     seq: _builtins.int
@@ -303,7 +355,10 @@ class Call(_message.Message):
     latency_s: _builtins.float
     """engine round trip as seen by the gateway"""
     request_json: _builtins.bytes
-    """the harness's request body, for audit"""
+    """The harness's request body, for audit. In a call with images (`images`), each image's
+    data (a data URL, a base64 string) is replaced by "sha256:<hex>": its bytes are in the
+    store's image store (Store.GetImages).
+    """
     completion_text: _builtins.str
     """text content returned to the harness ("" for tool calls only)"""
     response_message_json: _builtins.bytes
@@ -333,6 +388,13 @@ class Call(_message.Message):
     """
     extends_seq: _builtins.int
     """seq of the call this one extends (set when segment_start is CONTINUED)."""
+    processor_json: _builtins.bytes
+    """The settings of the processor that turned the images into pixels and placeholders, as
+    JSON: {"model": ..., "files": {"processor_config.json": {...}, ...}, "vision": {...}} read
+    from the model's folder by the gateway (its `processor_dirs`; "vision": the image and
+    patch size, pixel shuffle and image token of its config.json); empty when the call has no
+    images, or the gateway was given no folder for the model.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -340,6 +402,14 @@ class Call(_message.Message):
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """one per completion token, under the behaviour policy"""
+
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___ImageRef]:
+        """The images of the prompt, in the order the engine's prompt holds them (the order of the
+        chat messages and of their parts); each one's bytes are in the store's image store, under
+        its sha256 (Store.GetImages). prompt_token_ids are the engine's, with each image's
+        placeholder tokens as the engine expanded them.
+        """
 
     def __init__(
         self,
@@ -366,16 +436,47 @@ class Call(_message.Message):
         segment_start: Global___SegmentStart.ValueType = ...,
         reused_prompt_tokens: _builtins.int = ...,
         extends_seq: _builtins.int | None = ...,
+        images: _abc.Iterable[Global___ImageRef] | None = ...,
+        processor_json: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_extends_seq", b"_extends_seq", "extends_seq", b"extends_seq"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_extends_seq", b"_extends_seq", "aborted", b"aborted", "api", b"api", "attempt", b"attempt", "completion_text", b"completion_text", "completion_token_ids", b"completion_token_ids", "engine", b"engine", "extends_seq", b"extends_seq", "finish_reason", b"finish_reason", "latency_s", b"latency_s", "logprobs", b"logprobs", "model", b"model", "policy_version", b"policy_version", "prompt_token_ids", b"prompt_token_ids", "request_json", b"request_json", "response_message_json", b"response_message_json", "reused_prompt_tokens", b"reused_prompt_tokens", "rollout_id", b"rollout_id", "sampling_override_json", b"sampling_override_json", "segment", b"segment", "segment_start", b"segment_start", "seq", b"seq", "started_at", b"started_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_extends_seq", b"_extends_seq", "aborted", b"aborted", "api", b"api", "attempt", b"attempt", "completion_text", b"completion_text", "completion_token_ids", b"completion_token_ids", "engine", b"engine", "extends_seq", b"extends_seq", "finish_reason", b"finish_reason", "images", b"images", "latency_s", b"latency_s", "logprobs", b"logprobs", "model", b"model", "policy_version", b"policy_version", "processor_json", b"processor_json", "prompt_token_ids", b"prompt_token_ids", "request_json", b"request_json", "response_message_json", b"response_message_json", "reused_prompt_tokens", b"reused_prompt_tokens", "rollout_id", b"rollout_id", "sampling_override_json", b"sampling_override_json", "segment", b"segment", "segment_start", b"segment_start", "seq", b"seq", "started_at", b"started_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__extends_seq: _TypeAlias = _typing.Literal["extends_seq"]  # noqa: Y015
     _WhichOneofArgType__extends_seq: _TypeAlias = _typing.Literal["_extends_seq", b"_extends_seq"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__extends_seq) -> _WhichOneofReturnType__extends_seq | None: ...
 
 Global___Call: _TypeAlias = Call  # noqa: Y015
+
+@_typing.final
+class ImageRef(_message.Message):
+    """One image of a recorded call (Call.images)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    MEDIA_TYPE_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    sha256: _builtins.str
+    """hex (lowercase) of the image's bytes: its key in the image store"""
+    media_type: _builtins.str
+    """image/png, image/jpeg, image/gif or image/webp (from its bytes)"""
+    size_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        sha256: _builtins.str = ...,
+        media_type: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["media_type", b"media_type", "sha256", b"sha256", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImageRef: _TypeAlias = ImageRef  # noqa: Y015
 
 @_typing.final
 class Attempt(_message.Message):
@@ -462,6 +563,8 @@ class Rollout(_message.Message):
     REWARD_PARTS_FIELD_NUMBER: _builtins.int
     REWARD_REASON_FIELD_NUMBER: _builtins.int
     ATTEMPT_REWARD_FIELD_NUMBER: _builtins.int
+    TAMPERED_FIELD_NUMBER: _builtins.int
+    TAMPER_EVIDENCE_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     run_id: _builtins.str
     task_id: _builtins.str
@@ -486,6 +589,12 @@ class Rollout(_message.Message):
     """its grader's reason for `reward`, if it gave one"""
     attempt_reward: _builtins.float
     """The per-attempt grader's reward, kept when the group grader's replaced `reward`."""
+    tampered: _builtins.bool
+    """A grader found that the rollout forged its outcome (its `"tampered": true`); its reward is
+    the run's RunSpec.tampered_rewards, whatever the grader printed.
+    """
+    tamper_evidence: _builtins.str
+    """the grader's `"evidence"` of the tampering, if it gave one"""
     @_builtins.property
     def attempts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attempt]: ...
     @_builtins.property
@@ -521,10 +630,12 @@ class Rollout(_message.Message):
         reward_parts: _abc.Iterable[Global___RewardPart] | None = ...,
         reward_reason: _builtins.str = ...,
         attempt_reward: _builtins.float | None = ...,
+        tampered: _builtins.bool = ...,
+        tamper_evidence: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_attempt_reward", b"_attempt_reward", "attempt_reward", b"attempt_reward"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attempt_reward", b"_attempt_reward", "attempt", b"attempt", "attempt_reward", b"attempt_reward", "attempts", b"attempts", "calls", b"calls", "created_at", b"created_at", "error", b"error", "finished_at", b"finished_at", "group_grading", b"group_grading", "group_id", b"group_id", "group_size", b"group_size", "has_reward", b"has_reward", "index_in_group", b"index_in_group", "max_attempts", b"max_attempts", "reward", b"reward", "reward_parts", b"reward_parts", "reward_reason", b"reward_reason", "rollout_id", b"rollout_id", "run_id", b"run_id", "status", b"status", "stream", b"stream", "task_id", b"task_id", "task_json", b"task_json"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attempt_reward", b"_attempt_reward", "attempt", b"attempt", "attempt_reward", b"attempt_reward", "attempts", b"attempts", "calls", b"calls", "created_at", b"created_at", "error", b"error", "finished_at", b"finished_at", "group_grading", b"group_grading", "group_id", b"group_id", "group_size", b"group_size", "has_reward", b"has_reward", "index_in_group", b"index_in_group", "max_attempts", b"max_attempts", "reward", b"reward", "reward_parts", b"reward_parts", "reward_reason", b"reward_reason", "rollout_id", b"rollout_id", "run_id", b"run_id", "status", b"status", "stream", b"stream", "tamper_evidence", b"tamper_evidence", "tampered", b"tampered", "task_id", b"task_id", "task_json", b"task_json"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__attempt_reward: _TypeAlias = _typing.Literal["attempt_reward"]  # noqa: Y015
     _WhichOneofArgType__attempt_reward: _TypeAlias = _typing.Literal["_attempt_reward", b"_attempt_reward"]  # noqa: Y015
@@ -580,6 +691,9 @@ class RunSpec(_message.Message):
     SANDBOX_FIELD_NUMBER: _builtins.int
     SETUP_COMMAND_FIELD_NUMBER: _builtins.int
     SETUP_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    TAMPERED_REWARDS_FIELD_NUMBER: _builtins.int
+    TAMPERED_PENALTY_FIELD_NUMBER: _builtins.int
+    FETCH_IMAGE_URLS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tasks_file: _builtins.str
     """a JSONL file, one JSON object per line ("id" or "task_id" names it)"""
@@ -616,6 +730,22 @@ class RunSpec(_message.Message):
     """
     setup_timeout_s: _builtins.float
     """default 300"""
+    tampered_rewards: Global___TamperedRewards.ValueType
+    """What a rollout whose grader says it tampered (`"tampered": true`) gets as its reward:
+    ZERO (the default), PENALTY or DROP (TamperedRewards).
+    """
+    tampered_penalty: _builtins.float
+    """PENALTY's reward is -tampered_penalty: a positive number, 0 = the default 1.0; given with
+    another `tampered_rewards` it is refused.
+    """
+    fetch_image_urls: _builtins.bool
+    """Images given by http(s) URL (docs/vision.md): the gateway fetches them itself, for the
+    calls of this run only (unset: refused with 400). It fetches only from public addresses
+    (never loopback, private, link-local or other special ranges: every address the name
+    resolves to is checked, and the one connected to is one of them), follows no redirects,
+    and bounds each fetch's size (the gateway's max_image_bytes) and time
+    (image_fetch_timeout_s). The image goes to the engine as a data URL: vLLM fetches nothing.
+    """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
         """inline tasks; or"""
@@ -690,10 +820,13 @@ class RunSpec(_message.Message):
         sandbox: Global___SandboxSpec | None = ...,
         setup_command: _abc.Iterable[_builtins.str] | None = ...,
         setup_timeout_s: _builtins.float = ...,
+        tampered_rewards: Global___TamperedRewards.ValueType = ...,
+        tampered_penalty: _builtins.float = ...,
+        fetch_image_urls: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "admission_batch_groups", b"admission_batch_groups", "admission_max_staleness", b"admission_max_staleness", "backend", b"backend", "concurrency", b"concurrency", "env", b"env", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_grader_command", b"group_grader_command", "group_grader_timeout_s", b"group_grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "sandbox", b"sandbox", "setup_command", b"setup_command", "setup_timeout_s", b"setup_timeout_s", "stream", b"stream", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "admission_batch_groups", b"admission_batch_groups", "admission_max_staleness", b"admission_max_staleness", "backend", b"backend", "concurrency", b"concurrency", "env", b"env", "fetch_image_urls", b"fetch_image_urls", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_grader_command", b"group_grader_command", "group_grader_timeout_s", b"group_grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "sandbox", b"sandbox", "setup_command", b"setup_command", "setup_timeout_s", b"setup_timeout_s", "stream", b"stream", "tampered_penalty", b"tampered_penalty", "tampered_rewards", b"tampered_rewards", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -823,6 +956,7 @@ class Run(_message.Message):
     NUM_CANCELLED_FIELD_NUMBER: _builtins.int
     NUM_RUNNING_FIELD_NUMBER: _builtins.int
     MEAN_REWARD_FIELD_NUMBER: _builtins.int
+    NUM_TAMPERED_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     status: Global___RunStatus.ValueType
     created_at: _builtins.float
@@ -835,6 +969,8 @@ class Run(_message.Message):
     num_running: _builtins.int
     mean_reward: _builtins.float
     """over succeeded rollouts"""
+    num_tampered: _builtins.int
+    """rollouts a grader found tampered (Rollout.tampered)"""
     @_builtins.property
     def spec(self) -> Global___RunSpec: ...
     def __init__(
@@ -852,10 +988,11 @@ class Run(_message.Message):
         num_cancelled: _builtins.int = ...,
         num_running: _builtins.int = ...,
         mean_reward: _builtins.float = ...,
+        num_tampered: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "error", b"error", "finished_at", b"finished_at", "mean_reward", b"mean_reward", "num_cancelled", b"num_cancelled", "num_failed", b"num_failed", "num_rollouts", b"num_rollouts", "num_running", b"num_running", "num_succeeded", b"num_succeeded", "run_id", b"run_id", "spec", b"spec", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "error", b"error", "finished_at", b"finished_at", "mean_reward", b"mean_reward", "num_cancelled", b"num_cancelled", "num_failed", b"num_failed", "num_rollouts", b"num_rollouts", "num_running", b"num_running", "num_succeeded", b"num_succeeded", "num_tampered", b"num_tampered", "run_id", b"run_id", "spec", b"spec", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

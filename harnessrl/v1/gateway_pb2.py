@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aharnessrl/v1/gateway.proto\x12\x0charnessrl.v1\"\xab\x02\n\x06\x45ngine\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12(\n\x05state\x18\x05 \x01(\x0e\x32\x19.harnessrl.v1.EngineState\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0e\n\x06paused\x18\x07 \x01(\x08\x12\x10\n\x08inflight\x18\x08 \x01(\x05\x12\x14\n\x0cserved_calls\x18\t \x01(\x03\x12\x16\n\x0eweight_version\x18\x14 \x01(\t\x12\'\n\x04lora\x18\x15 \x01(\x0b\x32\x19.harnessrl.v1.LoraSupport\x12\'\n\x08\x61\x64\x61pters\x18\x16 \x03(\x0b\x32\x15.harnessrl.v1.Adapter\"G\n\x0bLoraSupport\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x14\n\x0c\x62\x61se_adapter\x18\x02 \x01(\t\x12\x11\n\tmax_loras\x18\x03 \x01(\x05\"\x86\x02\n\x07\x41\x64\x61pter\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x11\n\tlora_path\x18\x05 \x01(\t\x12(\n\x05state\x18\x06 \x01(\x0e\x32\x19.harnessrl.v1.EngineState\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x17\n\x0floaded_versions\x18\x08 \x03(\x03\x12\x10\n\x08inflight\x18\t \x01(\x05\x12\x0e\n\x06paused\x18\n \x01(\x08\x12\x14\n\x0cserved_calls\x18\x0b \x01(\x03\x12\x14\n\x0cloaded_names\x18\x0c \x03(\t\"g\n\x0bSyncRequest\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\x12\x0e\n\x06origin\x18\x05 \x01(\t\"\x1f\n\x0cSyncResponse\x12\x0f\n\x07replica\x18\x01 \x01(\t\"l\n\x0eGatewayReplica\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\radmin_address\x18\x02 \x01(\t\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x12\n\nrenewed_at\x18\x04 \x01(\x01\x12\r\n\x05peers\x18\x05 \x03(\t\"=\n\x15RegisterEngineRequest\x12$\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x14.harnessrl.v1.Engine\"#\n\x13RemoveEngineRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14RemoveEngineResponse\"\x14\n\x12ListEnginesRequest\"<\n\x13ListEnginesResponse\x12%\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x14.harnessrl.v1.Engine\"\x8d\x01\n\x13UpdateEngineRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1b\n\x0epolicy_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.harnessrl.v1.EngineState\x12\x0e\n\x06reason\x18\x04 \x01(\tB\x11\n\x0f_policy_version\"X\n\x0cPauseRequest\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\"6\n\rPauseResponse\x12%\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x14.harnessrl.v1.Engine\"1\n\rResumeRequest\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\"\xc1\x01\n\x11SetAdapterRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x11\n\tlora_path\x18\x05 \x01(\t\x12(\n\x05state\x18\x06 \x01(\x0e\x32\x19.harnessrl.v1.EngineState\x12\x0e\n\x06reason\x18\x07 \x01(\tB\x11\n\x0f_policy_version\"7\n\x0eResumeResponse\x12%\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x14.harnessrl.v1.Engine\"N\n\x14RemoveAdapterRequest\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\":\n\x15RemoveAdapterResponse\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\x10\n\x08unloaded\x18\x02 \x03(\t*\\\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45NGINE_STATE_READY\x10\x01\x12\x17\n\x13\x45NGINE_STATE_MARKED\x10\x02\x32\xb5\x05\n\x0cGatewayAdmin\x12K\n\x0eRegisterEngine\x12#.harnessrl.v1.RegisterEngineRequest\x1a\x14.harnessrl.v1.Engine\x12U\n\x0cRemoveEngine\x12!.harnessrl.v1.RemoveEngineRequest\x1a\".harnessrl.v1.RemoveEngineResponse\x12R\n\x0bListEngines\x12 .harnessrl.v1.ListEnginesRequest\x1a!.harnessrl.v1.ListEnginesResponse\x12G\n\x0cUpdateEngine\x12!.harnessrl.v1.UpdateEngineRequest\x1a\x14.harnessrl.v1.Engine\x12@\n\x05Pause\x12\x1a.harnessrl.v1.PauseRequest\x1a\x1b.harnessrl.v1.PauseResponse\x12\x43\n\x06Resume\x12\x1b.harnessrl.v1.ResumeRequest\x1a\x1c.harnessrl.v1.ResumeResponse\x12\x44\n\nSetAdapter\x12\x1f.harnessrl.v1.SetAdapterRequest\x1a\x15.harnessrl.v1.Adapter\x12X\n\rRemoveAdapter\x12\".harnessrl.v1.RemoveAdapterRequest\x1a#.harnessrl.v1.RemoveAdapterResponse\x12=\n\x04Sync\x12\x19.harnessrl.v1.SyncRequest\x1a\x1a.harnessrl.v1.SyncResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aharnessrl/v1/gateway.proto\x12\x0charnessrl.v1\"\xab\x02\n\x06\x45ngine\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x62\x61se_url\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12(\n\x05state\x18\x05 \x01(\x0e\x32\x19.harnessrl.v1.EngineState\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0e\n\x06paused\x18\x07 \x01(\x08\x12\x10\n\x08inflight\x18\x08 \x01(\x05\x12\x14\n\x0cserved_calls\x18\t \x01(\x03\x12\x16\n\x0eweight_version\x18\x14 \x01(\t\x12\'\n\x04lora\x18\x15 \x01(\x0b\x32\x19.harnessrl.v1.LoraSupport\x12\'\n\x08\x61\x64\x61pters\x18\x16 \x03(\x0b\x32\x15.harnessrl.v1.Adapter\"G\n\x0bLoraSupport\x12\x0f\n\x07\x65nabled\x18\x01 \x01(\x08\x12\x14\n\x0c\x62\x61se_adapter\x18\x02 \x01(\t\x12\x11\n\tmax_loras\x18\x03 \x01(\x05\"\x86\x02\n\x07\x41\x64\x61pter\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x11\n\tlora_path\x18\x05 \x01(\t\x12(\n\x05state\x18\x06 \x01(\x0e\x32\x19.harnessrl.v1.EngineState\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x17\n\x0floaded_versions\x18\x08 \x03(\x03\x12\x10\n\x08inflight\x18\t \x01(\x05\x12\x0e\n\x06paused\x18\n \x01(\x08\x12\x14\n\x0cserved_calls\x18\x0b \x01(\x03\x12\x14\n\x0cloaded_names\x18\x0c \x03(\t\"g\n\x0bSyncRequest\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\x12\x0e\n\x06origin\x18\x05 \x01(\t\"\x1f\n\x0cSyncResponse\x12\x0f\n\x07replica\x18\x01 \x01(\t\"\x94\x01\n\x0eGatewayReplica\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\radmin_address\x18\x02 \x01(\t\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x12\n\nrenewed_at\x18\x04 \x01(\x01\x12\r\n\x05peers\x18\x05 \x03(\t\x12\x14\n\x0chttp_address\x18\x06 \x01(\t\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\"=\n\x15RegisterEngineRequest\x12$\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x14.harnessrl.v1.Engine\"#\n\x13RemoveEngineRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x16\n\x14RemoveEngineResponse\"\x14\n\x12ListEnginesRequest\"<\n\x13ListEnginesResponse\x12%\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x14.harnessrl.v1.Engine\"\x8d\x01\n\x13UpdateEngineRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1b\n\x0epolicy_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.harnessrl.v1.EngineState\x12\x0e\n\x06reason\x18\x04 \x01(\tB\x11\n\x0f_policy_version\"X\n\x0cPauseRequest\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\"6\n\rPauseResponse\x12%\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x14.harnessrl.v1.Engine\"1\n\rResumeRequest\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\"\xc1\x01\n\x11SetAdapterRequest\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x1b\n\x0epolicy_version\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12\x11\n\tlora_name\x18\x04 \x01(\t\x12\x11\n\tlora_path\x18\x05 \x01(\t\x12(\n\x05state\x18\x06 \x01(\x0e\x32\x19.harnessrl.v1.EngineState\x12\x0e\n\x06reason\x18\x07 \x01(\tB\x11\n\x0f_policy_version\"7\n\x0eResumeResponse\x12%\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x14.harnessrl.v1.Engine\"N\n\x14RemoveAdapterRequest\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\":\n\x15RemoveAdapterResponse\x12\x0f\n\x07\x65ngines\x18\x01 \x03(\t\x12\x10\n\x08unloaded\x18\x02 \x03(\t*\\\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45NGINE_STATE_READY\x10\x01\x12\x17\n\x13\x45NGINE_STATE_MARKED\x10\x02\x32\xb5\x05\n\x0cGatewayAdmin\x12K\n\x0eRegisterEngine\x12#.harnessrl.v1.RegisterEngineRequest\x1a\x14.harnessrl.v1.Engine\x12U\n\x0cRemoveEngine\x12!.harnessrl.v1.RemoveEngineRequest\x1a\".harnessrl.v1.RemoveEngineResponse\x12R\n\x0bListEngines\x12 .harnessrl.v1.ListEnginesRequest\x1a!.harnessrl.v1.ListEnginesResponse\x12G\n\x0cUpdateEngine\x12!.harnessrl.v1.UpdateEngineRequest\x1a\x14.harnessrl.v1.Engine\x12@\n\x05Pause\x12\x1a.harnessrl.v1.PauseRequest\x1a\x1b.harnessrl.v1.PauseResponse\x12\x43\n\x06Resume\x12\x1b.harnessrl.v1.ResumeRequest\x1a\x1c.harnessrl.v1.ResumeResponse\x12\x44\n\nSetAdapter\x12\x1f.harnessrl.v1.SetAdapterRequest\x1a\x15.harnessrl.v1.Adapter\x12X\n\rRemoveAdapter\x12\".harnessrl.v1.RemoveAdapterRequest\x1a#.harnessrl.v1.RemoveAdapterResponse\x12=\n\x04Sync\x12\x19.harnessrl.v1.SyncRequest\x1a\x1a.harnessrl.v1.SyncResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'harnessrl.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINESTATE']._serialized_start=1874
-  _globals['_ENGINESTATE']._serialized_end=1966
+  _globals['_ENGINESTATE']._serialized_start=1915
+  _globals['_ENGINESTATE']._serialized_end=2007
   _globals['_ENGINE']._serialized_start=45
   _globals['_ENGINE']._serialized_end=344
   _globals['_LORASUPPORT']._serialized_start=346
@@ -43,34 +43,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SYNCREQUEST']._serialized_end=787
   _globals['_SYNCRESPONSE']._serialized_start=789
   _globals['_SYNCRESPONSE']._serialized_end=820
-  _globals['_GATEWAYREPLICA']._serialized_start=822
-  _globals['_GATEWAYREPLICA']._serialized_end=930
-  _globals['_REGISTERENGINEREQUEST']._serialized_start=932
-  _globals['_REGISTERENGINEREQUEST']._serialized_end=993
-  _globals['_REMOVEENGINEREQUEST']._serialized_start=995
-  _globals['_REMOVEENGINEREQUEST']._serialized_end=1030
-  _globals['_REMOVEENGINERESPONSE']._serialized_start=1032
-  _globals['_REMOVEENGINERESPONSE']._serialized_end=1054
-  _globals['_LISTENGINESREQUEST']._serialized_start=1056
-  _globals['_LISTENGINESREQUEST']._serialized_end=1076
-  _globals['_LISTENGINESRESPONSE']._serialized_start=1078
-  _globals['_LISTENGINESRESPONSE']._serialized_end=1138
-  _globals['_UPDATEENGINEREQUEST']._serialized_start=1141
-  _globals['_UPDATEENGINEREQUEST']._serialized_end=1282
-  _globals['_PAUSEREQUEST']._serialized_start=1284
-  _globals['_PAUSEREQUEST']._serialized_end=1372
-  _globals['_PAUSERESPONSE']._serialized_start=1374
-  _globals['_PAUSERESPONSE']._serialized_end=1428
-  _globals['_RESUMEREQUEST']._serialized_start=1430
-  _globals['_RESUMEREQUEST']._serialized_end=1479
-  _globals['_SETADAPTERREQUEST']._serialized_start=1482
-  _globals['_SETADAPTERREQUEST']._serialized_end=1675
-  _globals['_RESUMERESPONSE']._serialized_start=1677
-  _globals['_RESUMERESPONSE']._serialized_end=1732
-  _globals['_REMOVEADAPTERREQUEST']._serialized_start=1734
-  _globals['_REMOVEADAPTERREQUEST']._serialized_end=1812
-  _globals['_REMOVEADAPTERRESPONSE']._serialized_start=1814
-  _globals['_REMOVEADAPTERRESPONSE']._serialized_end=1872
-  _globals['_GATEWAYADMIN']._serialized_start=1969
-  _globals['_GATEWAYADMIN']._serialized_end=2662
+  _globals['_GATEWAYREPLICA']._serialized_start=823
+  _globals['_GATEWAYREPLICA']._serialized_end=971
+  _globals['_REGISTERENGINEREQUEST']._serialized_start=973
+  _globals['_REGISTERENGINEREQUEST']._serialized_end=1034
+  _globals['_REMOVEENGINEREQUEST']._serialized_start=1036
+  _globals['_REMOVEENGINEREQUEST']._serialized_end=1071
+  _globals['_REMOVEENGINERESPONSE']._serialized_start=1073
+  _globals['_REMOVEENGINERESPONSE']._serialized_end=1095
+  _globals['_LISTENGINESREQUEST']._serialized_start=1097
+  _globals['_LISTENGINESREQUEST']._serialized_end=1117
+  _globals['_LISTENGINESRESPONSE']._serialized_start=1119
+  _globals['_LISTENGINESRESPONSE']._serialized_end=1179
+  _globals['_UPDATEENGINEREQUEST']._serialized_start=1182
+  _globals['_UPDATEENGINEREQUEST']._serialized_end=1323
+  _globals['_PAUSEREQUEST']._serialized_start=1325
+  _globals['_PAUSEREQUEST']._serialized_end=1413
+  _globals['_PAUSERESPONSE']._serialized_start=1415
+  _globals['_PAUSERESPONSE']._serialized_end=1469
+  _globals['_RESUMEREQUEST']._serialized_start=1471
+  _globals['_RESUMEREQUEST']._serialized_end=1520
+  _globals['_SETADAPTERREQUEST']._serialized_start=1523
+  _globals['_SETADAPTERREQUEST']._serialized_end=1716
+  _globals['_RESUMERESPONSE']._serialized_start=1718
+  _globals['_RESUMERESPONSE']._serialized_end=1773
+  _globals['_REMOVEADAPTERREQUEST']._serialized_start=1775
+  _globals['_REMOVEADAPTERREQUEST']._serialized_end=1853
+  _globals['_REMOVEADAPTERRESPONSE']._serialized_start=1855
+  _globals['_REMOVEADAPTERRESPONSE']._serialized_end=1913
+  _globals['_GATEWAYADMIN']._serialized_start=2010
+  _globals['_GATEWAYADMIN']._serialized_end=2703
 # @@protoc_insertion_point(module_scope)

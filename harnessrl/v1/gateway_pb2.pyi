@@ -279,6 +279,8 @@ class GatewayReplica(_message.Message):
     STARTED_AT_FIELD_NUMBER: _builtins.int
     RENEWED_AT_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
+    HTTP_ADDRESS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     admin_address: _builtins.str
     """host:port of its GatewayAdmin, as its peers reach it"""
@@ -286,10 +288,18 @@ class GatewayReplica(_message.Message):
     """unix seconds"""
     renewed_at: _builtins.float
     """unix seconds of this announcement"""
+    http_address: _builtins.str
+    """host:port of its HTTP data plane, as its peers reach it: they forward to it the calls of
+    the rollouts it owns (services/gateway/ownership.py)
+    """
+    draining: _builtins.bool
+    """It is stopping: it owns no rollout any more (its peers serve them), and still takes the
+    engine changes forwarded to it until its calls in flight are done.
+    """
     @_builtins.property
     def peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The replicas it knew to be live when it wrote this: a replica that joins takes no calls
-        until every live peer lists it (they then check the store on every call).
+        until every live peer lists it (they then count it among the rollouts' owners).
         """
 
     def __init__(
@@ -300,10 +310,12 @@ class GatewayReplica(_message.Message):
         started_at: _builtins.float = ...,
         renewed_at: _builtins.float = ...,
         peers: _abc.Iterable[_builtins.str] | None = ...,
+        http_address: _builtins.str = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_address", b"admin_address", "name", b"name", "peers", b"peers", "renewed_at", b"renewed_at", "started_at", b"started_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admin_address", b"admin_address", "draining", b"draining", "http_address", b"http_address", "name", b"name", "peers", b"peers", "renewed_at", b"renewed_at", "started_at", b"started_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -215,6 +215,39 @@ class AppendCallsRequest(_message.Message):
 Global___AppendCallsRequest: _TypeAlias = AppendCallsRequest  # noqa: Y015
 
 @_typing.final
+class AppendCallsRequestBytes(_message.Message):
+    """AppendCallsRequest with each call as the bytes of its serialised `Call`: a message field
+    and a bytes field are encoded alike, so the two messages are one wire format and either
+    end of AppendCalls or RecordCalls may use either. The gateway serialises a call once and
+    writes these bytes; the store checks that each parses as a Call and keeps the bytes it
+    received, rather than serialising the parsed call again.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    STATES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """each a serialised Call"""
+
+    @_builtins.property
+    def states(self) -> _containers.RepeatedCompositeFieldContainer[Global___GatewayCallState]: ...
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[_builtins.bytes] | None = ...,
+        states: _abc.Iterable[Global___GatewayCallState] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "states", b"states"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AppendCallsRequestBytes: _TypeAlias = AppendCallsRequestBytes  # noqa: Y015
+
+@_typing.final
 class GatewayCallState(_message.Message):
     """What a gateway keeps of a recorded call so that any replica, or a restarted gateway, serves
     the attempt's next call as the one that recorded it would (docs/gateway-replicas.md).
@@ -452,6 +485,9 @@ class FinishAttemptRequest(_message.Message):
     REWARD_PARTS_FIELD_NUMBER: _builtins.int
     REWARD_REASON_FIELD_NUMBER: _builtins.int
     REWARD_PENDING_FIELD_NUMBER: _builtins.int
+    TAMPERED_FIELD_NUMBER: _builtins.int
+    TAMPER_EVIDENCE_FIELD_NUMBER: _builtins.int
+    REWARD_DROPPED_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     attempt: _builtins.int
     status: _common_pb2.RolloutStatus.ValueType
@@ -465,6 +501,15 @@ class FinishAttemptRequest(_message.Message):
     reward_reason: _builtins.str
     reward_pending: _builtins.bool
     """SUCCEEDED without a reward (REWARD_SOURCE_GROUP_GRADER): the group grader gives it."""
+    tampered: _builtins.bool
+    """SUCCEEDED: the grader found the rollout tampered (Rollout.tampered, tamper_evidence). A
+    tampered rollout's `reward` must not be positive (INVALID_ARGUMENT).
+    """
+    tamper_evidence: _builtins.str
+    reward_dropped: _builtins.bool
+    """SUCCEEDED with no reward at all: a tampered rollout under TAMPERED_REWARDS_DROP (needs
+    `tampered`); the rollout is kept and shown, the trainer learns nothing from it.
+    """
     @_builtins.property
     def reward_parts(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RewardPart]:
         """SUCCEEDED: the grader's named parts of `reward` and its reason, stored beside it."""
@@ -483,10 +528,13 @@ class FinishAttemptRequest(_message.Message):
         reward_parts: _abc.Iterable[_common_pb2.RewardPart] | None = ...,
         reward_reason: _builtins.str = ...,
         reward_pending: _builtins.bool = ...,
+        tampered: _builtins.bool = ...,
+        tamper_evidence: _builtins.str = ...,
+        reward_dropped: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "error", b"error", "exit_code", b"exit_code", "reward", b"reward", "reward_parts", b"reward_parts", "reward_pending", b"reward_pending", "reward_reason", b"reward_reason", "rollout_id", b"rollout_id", "status", b"status", "timed_out", b"timed_out", "will_retry", b"will_retry"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "error", b"error", "exit_code", b"exit_code", "reward", b"reward", "reward_dropped", b"reward_dropped", "reward_parts", b"reward_parts", "reward_pending", b"reward_pending", "reward_reason", b"reward_reason", "rollout_id", b"rollout_id", "status", b"status", "tamper_evidence", b"tamper_evidence", "tampered", b"tampered", "timed_out", b"timed_out", "will_retry", b"will_retry"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -500,9 +548,19 @@ class GroupReward(_message.Message):
     REWARD_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     PARTS_FIELD_NUMBER: _builtins.int
+    TAMPERED_FIELD_NUMBER: _builtins.int
+    TAMPER_EVIDENCE_FIELD_NUMBER: _builtins.int
+    REWARD_DROPPED_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     reward: _builtins.float
     reason: _builtins.str
+    tampered: _builtins.bool
+    """The group grader found the rollout tampered; as in FinishAttemptRequest (a rollout a
+    per-attempt grader found tampered stays so whatever the group grader says).
+    """
+    tamper_evidence: _builtins.str
+    reward_dropped: _builtins.bool
+    """no reward at all (TAMPERED_REWARDS_DROP); needs `tampered`"""
     @_builtins.property
     def parts(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RewardPart]: ...
     def __init__(
@@ -512,10 +570,13 @@ class GroupReward(_message.Message):
         reward: _builtins.float = ...,
         reason: _builtins.str = ...,
         parts: _abc.Iterable[_common_pb2.RewardPart] | None = ...,
+        tampered: _builtins.bool = ...,
+        tamper_evidence: _builtins.str = ...,
+        reward_dropped: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["parts", b"parts", "reason", b"reason", "reward", b"reward", "rollout_id", b"rollout_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["parts", b"parts", "reason", b"reason", "reward", b"reward", "reward_dropped", b"reward_dropped", "rollout_id", b"rollout_id", "tamper_evidence", b"tamper_evidence", "tampered", b"tampered"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1162,3 +1223,124 @@ class ListStateResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListStateResponse: _TypeAlias = ListStateResponse  # noqa: Y015
+
+@_typing.final
+class StoredImage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    MEDIA_TYPE_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    FOUND_FIELD_NUMBER: _builtins.int
+    sha256: _builtins.str
+    """hex (lowercase) of `data`; PutImages: "" or the same (else refused)"""
+    media_type: _builtins.str
+    """image/png, image/jpeg, image/gif or image/webp"""
+    data: _builtins.bytes
+    found: _builtins.bool
+    """GetImages: false when no image of that hash is stored"""
+    def __init__(
+        self,
+        *,
+        sha256: _builtins.str = ...,
+        media_type: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+        found: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "found", b"found", "media_type", b"media_type", "sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StoredImage: _TypeAlias = StoredImage  # noqa: Y015
+
+@_typing.final
+class PutImagesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IMAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoredImage]: ...
+    def __init__(
+        self,
+        *,
+        images: _abc.Iterable[Global___StoredImage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutImagesRequest: _TypeAlias = PutImagesRequest  # noqa: Y015
+
+@_typing.final
+class PutImagesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_FIELD_NUMBER: _builtins.int
+    EXISTING_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    stored: _builtins.int
+    """new images"""
+    existing: _builtins.int
+    """images stored before (left as they were)"""
+    @_builtins.property
+    def sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """each image's hash, in order"""
+
+    def __init__(
+        self,
+        *,
+        stored: _builtins.int = ...,
+        existing: _builtins.int = ...,
+        sha256: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["existing", b"existing", "sha256", b"sha256", "stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutImagesResponse: _TypeAlias = PutImagesResponse  # noqa: Y015
+
+@_typing.final
+class GetImagesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHA256_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        sha256: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetImagesRequest: _TypeAlias = GetImagesRequest  # noqa: Y015
+
+@_typing.final
+class GetImagesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IMAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoredImage]: ...
+    def __init__(
+        self,
+        *,
+        images: _abc.Iterable[Global___StoredImage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetImagesResponse: _TypeAlias = GetImagesResponse  # noqa: Y015

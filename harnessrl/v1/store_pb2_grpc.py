@@ -145,6 +145,16 @@ class StoreStub:
                 request_serializer=harnessrl_dot_v1_dot_store__pb2.ListStateRequest.SerializeToString,
                 response_deserializer=harnessrl_dot_v1_dot_store__pb2.ListStateResponse.FromString,
                 _registered_method=True)
+        self.PutImages = channel.unary_unary(
+                '/harnessrl.v1.Store/PutImages',
+                request_serializer=harnessrl_dot_v1_dot_store__pb2.PutImagesRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_store__pb2.PutImagesResponse.FromString,
+                _registered_method=True)
+        self.GetImages = channel.unary_unary(
+                '/harnessrl.v1.Store/GetImages',
+                request_serializer=harnessrl_dot_v1_dot_store__pb2.GetImagesRequest.SerializeToString,
+                response_deserializer=harnessrl_dot_v1_dot_store__pb2.GetImagesResponse.FromString,
+                _registered_method=True)
 
 
 class StoreServicer:
@@ -315,6 +325,24 @@ class StoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutImages(self, request, context):
+        """The image store (issue #45): the bytes of the images of recorded calls (Call.images),
+        content-addressed (the key is the sha256 of the bytes, checked by the store). Idempotent:
+        an image stored already is left as it is. An image over the store's `max_image_bytes` is
+        INVALID_ARGUMENT; one that would take the images stored over `max_image_store_bytes`,
+        RESOURCE_EXHAUSTED (nothing of the request is stored then).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetImages(self, request, context):
+        """Images by sha256, one per hash asked, in order (`found` false for one not stored).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -427,6 +455,16 @@ def add_StoreServicer_to_server(servicer, server):
                     servicer.ListState,
                     request_deserializer=harnessrl_dot_v1_dot_store__pb2.ListStateRequest.FromString,
                     response_serializer=harnessrl_dot_v1_dot_store__pb2.ListStateResponse.SerializeToString,
+            ),
+            'PutImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutImages,
+                    request_deserializer=harnessrl_dot_v1_dot_store__pb2.PutImagesRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_store__pb2.PutImagesResponse.SerializeToString,
+            ),
+            'GetImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetImages,
+                    request_deserializer=harnessrl_dot_v1_dot_store__pb2.GetImagesRequest.FromString,
+                    response_serializer=harnessrl_dot_v1_dot_store__pb2.GetImagesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1023,6 +1061,60 @@ class Store:
             '/harnessrl.v1.Store/ListState',
             harnessrl_dot_v1_dot_store__pb2.ListStateRequest.SerializeToString,
             harnessrl_dot_v1_dot_store__pb2.ListStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Store/PutImages',
+            harnessrl_dot_v1_dot_store__pb2.PutImagesRequest.SerializeToString,
+            harnessrl_dot_v1_dot_store__pb2.PutImagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/harnessrl.v1.Store/GetImages',
+            harnessrl_dot_v1_dot_store__pb2.GetImagesRequest.SerializeToString,
+            harnessrl_dot_v1_dot_store__pb2.GetImagesResponse.FromString,
             options,
             channel_credentials,
             insecure,

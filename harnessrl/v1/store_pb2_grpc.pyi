@@ -95,6 +95,15 @@ class StoreStub:
     GetState: _grpc.UnaryUnaryMultiCallable[_store_pb2.GetStateRequest, _store_pb2.GetStateResponse]
     """One key's value (found false when the key is not there)."""
     ListState: _grpc.UnaryUnaryMultiCallable[_store_pb2.ListStateRequest, _store_pb2.ListStateResponse]
+    PutImages: _grpc.UnaryUnaryMultiCallable[_store_pb2.PutImagesRequest, _store_pb2.PutImagesResponse]
+    """The image store (issue #45): the bytes of the images of recorded calls (Call.images),
+    content-addressed (the key is the sha256 of the bytes, checked by the store). Idempotent:
+    an image stored already is left as it is. An image over the store's `max_image_bytes` is
+    INVALID_ARGUMENT; one that would take the images stored over `max_image_store_bytes`,
+    RESOURCE_EXHAUSTED (nothing of the request is stored then).
+    """
+    GetImages: _grpc.UnaryUnaryMultiCallable[_store_pb2.GetImagesRequest, _store_pb2.GetImagesResponse]
+    """Images by sha256, one per hash asked, in order (`found` false for one not stored)."""
 
 @_typing.type_check_only
 class StoreAsyncStub(StoreStub):
@@ -162,6 +171,15 @@ class StoreAsyncStub(StoreStub):
     GetState: _aio.UnaryUnaryMultiCallable[_store_pb2.GetStateRequest, _store_pb2.GetStateResponse]  # type: ignore[assignment]
     """One key's value (found false when the key is not there)."""
     ListState: _aio.UnaryUnaryMultiCallable[_store_pb2.ListStateRequest, _store_pb2.ListStateResponse]  # type: ignore[assignment]
+    PutImages: _aio.UnaryUnaryMultiCallable[_store_pb2.PutImagesRequest, _store_pb2.PutImagesResponse]  # type: ignore[assignment]
+    """The image store (issue #45): the bytes of the images of recorded calls (Call.images),
+    content-addressed (the key is the sha256 of the bytes, checked by the store). Idempotent:
+    an image stored already is left as it is. An image over the store's `max_image_bytes` is
+    INVALID_ARGUMENT; one that would take the images stored over `max_image_store_bytes`,
+    RESOURCE_EXHAUSTED (nothing of the request is stored then).
+    """
+    GetImages: _aio.UnaryUnaryMultiCallable[_store_pb2.GetImagesRequest, _store_pb2.GetImagesResponse]  # type: ignore[assignment]
+    """Images by sha256, one per hash asked, in order (`found` false for one not stored)."""
 
 class StoreServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -358,5 +376,26 @@ class StoreServicer(metaclass=_abc_1.ABCMeta):
         request: _store_pb2.ListStateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_store_pb2.ListStateResponse, _abc.Awaitable[_store_pb2.ListStateResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def PutImages(
+        self,
+        request: _store_pb2.PutImagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.PutImagesResponse, _abc.Awaitable[_store_pb2.PutImagesResponse]]:
+        """The image store (issue #45): the bytes of the images of recorded calls (Call.images),
+        content-addressed (the key is the sha256 of the bytes, checked by the store). Idempotent:
+        an image stored already is left as it is. An image over the store's `max_image_bytes` is
+        INVALID_ARGUMENT; one that would take the images stored over `max_image_store_bytes`,
+        RESOURCE_EXHAUSTED (nothing of the request is stored then).
+        """
+
+    @_abc_1.abstractmethod
+    def GetImages(
+        self,
+        request: _store_pb2.GetImagesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_store_pb2.GetImagesResponse, _abc.Awaitable[_store_pb2.GetImagesResponse]]:
+        """Images by sha256, one per hash asked, in order (`found` false for one not stored)."""
 
 def add_StoreServicer_to_server(servicer: StoreServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aharnessrl/v1/trainer.proto\x12\x0charnessrl.v1\"\x98\x03\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x13\n\x0breward_mean\x18\x03 \x01(\x01\x12\x12\n\nreward_std\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\n\n\x02kl\x18\x06 \x01(\x01\x12\x15\n\rclip_fraction\x18\x07 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x08 \x01(\x01\x12\x0e\n\x06tokens\x18\t \x01(\x03\x12\x13\n\x0bstep_time_s\x18\n \x01(\x01\x12\x0e\n\x06groups\x18\x0b \x01(\x05\x12\x11\n\tgrad_norm\x18\x0c \x01(\x01\x12\x16\n\x0egroups_dropped\x18\x14 \x01(\x05\x12\x16\n\x0estaleness_mean\x18\x15 \x01(\x01\x12\x15\n\rstaleness_max\x18\x16 \x01(\x03\x12\x18\n\x10groups_in_flight\x18\x17 \x01(\x03\x12\x1c\n\x14\x65ngine_busy_fraction\x18\x18 \x01(\x01\x12\x1d\n\x15trainer_busy_fraction\x18\x19 \x01(\x01\x12\x12\n\nheld_calls\x18\x1a \x01(\x03\"\x97\x03\n\rTrainerStatus\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x17\n\x0flast_checkpoint\x18\x04 \x01(\t\x12)\n\x06recent\x18\x05 \x03(\x0b\x32\x19.harnessrl.v1.StepMetrics\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0c\n\x04mode\x18\x14 \x01(\t\x12\x16\n\x0egroups_trained\x18\x15 \x01(\x03\x12\x16\n\x0egroups_dropped\x18\x16 \x01(\x03\x12\x42\n\x0c\x64rop_reasons\x18\x17 \x03(\x0b\x32,.harnessrl.v1.TrainerStatus.DropReasonsEntry\x12\x18\n\x10groups_in_flight\x18\x18 \x01(\x03\x12\x17\n\x0fgroups_admitted\x18\x19 \x01(\x03\x12\x15\n\rstaleness_max\x18\x1a \x01(\x03\x1a\x32\n\x10\x44ropReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10GetStatusRequest\"\x16\n\x14\x43heckpointNowRequest\"3\n\x15\x43heckpointNowResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"&\n\x0bStopRequest\x12\x17\n\x0fskip_checkpoint\x18\x01 \x01(\x08\x32\xed\x01\n\x07Trainer\x12H\n\tGetStatus\x12\x1e.harnessrl.v1.GetStatusRequest\x1a\x1b.harnessrl.v1.TrainerStatus\x12X\n\rCheckpointNow\x12\".harnessrl.v1.CheckpointNowRequest\x1a#.harnessrl.v1.CheckpointNowResponse\x12>\n\x04Stop\x12\x19.harnessrl.v1.StopRequest\x1a\x1b.harnessrl.v1.TrainerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aharnessrl/v1/trainer.proto\x12\x0charnessrl.v1\"\xb3\x03\n\x0bStepMetrics\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x13\n\x0breward_mean\x18\x03 \x01(\x01\x12\x12\n\nreward_std\x18\x04 \x01(\x01\x12\x0c\n\x04loss\x18\x05 \x01(\x01\x12\n\n\x02kl\x18\x06 \x01(\x01\x12\x15\n\rclip_fraction\x18\x07 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x08 \x01(\x01\x12\x0e\n\x06tokens\x18\t \x01(\x03\x12\x13\n\x0bstep_time_s\x18\n \x01(\x01\x12\x0e\n\x06groups\x18\x0b \x01(\x05\x12\x11\n\tgrad_norm\x18\x0c \x01(\x01\x12\x19\n\x11rollouts_tampered\x18\r \x01(\x05\x12\x16\n\x0egroups_dropped\x18\x14 \x01(\x05\x12\x16\n\x0estaleness_mean\x18\x15 \x01(\x01\x12\x15\n\rstaleness_max\x18\x16 \x01(\x03\x12\x18\n\x10groups_in_flight\x18\x17 \x01(\x03\x12\x1c\n\x14\x65ngine_busy_fraction\x18\x18 \x01(\x01\x12\x1d\n\x15trainer_busy_fraction\x18\x19 \x01(\x01\x12\x12\n\nheld_calls\x18\x1a \x01(\x03\"\x97\x03\n\rTrainerStatus\x12\r\n\x05state\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12\x17\n\x0flast_checkpoint\x18\x04 \x01(\t\x12)\n\x06recent\x18\x05 \x03(\x0b\x32\x19.harnessrl.v1.StepMetrics\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x0c\n\x04mode\x18\x14 \x01(\t\x12\x16\n\x0egroups_trained\x18\x15 \x01(\x03\x12\x16\n\x0egroups_dropped\x18\x16 \x01(\x03\x12\x42\n\x0c\x64rop_reasons\x18\x17 \x03(\x0b\x32,.harnessrl.v1.TrainerStatus.DropReasonsEntry\x12\x18\n\x10groups_in_flight\x18\x18 \x01(\x03\x12\x17\n\x0fgroups_admitted\x18\x19 \x01(\x03\x12\x15\n\rstaleness_max\x18\x1a \x01(\x03\x1a\x32\n\x10\x44ropReasonsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"\x12\n\x10GetStatusRequest\"\x16\n\x14\x43heckpointNowRequest\"3\n\x15\x43heckpointNowResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\"&\n\x0bStopRequest\x12\x17\n\x0fskip_checkpoint\x18\x01 \x01(\x08\x32\xed\x01\n\x07Trainer\x12H\n\tGetStatus\x12\x1e.harnessrl.v1.GetStatusRequest\x1a\x1b.harnessrl.v1.TrainerStatus\x12X\n\rCheckpointNow\x12\".harnessrl.v1.CheckpointNowRequest\x1a#.harnessrl.v1.CheckpointNowResponse\x12>\n\x04Stop\x12\x19.harnessrl.v1.StopRequest\x1a\x1b.harnessrl.v1.TrainerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRAINERSTATUS_DROPREASONSENTRY']._loaded_options = None
   _globals['_TRAINERSTATUS_DROPREASONSENTRY']._serialized_options = b'8\001'
   _globals['_STEPMETRICS']._serialized_start=45
-  _globals['_STEPMETRICS']._serialized_end=453
-  _globals['_TRAINERSTATUS']._serialized_start=456
-  _globals['_TRAINERSTATUS']._serialized_end=863
-  _globals['_TRAINERSTATUS_DROPREASONSENTRY']._serialized_start=813
-  _globals['_TRAINERSTATUS_DROPREASONSENTRY']._serialized_end=863
-  _globals['_GETSTATUSREQUEST']._serialized_start=865
-  _globals['_GETSTATUSREQUEST']._serialized_end=883
-  _globals['_CHECKPOINTNOWREQUEST']._serialized_start=885
-  _globals['_CHECKPOINTNOWREQUEST']._serialized_end=907
-  _globals['_CHECKPOINTNOWRESPONSE']._serialized_start=909
-  _globals['_CHECKPOINTNOWRESPONSE']._serialized_end=960
-  _globals['_STOPREQUEST']._serialized_start=962
-  _globals['_STOPREQUEST']._serialized_end=1000
-  _globals['_TRAINER']._serialized_start=1003
-  _globals['_TRAINER']._serialized_end=1240
+  _globals['_STEPMETRICS']._serialized_end=480
+  _globals['_TRAINERSTATUS']._serialized_start=483
+  _globals['_TRAINERSTATUS']._serialized_end=890
+  _globals['_TRAINERSTATUS_DROPREASONSENTRY']._serialized_start=840
+  _globals['_TRAINERSTATUS_DROPREASONSENTRY']._serialized_end=890
+  _globals['_GETSTATUSREQUEST']._serialized_start=892
+  _globals['_GETSTATUSREQUEST']._serialized_end=910
+  _globals['_CHECKPOINTNOWREQUEST']._serialized_start=912
+  _globals['_CHECKPOINTNOWREQUEST']._serialized_end=934
+  _globals['_CHECKPOINTNOWRESPONSE']._serialized_start=936
+  _globals['_CHECKPOINTNOWRESPONSE']._serialized_end=987
+  _globals['_STOPREQUEST']._serialized_start=989
+  _globals['_STOPREQUEST']._serialized_end=1027
+  _globals['_TRAINER']._serialized_start=1030
+  _globals['_TRAINER']._serialized_end=1267
 # @@protoc_insertion_point(module_scope)

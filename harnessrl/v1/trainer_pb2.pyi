@@ -34,6 +34,7 @@ class StepMetrics(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _builtins.int
     GROUPS_FIELD_NUMBER: _builtins.int
     GRAD_NORM_FIELD_NUMBER: _builtins.int
+    ROLLOUTS_TAMPERED_FIELD_NUMBER: _builtins.int
     GROUPS_DROPPED_FIELD_NUMBER: _builtins.int
     STALENESS_MEAN_FIELD_NUMBER: _builtins.int
     STALENESS_MAX_FIELD_NUMBER: _builtins.int
@@ -54,6 +55,8 @@ class StepMetrics(_message.Message):
     step_time_s: _builtins.float
     groups: _builtins.int
     grad_norm: _builtins.float
+    rollouts_tampered: _builtins.int
+    """of the step's groups' rollouts, those a grader found tampered"""
     groups_dropped: _builtins.int
     """async/collocated (docs/modes.md)
     taken off the stream and not trained: too stale
@@ -84,6 +87,7 @@ class StepMetrics(_message.Message):
         step_time_s: _builtins.float = ...,
         groups: _builtins.int = ...,
         grad_norm: _builtins.float = ...,
+        rollouts_tampered: _builtins.int = ...,
         groups_dropped: _builtins.int = ...,
         staleness_mean: _builtins.float = ...,
         staleness_max: _builtins.int = ...,
@@ -94,7 +98,7 @@ class StepMetrics(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_fraction", b"clip_fraction", "engine_busy_fraction", b"engine_busy_fraction", "entropy", b"entropy", "grad_norm", b"grad_norm", "groups", b"groups", "groups_dropped", b"groups_dropped", "groups_in_flight", b"groups_in_flight", "held_calls", b"held_calls", "kl", b"kl", "loss", b"loss", "policy_version", b"policy_version", "reward_mean", b"reward_mean", "reward_std", b"reward_std", "staleness_max", b"staleness_max", "staleness_mean", b"staleness_mean", "step", b"step", "step_time_s", b"step_time_s", "tokens", b"tokens", "trainer_busy_fraction", b"trainer_busy_fraction"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clip_fraction", b"clip_fraction", "engine_busy_fraction", b"engine_busy_fraction", "entropy", b"entropy", "grad_norm", b"grad_norm", "groups", b"groups", "groups_dropped", b"groups_dropped", "groups_in_flight", b"groups_in_flight", "held_calls", b"held_calls", "kl", b"kl", "loss", b"loss", "policy_version", b"policy_version", "reward_mean", b"reward_mean", "reward_std", b"reward_std", "rollouts_tampered", b"rollouts_tampered", "staleness_max", b"staleness_max", "staleness_mean", b"staleness_mean", "step", b"step", "step_time_s", b"step_time_s", "tokens", b"tokens", "trainer_busy_fraction", b"trainer_busy_fraction"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

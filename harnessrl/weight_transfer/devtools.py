@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import torch
 
-from harnessrl.engine_guard import process_key
+from harnessrl.engine_guard import ClientKey, process_key
 from harnessrl.procs import ServiceProcess, free_port
 
 
@@ -150,10 +150,12 @@ class TrippedWeights:
         return self.params[i]
 
 
-def engine_prompt_logprobs(base_url: str, token_ids: list[int], model: str) -> torch.Tensor:
+def engine_prompt_logprobs(base_url: str, token_ids: list[int], model: str,
+                           key: ClientKey | None = None) -> torch.Tensor:
     """The engine's log-probability of each token of `token_ids` given the ones before it
-    (positions 1..n-1), from `/v1/completions` with `prompt_logprobs`."""
-    r = httpx.post(f"{base_url}/v1/completions", timeout=120, auth=process_key(), json={
+    (positions 1..n-1), from `/v1/completions` with `prompt_logprobs`; `key`: the engine key
+    to send (default: this process's)."""
+    r = httpx.post(f"{base_url}/v1/completions", timeout=120, auth=key or process_key(), json={
         "model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0.0,
         "prompt_logprobs": 0})
     r.raise_for_status()

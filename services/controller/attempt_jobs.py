@@ -110,10 +110,11 @@ class AttemptJobs:
     def grader_sandbox(self, work: Path, harness_output: list[Path]
                        ) -> sandbox_policy.SandboxPolicy | None:
         """The per-attempt grader's: the harness's work folder and its output (read-only),
-        no gateway; its own egress."""
+        no gateway; its own egress; it may sandbox the tests it runs (`nested`)."""
         if not self.sandboxed:
             return None
         return sandbox_policy.build(
             self.spec, argv=list(self.spec.grader_command), work=work,
             timeout_s=self.spec.grader_timeout_s, hidden=self.hidden(),
-            egress=list(self.spec.sandbox.grader_egress), read_only=harness_output)
+            egress=list(self.spec.sandbox.grader_egress), read_only=harness_output,
+            nested=True)

@@ -2,20 +2,86 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+import argparse
+import os
+from collections.abc import Iterable
+from typing import Any, ClassVar, Self
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from harnessrl.config import ServiceConfig
+from harnessrl.config import ServiceConfig, read_config_file
 from harnessrl.metrics import METRICS_BIND_HELP
+
+
+class KubernetesSection(BaseModel):
+    """The kubernetes job backend (docs/kubernetes-jobs.md): a Job per attempt. Off until
+    `job_template` is set. File `k8s: {job_template: ...}`, flag `--k8s.job-template`, env
+    `HARNESSRL_CONTROLLER_K8S__JOB_TEMPLATE`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_template: str = Field(
+        "", description="Job template (YAML) of the kubernetes backend: your harness image "
+                        "and resources (see docs/kubernetes-jobs.md); the backend is "
+                        "available when this is set")
+    namespace: str = Field(
+        "", description="namespace of the rollout Jobs; empty: the service account's "
+                        "namespace in a pod, else the kubeconfig context's (else 'default')")
+    kubeconfig: str = Field(
+        "", description="kubeconfig file; empty: the in-cluster service account inside a pod "
+                        "(KUBERNETES_SERVICE_HOST set), else ~/.kube/config or $KUBECONFIG")
+    gateway_url: str = Field(
+        "", description="the gateway's /v1 URL as rollout pods reach it (its in-cluster "
+                        "Service, e.g. http://gateway.harnessrl.svc:8080/v1); empty: "
+                        "gateway_url")
+    job_creates_per_s: float = Field(
+        10.0, gt=0, description="rate limit of Job creations (the API server's protection)")
+    relist_s: float = Field(
+        30.0, gt=0, description="the Job and Pod watches are re-listed this often (and at "
+                                "once after a 410 Gone)")
+    pending_timeout_s: float = Field(
+        300.0, gt=0, description="an attempt whose pod stays unschedulable this long fails "
+                                 "with the scheduler's reason")
+    secret_timeout_s: float = Field(
+        60.0, gt=0, description="an attempt whose pod cannot start this long for a missing "
+                                "Secret (CreateContainerConfigError) fails")
+    ttl_after_finished_s: int = Field(
+        3600, ge=0, description="ttlSecondsAfterFinished of each Job: how long Kubernetes "
+                                "keeps a finished Job and its pod (the controller deletes "
+                                "the Jobs it saw end)")
+    deadline_margin_s: float = Field(
+        30.0, ge=0, description="activeDeadlineSeconds = attempt timeout + this; the "
+                                "controller ends a Job at its timeout itself, the deadline "
+                                "bounds Jobs no controller watches")
+
+
+def _renamed(old: str) -> str:
+    """The error for a flat `k8s_<field>` setting (the names before the `k8s` section)."""
+    new = old.removeprefix("k8s_")
+    return (f"controller setting {old} is now k8s.{new} (the k8s_* settings became the k8s "
+            f"section): in a config file `k8s: {{{new}: ...}}`, flag "
+            f"--k8s.{new.replace('_', '-')}, env HARNESSRL_CONTROLLER_K8S__{new.upper()}")
+
+
+def _refuse_flat_k8s(names: Iterable[str]) -> None:
+    """ValueError naming the new key when `names` hold an old flat `k8s_*` setting."""
+    old = set(names) & {f"k8s_{field}" for field in KubernetesSection.model_fields}
+    if old:
+        raise ValueError(_renamed(sorted(old)[0]))
+
+
+class _RenamedFlag(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(_renamed(self.dest))
 
 
 class ControllerConfig(ServiceConfig):
     """harnessrl controller: runs harnesses for datasets of tasks, grades them, reports rewards."""
 
     model_config = SettingsConfigDict(env_prefix="HARNESSRL_CONTROLLER_", extra="forbid",
-                                      populate_by_name=True)
+                                      populate_by_name=True, env_nested_delimiter="__")
     secret_fields: ClassVar[tuple[str, ...]] = ("secret",)
 
     bind: str = Field("127.0.0.1:50053", description="host:port of the gRPC server (port 0: any)")
@@ -103,39 +169,8 @@ class ControllerConfig(ServiceConfig):
     docker_memory_mb: int = Field(2048, ge=16, description="memory of each rollout container")
     docker_pids_limit: int = Field(512, ge=8, description="processes of each rollout container")
     docker_cpus: float = Field(1.0, gt=0, description="CPUs of each rollout container")
-    k8s_job_template: str = Field(
-        "", description="Job template (YAML) of the kubernetes backend: your harness image "
-                        "and resources (see docs/kubernetes-jobs.md); the backend is "
-                        "available when this is set")
-    k8s_namespace: str = Field(
-        "", description="namespace of the rollout Jobs; empty: the service account's "
-                        "namespace in a pod, else the kubeconfig context's (else 'default')")
-    k8s_kubeconfig: str = Field(
-        "", description="kubeconfig file; empty: the in-cluster service account inside a pod "
-                        "(KUBERNETES_SERVICE_HOST set), else ~/.kube/config or $KUBECONFIG")
-    k8s_gateway_url: str = Field(
-        "", description="the gateway's /v1 URL as rollout pods reach it (its in-cluster "
-                        "Service, e.g. http://gateway.harnessrl.svc:8080/v1); empty: "
-                        "gateway_url")
-    k8s_job_creates_per_s: float = Field(
-        10.0, gt=0, description="rate limit of Job creations (the API server's protection)")
-    k8s_relist_s: float = Field(
-        30.0, gt=0, description="the Job and Pod watches are re-listed this often (and at "
-                                "once after a 410 Gone)")
-    k8s_pending_timeout_s: float = Field(
-        300.0, gt=0, description="an attempt whose pod stays unschedulable this long fails "
-                                 "with the scheduler's reason")
-    k8s_secret_timeout_s: float = Field(
-        60.0, gt=0, description="an attempt whose pod cannot start this long for a missing "
-                                "Secret (CreateContainerConfigError) fails")
-    k8s_ttl_after_finished_s: int = Field(
-        3600, ge=0, description="ttlSecondsAfterFinished of each Job: how long Kubernetes "
-                                "keeps a finished Job and its pod (the controller deletes "
-                                "the Jobs it saw end)")
-    k8s_deadline_margin_s: float = Field(
-        30.0, ge=0, description="activeDeadlineSeconds = attempt timeout + this; the "
-                                "controller ends a Job at its timeout itself, the deadline "
-                                "bounds Jobs no controller watches")
+    k8s: KubernetesSection = Field(default_factory=KubernetesSection,
+                                   description="the kubernetes job backend (KubernetesSection)")
     health_interval_s: float = Field(
         1.0, gt=0, description="the store's health is checked this often; gRPC health says "
         "NOT_SERVING while the store (or its Redis) is down (readiness probes use it)")
@@ -143,3 +178,33 @@ class ControllerConfig(ServiceConfig):
                                            "serving")
     metrics_bind: str = Field("", description=METRICS_BIND_HELP)
     log_level: str = Field("INFO", description="logging level")
+
+    # The flat `k8s_*` settings became the `k8s` section (issue 46). An old name is refused
+    # with its new one, never ignored: an environment variable or config file key that no
+    # field has is skipped silently, and a controller would start without its kubernetes
+    # backend. (Flags: `arg_parser`.)
+    @model_validator(mode="before")
+    @classmethod
+    def _no_flat_k8s(cls, data: Any) -> Any:
+        prefix = "HARNESSRL_CONTROLLER_"
+        _refuse_flat_k8s([*(data if isinstance(data, dict) else ()),
+                          *(k[len(prefix):].lower() for k in os.environ
+                            if k.upper().startswith(prefix))])
+        return data
+
+    @classmethod
+    def load(cls, argv: list[str] | None = None, prog: str | None = None) -> Self:
+        first = argparse.ArgumentParser(add_help=False)
+        first.add_argument("--config")
+        path = first.parse_known_args(argv)[0].config
+        if path:  # the old flat names, named anew (before the unknown-key refusal)
+            _refuse_flat_k8s(read_config_file(path))
+        return super().load(argv, prog)
+
+    @classmethod
+    def arg_parser(cls, prog: str | None = None) -> argparse.ArgumentParser:
+        parser = super().arg_parser(prog)
+        for field in KubernetesSection.model_fields:  # the old flags: refused, named anew
+            parser.add_argument(f"--k8s-{field.replace('_', '-')}", dest=f"k8s_{field}",
+                                action=_RenamedFlag, default=None, help=argparse.SUPPRESS)
+        return parser

@@ -9,7 +9,10 @@ The reward source is the run's `RewardSource`:
   (paths of the harness's captured output) and `HARNESSRL_STORE_ADDRESS` (the attempt's
   recorded calls are there: the per-attempt judge reads them; a grader inside a pod has none).
   It must exit 0 and its last non-empty stdout line must be a JSON object with a finite numeric
-  `"reward"` (and optionally `"parts"`, named numbers, and a `"reason"`).
+  `"reward"` (and optionally `"parts"`, named numbers, and a `"reason"`). A grader that finds
+  the agent's code forged the outcome adds `"tampered": true` (a JSON bool) and optionally
+  `"evidence"` (a string): the rollout is marked tampered and its reward is the run's
+  `tampered_rewards` (`tampered_rewards.py`), whatever the grader printed.
 - `GRADER_EXIT_CODE`: the same grader run; exit 0 gives 1.0, exit 1 gives 0.0, any other exit
   is a failure.
 - `HARNESS`: no grader; the reward the harness reported through the gateway (stored on its
@@ -38,6 +41,7 @@ from services.controller.sandbox.policy import SandboxPolicy
 GRADER_STDOUT = "grader.stdout.log"
 GRADER_STDERR = "grader.stderr.log"
 QUOTE_LIMIT = 300
+EVIDENCE_LIMIT = 2000  # characters of a grader's tamper evidence kept on the rollout
 STDERR_QUOTE_CHARS = 500  # of a failed harness's stderr, in its attempt's error
 _TAIL_BYTES = 64 * 1024
 # The grader gets the harness's environment without these (see the module docstring).
@@ -55,16 +59,21 @@ class Grade:
     parts: tuple[tuple[str, float], ...] = ()  # the grader's named parts of the reward
     reason: str = ""  # the grader's reason, if it gave one
     pending: bool = False  # no reward yet: the group grader gives it
+    tampered: bool = False  # the grader found the agent's code forged the outcome
+    evidence: str = ""  # the grader's evidence of it (only with `tampered`)
+    dropped: bool = False  # tampered under TAMPERED_REWARDS_DROP: stored without a reward
 
     @property
     def ok(self) -> bool:
         return self.reward is not None
 
     def into(self, req: spb.FinishAttemptRequest) -> spb.FinishAttemptRequest:
-        """`req` with this (successful) grade's reward, parts and reason."""
+        """`req` with this (successful) grade's reward, parts, reason and tamper flag."""
         req.reward, req.reward_reason = self.reward or 0.0, self.reason[:2000]
         req.reward_pending = self.pending
         req.reward_parts.extend(c.RewardPart(name=n, value=v) for n, v in self.parts)
+        req.tampered, req.tamper_evidence = self.tampered, self.evidence[:EVIDENCE_LIMIT]
+        req.reward_dropped = self.dropped
         return req
 
 
@@ -119,17 +128,25 @@ def parse_reward_line(stdout: str) -> Grade:
 
 def reward_fields(obj: dict[str, object]) -> Grade:
     """The reward of a grader's JSON object — `reward` (a finite number), optional `parts`
-    (named finite numbers) and `reason` (a string) — or what is wrong with it; the per-attempt
-    grader's line and each of a group grader's rewards."""
+    (named finite numbers), `reason` (a string), `tampered` (a bool) and `evidence` (a
+    string, kept only with `tampered`) — or what is wrong with it; the per-attempt grader's
+    line and each of a group grader's rewards. The reward is the grader's: the run's
+    `tampered_rewards` replaces a tampered one's later."""
     reward, parts, reason = obj.get("reward"), obj.get("parts") or {}, obj.get("reason") or ""
+    tampered, evidence = obj.get("tampered", False), obj.get("evidence") or ""
     if not finite(reward):
         return Grade(None, "reward is not a finite number")
     if not isinstance(parts, dict) or not all(k and finite(v) for k, v in parts.items()):
         return Grade(None, "parts must be an object of named finite numbers")
     if not isinstance(reason, str):
         return Grade(None, "reason is not a string")
+    if not isinstance(tampered, bool):
+        return Grade(None, f"tampered must be true or false (a JSON bool), not "
+                           f"{json.dumps(tampered)[:40]}")
+    if not isinstance(evidence, str):
+        return Grade(None, "evidence is not a string")
     return Grade(float(reward), parts=tuple((str(k), float(v)) for k, v in parts.items()),
-                 reason=reason)
+                 reason=reason, tampered=tampered, evidence=evidence if tampered else "")
 
 
 def finite(value: object) -> TypeGuard[int | float]:

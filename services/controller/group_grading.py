@@ -15,7 +15,9 @@ need the store), once per group:
           transcript is the attempt's last recorded call rendered as messages (its request's
           conversation, then the answer).
   output  $HARNESSRL_GROUP_OUTPUT, a JSON file: {"rewards": [{"rollout_id", "reward",
-          "reason"?, "parts"?: {"name": number}}]}, one per rollout of the input.
+          "reason"?, "parts"?: {"name": number}, "tampered"?: bool, "evidence"?}]}, one per
+          rollout of the input. A tampered rollout's reward is the run's `tampered_rewards`
+          (tampered_rewards.py), also one the per-attempt grader found tampered before.
 
 It runs with the run's `env`, `HARNESSRL_RUN_ID`, `HARNESSRL_GROUP_ID`, `HARNESSRL_TASK_JSON`
 and `HARNESSRL_STORE_ADDRESS` (the judge caches its answers there), in
@@ -42,9 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from harnessrl.v1 import common_pb2 as c, store_pb2 as spb
-from services.controller.grading import QUOTE_LIMIT, quote, read_tail, reward_fields, safe_name
+from services.controller.grading import (EVIDENCE_LIMIT, QUOTE_LIMIT, quote, read_tail,
+                                         reward_fields, safe_name)
 from harnessrl.transcripts import last_call_transcript
 from services.controller.grader_access import GraderAccess, without_identity
+from services.controller.tampered_rewards import group_rewards
 from services.controller.store_calls import ResilientStore
 
 log = logging.getLogger("harnessrl.controller")
@@ -94,7 +98,8 @@ def parse_output(text: str, want: list[str]) -> list[spb.GroupReward]:
             raise ValueError(f"{rid}: {grade.error}")
         out[rid] = spb.GroupReward(
             rollout_id=rid, reward=grade.reward, reason=grade.reason,
-            parts=[c.RewardPart(name=n, value=v) for n, v in grade.parts])
+            parts=[c.RewardPart(name=n, value=v) for n, v in grade.parts],
+            tampered=grade.tampered, tamper_evidence=grade.evidence[:EVIDENCE_LIMIT])
     if missing := [r for r in want if r not in out]:
         raise ValueError(f"no reward for {missing}")
     return [out[r] for r in want]
@@ -111,6 +116,7 @@ _DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, 
 class GroupGrader:
     def __init__(self, spec: c.RunSpec, store: ResilientStore, workdir: Path,
                  graders: GraderAccess) -> None:
+        self.spec = spec
         self.argv = list(spec.group_grader_command)
         self.graders = graders
         self.timeout_s = spec.group_grader_timeout_s  # run_spec.normalize fills it in
@@ -128,7 +134,8 @@ class GroupGrader:
             req.error = "run cancelled before the group was graded"
         elif any(ro.status == c.ROLLOUT_STATUS_SUCCEEDED for ro in rollouts):
             try:
-                req.rewards.extend(await self._run(group_input(rollouts, task)))
+                req.rewards.extend(group_rewards(await self._run(group_input(rollouts, task)),
+                                                 rollouts, self.spec))
             except GroupGraderFailed as exc:
                 req.error = str(exc)
                 log.warning("group %s: group grader failed: %s", group_id, exc,

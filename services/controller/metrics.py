@@ -4,7 +4,10 @@
   their state now (PENDING, RUNNING, SUCCEEDED, ...);
 - `harnessrl_controller_job_launch_seconds{backend}`: time to launch one harness job (a local
   process group started, a Kubernetes Job and its Secret created);
-- `harnessrl_controller_job_launches_total{backend, outcome}`: launches, ok or failed.
+- `harnessrl_controller_job_launches_total{backend, outcome}`: launches, ok or failed;
+- `harnessrl_controller_rewards_tampered_total{policy}`: rollouts a grader found tampered
+  (`"tampered": true`), by what their run's `tampered_rewards` made of their reward: zero,
+  penalty or drop (tampered_rewards.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ JOB_LAUNCH = Histogram("harnessrl_controller_job_launch_seconds",
                        buckets=LATENCY_BUCKETS)
 JOB_LAUNCHES = Counter("harnessrl_controller_job_launches", "Harness job launches",
                        ["backend", "outcome"])
+TAMPERED = Counter("harnessrl_controller_rewards_tampered",
+                   "Rollouts a grader found tampered, by the run's tampered_rewards policy",
+                   ["policy"])
 _STATES: dict[int, str] = {v: c.RolloutStatus.Name(v).removeprefix("ROLLOUT_STATUS_")
                            for v in c.RolloutStatus.values()}
 

@@ -6,9 +6,9 @@ One attempt, top to bottom (`RunExecution._attempt`):
   job with the task and the credential in its environment -> wait (timeout kills its process
   group) -> crashed or timed out: FinishAttempt FAILED (will_retry while attempts remain; the
   next attempt gets a new credential) -> else grade -> FinishAttempt SUCCEEDED with the
-  reward, or FAILED with the grader's failure (not retried: see `grading`). On a backend whose
-  jobs run apart from this machine's files (Kubernetes) the grader runs inside the harness's
-  job, after it, and its output comes back with the job's result.
+  reward (a tampered one's: `tampered_rewards`), or FAILED with the grader's failure (not
+  retried: see `grading`). On a backend whose jobs run apart from this machine's files
+  (Kubernetes) the grader runs inside the harness's job, after it; its output comes back.
 
 Restart safety: a run resumed after its controller died (kill -9) finds attempts the store
 holds as RUNNING. Each is picked up where it was: the backend adopts its job (still running,
@@ -18,8 +18,9 @@ launched twice, and no result that still exists is thrown away.
 
 The store is the record: every transition is written there first, and the run's `Run` record
 (status, counts, mean reward) is kept current with PutRun. Store calls survive a store restart
-(`store_calls.ResilientStore`); a store gone for longer than the bound fails the run loudly
-and kills its jobs. A rollout that hits an unexpected error is failed on its own, with the
+(`store_calls.ResilientStore`); a store gone for longer than the bound fails the run loudly,
+its running jobs left to the backend: CreateRun resumes it (in this controller they are still
+followed, and taken as they are). A rollout that hits an unexpected error is failed on its own, with the
 error as its reason; other rollouts go on.
 """
 
@@ -36,7 +37,7 @@ from harnessrl.credentials import CredentialSigner
 from harnessrl.errors import HarnessRLError
 from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c, controller_pb2 as cpb, store_pb2 as spb
-from services.controller import grading, metrics
+from services.controller import grading, metrics, run_summary, tampered_rewards
 from services.controller.group_grading import GroupGrader
 from services.controller.admission import Admission, started_and_done_groups
 from services.controller.attempt_jobs import AttemptJobs
@@ -125,18 +126,7 @@ class RunExecution:
             metrics.rollout_state_changed(ro.status, None)
 
     def snapshot(self) -> c.Run:
-        run = c.Run()
-        run.CopyFrom(self.run)
-        by_status = [ro.status for ro in self.rollouts.values()]
-        run.num_rollouts = len(by_status)
-        run.num_succeeded = by_status.count(c.ROLLOUT_STATUS_SUCCEEDED)
-        run.num_failed = by_status.count(c.ROLLOUT_STATUS_FAILED)
-        run.num_cancelled = by_status.count(c.ROLLOUT_STATUS_CANCELLED)
-        run.num_running = by_status.count(c.ROLLOUT_STATUS_RUNNING)
-        rewards = [ro.reward for ro in self.rollouts.values()
-                   if ro.status == c.ROLLOUT_STATUS_SUCCEEDED and ro.has_reward]
-        run.mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
-        return run
+        return run_summary.summary(self.run, self.rollouts.values())
 
     async def _save_run(self, retry_s: float | None = None) -> None:
         async with self._run_lock:  # one writer at a time, each writing the newest state
@@ -153,6 +143,8 @@ class RunExecution:
         """Records a rollout's new state (as the store returned it) and tells the watchers."""
         old = self.rollouts.get(ro.rollout_id)
         metrics.rollout_state_changed(old.status if old is not None else None, ro.status)
+        if ro.tampered and not (old is not None and old.tampered):
+            metrics.TAMPERED.labels(tampered_rewards.policy_name(self.spec)).inc()
         self.rollouts[ro.rollout_id] = ro
         self.events.publish(cpb.RunEvent(kind=cpb.RunEvent.KIND_ROLLOUT, rollout=ro))
         if ro.status in TERMINAL and (self.admission or self._group_ended) and all(
@@ -161,14 +153,7 @@ class RunExecution:
                 self.admission.group_done(ro.group_id)
             self._group_ended.get(ro.group_id, asyncio.Event()).set()  # (a group grader)
         if ro.status in TERMINAL:
-            run = self.snapshot()
-            done = run.num_succeeded + run.num_failed + run.num_cancelled
-            log.info("rollout %s %s%s; run %d/%d done (%d succeeded, %d failed, %d cancelled), "
-                     "mean reward %.3f", ro.rollout_id, c.RolloutStatus.Name(ro.status),
-                     f" reward={ro.reward:g}" if ro.has_reward else f": {ro.error}",
-                     done, run.num_rollouts, run.num_succeeded, run.num_failed,
-                     run.num_cancelled, run.mean_reward,
-                     extra={**self._extra, "rollout": ro.rollout_id, "attempt": ro.attempt})
+            run_summary.log_finished(ro, self.snapshot(), self._extra)
         await self._save_run()
 
     # -- running -----------------------------------------------------------------------------
@@ -321,7 +306,12 @@ class RunExecution:
             self.taken_over.set()
 
     async def _rollouts(self, rids: list[str]) -> None:
-        await asyncio.gather(*(self._rollout(rid) for rid in rids))
+        try:  # one error cancels the rest: none goes on beside a resumed run's
+            async with asyncio.TaskGroup() as group:
+                for rid in rids:
+                    group.create_task(self._rollout(rid))
+        except BaseExceptionGroup as errors:
+            raise errors.exceptions[0] from None
         for ended in self._group_ended.values():  # (a rollout left unended: a verdict still)
             ended.set()
 
@@ -361,6 +351,9 @@ class RunExecution:
         req = spb.FinishAttemptRequest(
             rollout_id=rid, attempt=attempt, status=status,  # type: ignore[arg-type]
             error=error, exit_code=exit_code, timed_out=timed_out, will_retry=will_retry)
+        if grade is not None:
+            grade = tampered_rewards.applied(grade, self.spec,
+                                             {**self._extra, "rollout": rid, "attempt": attempt})
         ro = await self.ctx.store.finish_attempt(grade.into(req) if grade else req)
         if status == c.ROLLOUT_STATUS_FAILED:
             log.warning("attempt %d failed%s: %s", attempt,

@@ -17,6 +17,7 @@ from harnessrl.errors import InvalidArgument
 from harnessrl.sampling import unmatched
 from harnessrl.tasks import check_task_ids, load_task_file, task_id, task_object
 from harnessrl.v1 import common_pb2 as c
+from services.controller import tampered_rewards
 from services.controller.sandbox import policy as sandbox_policy
 
 DEFAULT_GROUP_SIZE = 1
@@ -78,6 +79,7 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
         s.reward_source = c.REWARD_SOURCE_GRADER_JSON
     if s.reward_source not in c.RewardSource.values():
         raise InvalidArgument(f"unknown reward_source {s.reward_source}")
+    tampered_rewards.normalize(s)
     if s.backend not in backends:
         raise InvalidArgument(f"unknown backend {s.backend!r}; this controller has "
                               f"{', '.join(backends)}")

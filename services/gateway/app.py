@@ -28,120 +28,41 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import orjson
 
 from harnessrl.clients import AsyncStoreClient
-from harnessrl.errors import HarnessRLError, Unauthenticated, Unavailable
+from harnessrl.errors import HarnessRLError, Unavailable
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.metrics import exposition
-from services.gateway import anthropic, responses, sampling, schemas
+from services.gateway import anthropic, responses, schemas
 from services.gateway.config import GatewayConfig
 from services.gateway.engines import EngineRegistry, Lease
+from services.gateway.exchange import (
+    API_ROUTES, Exchange, HTTPError, bad_request, engine_refused, from_domain)
 from services.gateway.http_server import TextBody
+from services.gateway.image_store import GatewayImages
+from services.gateway.images import has_parts
 from services.gateway.metrics import HELD_RECORDS, RouteMetrics
+from services.gateway.ownership import Ownership
 from services.gateway.health import GatewayReadiness
 from services.gateway.recorder import CallRecorder, RecordError, RecordRejected
 from services.gateway.recording import Recording
 from services.gateway.sessions import Session, Sessions
-from services.gateway.streaming import DONE, Generated, SSEDecoder, strip_chunk
+from services.gateway.streamed_call import EventRenderer, OpenAIEvents, StreamedCall
+from services.gateway.streaming import Generated, strip_chunk
 from services.gateway.tokens import Plan, TemplateError, TokenReuse
-from services.gateway.upstream import ConnectFailed, UpstreamError, UpstreamStream
+from services.gateway.upstream import ConnectFailed, UpstreamError
 
 log = logging.getLogger("harnessrl.gateway")
 
 Headers = list[tuple[bytes, bytes]]
 
 
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None,
-                 raw: bytes | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
-        self.raw, self.param = raw, param  # raw: the engine's own error body, passed on as it is
-
-    def body(self, style: str = "openai") -> bytes:
-        if style == "anthropic":
-            return anthropic_error(self.status, self.message)
-        if self.raw is not None:
-            return self.raw
-        return orjson.dumps({"error": {"message": self.message, "type": self.type,
-                                       "param": self.param, "code": self.code}})
-
-
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
-
-
-def anthropic_error(status: int, message: str) -> bytes:
-    """Anthropic's error shape."""
-    kind = _ANTHROPIC_TYPES.get(status) or ("invalid_request_error" if status < 500
-                                            else "api_error")
-    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
-
-
-def _engine_refused(engine: str, status: int, raw: bytes) -> HTTPError:
-    if status in (401, 403):  # the gateway's engine key, not the harness's: no 401 to it
-        log.error("engine %s refuses the gateway's engine key (HARNESSRL_ENGINE_API_KEY_FILE)",
-                  engine, extra={"engine": engine})
-        return HTTPError(502, f"engine {engine} refused the gateway", "server_error",
-                         "engine_error")
-    try:
-        message = str(orjson.loads(raw)["error"]["message"])
-    except Exception:  # noqa: BLE001 - any body: reported as text
-        message = raw[:500].decode("utf-8", "replace")
-    return HTTPError(status, f"engine {engine}: {message}", "invalid_request_error"
-                     if status < 500 else "server_error", "engine_error", raw=raw)
-
-
-def bad_request(message: str, code: str = "invalid_request") -> HTTPError:
-    return HTTPError(400, message, "invalid_request_error", code)
-
-
-def _from_domain(exc: HarnessRLError) -> HTTPError:
-    if isinstance(exc, Unauthenticated):
-        return HTTPError(401, str(exc), "authentication_error", "invalid_api_key")
-    if isinstance(exc, Unavailable):
-        return HTTPError(503, str(exc), "service_unavailable", "unavailable")
-    return HTTPError(500, str(exc), "server_error", "internal")
-
-
-@dataclass(slots=True)
-class Exchange:
-    """One harness request on its way to being a recorded call."""
-
-    session: Session
-    api: str  # recorded as Call.api
-    asked: str  # the model name the harness asked for (recorded as Call.model)
-    model: str  # the served model it maps to (engines are chosen by it)
-    request_json: bytes  # the harness's request body
-    chat: bool  # engine route: chat completions (True) or completions
-    forward: dict[str, Any]  # the engine request
-    started: float = field(default_factory=time.time)
-    override: bytes = b""  # the run's sampling policy as applied (Call.sampling_override_json)
-    plan: Plan | None = None  # how a chat prompt's tokens were made (token in, token out)
-    generated: Generated | None = None  # what the engine generated (set with `plan`)
-    synced: bool = False  # its session's caches were read from the store for it already
-    chain: responses.Chain | None = None  # Responses: what its response adds to the chain
-
-    def __post_init__(self) -> None:
-        """Imposes the run's sampling policy on the engine request."""
-        if self.session.sampling_problem:
-            raise bad_request(self.session.sampling_problem, "unmatched_sampling")
-        applied = sampling.impose(self.forward, self.session.sampling)
-        if applied is not None:
-            self.override = orjson.dumps(applied)
-
-
 Route = Callable[[Headers, bytes], Awaitable[Any]]
-# Exchange.api -> the route it came in on
-API_ROUTES = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions",
-              "messages": "/v1/messages", "responses": "/v1/responses"}
 
 
 class GatewayApp:
@@ -161,6 +82,10 @@ class GatewayApp:
         self.tokens = TokenReuse(cfg.tokens_max_rollouts, cfg.tokens_per_rollout)
         sessions.tokens = self.tokens  # it loads the segments it reads from the store
         self.recording = Recording(recorder, sessions, self.tokens)
+        self.ownership = Ownership(sessions.replicas, sessions.signer, cfg)
+        self.images = GatewayImages(store, cfg.max_image_bytes, cfg.max_images,
+                                  cfg.processor_dirs, cfg.hold_timeout_s,
+                                  cfg.image_fetch_timeout_s)  # image_store.py
         # (method, path) -> (handler, error style)
         self.routes: dict[tuple[str, str], tuple[Route, str]] = {
             ("POST", "/v1/chat/completions"): (self.chat_completions, "openai"),
@@ -200,7 +125,7 @@ class GatewayApp:
             if body is None:
                 raise HTTPError(413, f"request body over the {self.cfg.max_body_bytes}-byte "
                                 "limit", "invalid_request_error", "body_too_large")
-            result = await handler(headers, body)
+            result = await self.ownership.serve(handler, path, headers, body)
             return result if isinstance(result, tuple) else (200, result)
         except HTTPError as err:
             return err.status, err.body(style)
@@ -208,21 +133,19 @@ class GatewayApp:
             return 400, HTTPError(400, err.message(style), "invalid_request_error", err.code,
                                   param=err.field(style)).body(style)
         except HarnessRLError as err:
-            http_err = _from_domain(err)
+            http_err = from_domain(err)
             return http_err.status, http_err.body(style)
         except Exception as err:  # noqa: BLE001 - reported to the harness, logged here
             log.exception("request failed")
             return 500, HTTPError(500, f"gateway error: {type(err).__name__}: {err}",
                                   "server_error").body(style)
 
-    async def _auth(self, headers: Headers) -> Session:
-        authorization = api_key = None
-        for name, value in headers:
-            if name == b"authorization":
-                authorization = value.decode("latin-1")
-            elif name == b"x-api-key":
-                api_key = value.decode("latin-1")
-        return await self.sessions.authenticate(authorization, api_key)
+    async def _auth(self, headers: Headers, owned: bool = False) -> Session:
+        """`owned`: the rollout's owner replica serves it (else NotOwner: forwarded)."""
+        session = await self.sessions.from_headers(headers)
+        if owned:
+            await self.ownership.check(session.cred.rollout_id, session.cred.attempt, headers)
+        return session
 
     # routes ---------------------------------------------------------------------------------
     async def health(self, headers: Headers, body: bytes) -> bytes | tuple[int, bytes]:
@@ -266,20 +189,15 @@ class GatewayApp:
 
     # OpenAI chat completions and completions: validate, forward, record, strip ---------------
     async def _openai(self, headers: Headers, body: bytes, chat: bool) -> tuple[int, Any]:
-        session = await self._auth(headers)
+        session = await self._auth(headers, owned=True)
         request = schemas.parse(body, schemas.CHAT if chat else schemas.COMPLETION)
         model = self.check_model(request.get("model"), session)
         keep_ids = bool(request.get("return_token_ids"))
         keep_logprobs = bool(request.get("logprobs"))
-        forward = dict(request)
-        forward["return_token_ids"] = True
-        if chat:
-            forward["logprobs"] = True
-        elif not isinstance(request.get("logprobs"), int) or \
-                isinstance(request.get("logprobs"), bool):
-            forward["logprobs"] = 0  # the sampled token's logprob only
+        images = await self.images.collect(self.images.request(session), request["messages"],
+                                           model) if chat and has_parts(request) else None
         ex = Exchange(session, "chat.completions" if chat else "completions",
-                      request["model"], model, body, chat, forward)
+                      request["model"], model, body, chat, dict(request), images=images)
         if request.get("stream"):
             return 200, await self.stream(ex, OpenAIEvents(keep_ids, keep_logprobs))
         response, _ = await self.generate(ex)
@@ -287,19 +205,20 @@ class GatewayApp:
 
     # Anthropic Messages, translated to chat completions (services/gateway/anthropic.py) ------
     async def _anthropic_request(self, headers: Headers, body: bytes, count: bool = False
-                                 ) -> tuple[Session, dict[str, Any], str, dict[str, Any]]:
-        session = await self._auth(headers)
+                                 ) -> tuple[Session, dict[str, Any], str, dict[str, Any], Any]:
+        session = await self._auth(headers, owned=not count)
         if not any(name == b"anthropic-version" for name, _ in headers):
             raise bad_request("anthropic-version: header is required")
         request = schemas.parse(body, schemas.COUNT_TOKENS if count else schemas.MESSAGES)
-        forward = anthropic.to_chat(request)
-        return session, request, self.check_model(request.get("model"), session), forward
+        forward = anthropic.to_chat(request, found := self.images.request(session))
+        model = self.check_model(request.get("model"), session)
+        return session, request, model, forward, await self.images.collect(
+            found, forward["messages"], model)
 
     async def messages(self, headers: Headers, body: bytes) -> tuple[int, Any]:
-        session, request, model, forward = await self._anthropic_request(headers, body)
-        forward["return_token_ids"] = True
-        forward["logprobs"] = True
-        ex = Exchange(session, "messages", request["model"], model, body, True, forward)
+        session, request, model, forward, images = await self._anthropic_request(headers, body)
+        ex = Exchange(session, "messages", request["model"], model, body, True, forward,
+                      images=images)
         if request.get("stream"):
             return 200, await self.stream(ex, anthropic.AnthropicEvents(request))
         _, gen = await self.generate(ex)
@@ -307,20 +226,21 @@ class GatewayApp:
 
     async def count_tokens(self, headers: Headers, body: bytes) -> bytes:
         """The prompt's length as the engine's tokenizer and chat template count it."""
-        session, _, model, forward = await self._anthropic_request(headers, body, count=True)
+        session, _, model, forward, _ = await self._anthropic_request(headers, body, True)
         tokenize: dict[str, Any] = {"messages": forward["messages"],
                                     "add_generation_prompt": True}
         if forward.get("tools"):
             tokenize["tools"] = forward["tools"]
         name, status, raw = await self._tokenize(session, model, tokenize)
         if status != 200:
-            raise _engine_refused(name, status, raw)
+            raise engine_refused(name, status, raw)
         return orjson.dumps({"input_tokens": orjson.loads(raw)["count"]})
 
     async def _tokenize(self, session: Session, model: str, request: dict[str, Any]
                         ) -> tuple[str, int, bytes]:
         """The rollout's engine's `/tokenize`: (engine name, status, body)."""
         deadline = time.monotonic() + self.cfg.hold_timeout_s
+        await self.sessions.wait_ready(deadline)  # a replica joining or catching up: held
         lease = await self._acquire("/v1/messages/count_tokens", session, model, deadline)
         name, request["model"] = lease.engine.name, lease.model
         try:
@@ -339,6 +259,9 @@ class GatewayApp:
             await self.sessions.refresh(ex.session)  # than the attempt's caches (sessions.py)
         if not ex.chat:
             return
+        if ex.images is not None:  # vLLM 0.32 takes no prompt ids with media: it renders
+            ex.plan = Plan(c.SEGMENT_START_MEDIA)
+            return
 
         async def tokenize(request: dict[str, Any]) -> list[int]:
             _, status, raw = await self._tokenize(ex.session, ex.model, request)
@@ -350,7 +273,7 @@ class GatewayApp:
 
     # OpenAI Responses, translated to chat completions (services/gateway/responses.py) -------
     async def responses(self, headers: Headers, body: bytes) -> tuple[int, Any]:
-        session = await self._auth(headers)
+        session = await self._auth(headers, owned=True)
         request = schemas.parse(body, schemas.RESPONSES)
         model = self.check_model(request.get("model"), session)
         rollout_id = session.cred.rollout_id
@@ -366,9 +289,8 @@ class GatewayApp:
                                      "keeps the responses of this rollout only)",
                                 "invalid_request_error", "previous_response_not_found")
             history = found
-        forward = responses.to_chat(request, history)
-        forward["return_token_ids"] = True
-        forward["logprobs"] = True
+        forward = responses.to_chat(request, history, checked := self.images.request(session))
+        images = await self.images.collect(checked, forward["messages"], model)
         builder = responses.ResponseBuilder(request)
         # `instructions` are not carried over to the next response in a chain
         conversation = forward["messages"][1 if request.get("instructions") else 0:]
@@ -379,7 +301,8 @@ class GatewayApp:
 
         ex = Exchange(session, "responses", request["model"], model, body, True, forward,
                       synced=synced, chain=responses.Chain(builder.id, str(previous or ""),
-                                                           conversation[len(history):]))
+                                                           conversation[len(history):]),
+                      images=images)
         if request.get("stream"):
             return 200, await self.stream(ex, responses.ResponsesEvents(builder, remember))
         _, gen = await self.generate(ex)
@@ -406,7 +329,7 @@ class GatewayApp:
         lease, version, t0, (status, raw) = await self._to_engine(ex, stream=False)
         engine, latency = lease.engine, time.perf_counter() - t0
         if status != 200:
-            raise _engine_refused(engine.name, status, raw)
+            raise engine_refused(engine.name, status, raw)
         try:
             response = orjson.loads(raw)
         except orjson.JSONDecodeError as err:
@@ -423,7 +346,7 @@ class GatewayApp:
         await self.record(ex, self.recording.call(ex, gen, engine, version, latency))
         return response, gen
 
-    async def stream(self, ex: Exchange, events: "EventRenderer") -> "StreamedCall":
+    async def stream(self, ex: Exchange, events: EventRenderer) -> StreamedCall:
         """Opens a streamed engine request; the body returned relays its events to the harness
         (`events`), recording the call before the final event."""
         ex.forward["stream"] = True
@@ -437,7 +360,7 @@ class GatewayApp:
             finally:
                 upstream.close()
                 self.registry.release(lease, False)
-            raise _engine_refused(lease.engine.name, upstream.status, raw)
+            raise engine_refused(lease.engine.name, upstream.status, raw)
         return StreamedCall(self, ex, lease, version, t0, upstream, events)
 
     async def _acquire(self, route: str, session: Session, model: str, deadline: float
@@ -498,7 +421,8 @@ class GatewayApp:
         """Returns once the store has `call` with what a later call needs of it
         (`recording.py`); otherwise HTTPError with the status of the `RecordError` (401
         attempt over, 500, 502 store error, 503 held too long)."""
-        try:
+        try:  # the images first: a call refused or failed before this leaves none behind
+            await self.images.put(ex.images)  # (in the store before the call refers to them)
             await self.recording.record(ex, call)
         except RecordError as err:
             if isinstance(err, RecordRejected):
@@ -517,115 +441,3 @@ class GatewayApp:
         task = asyncio.get_running_loop().create_task(run())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-class EventRenderer(Protocol):
-    """Turns the engine's stream (chat or completion chunks) into one API's events."""
-
-    def chunk(self, chunk: dict[str, Any], gen: Generated) -> bytes: ...
-
-    def finish(self, gen: Generated) -> bytes: ...  # after the call is recorded
-
-    def error(self, err: HTTPError) -> bytes: ...
-
-
-class OpenAIEvents:
-    """OpenAI's own stream: the engine's chunks, without what the gateway added, then
-    `data: [DONE]` once the call is recorded."""
-
-    def __init__(self, keep_ids: bool, keep_logprobs: bool) -> None:
-        self.keep_ids, self.keep_logprobs = keep_ids, keep_logprobs
-
-    def chunk(self, chunk: dict[str, Any], gen: Generated) -> bytes:
-        return b"data: " + orjson.dumps(strip_chunk(chunk, self.keep_ids, self.keep_logprobs)) \
-            + b"\n\n"
-
-    def finish(self, gen: Generated) -> bytes:
-        return b"data: [DONE]\n\n"
-
-    def error(self, err: HTTPError) -> bytes:
-        return b"data: " + err.body("openai") + b"\n\n"
-
-
-class StreamedCall:
-    """A streamed response (`http_server.StreamBody`): relays the engine's events as they
-    arrive, records the call, then sends the final event. If the stream does not complete (the
-    client went away, the engine failed) the call is recorded as aborted."""
-
-    def __init__(self, app: GatewayApp, ex: Exchange, lease: Lease, version: int,
-                 t0: float, upstream: UpstreamStream, events: EventRenderer) -> None:
-        self.app, self.ex, self.lease, self.version, self.t0 = app, ex, lease, version, t0
-        self.engine = lease.engine
-        self.upstream, self.events = upstream, events
-        self.gen = Generated(ex.chat)
-        self.complete = False  # the engine's stream ended normally
-        self.delivered = False  # the call is recorded and the final event sent
-        self.closed = False
-        self._iter: AsyncIterator[bytes] | None = None
-        self.call: c.Call | None = None
-
-    def __aiter__(self) -> AsyncIterator[bytes]:
-        self._iter = self._relay()
-        return self._iter
-
-    async def _relay(self) -> AsyncIterator[bytes]:
-        decoder, gen, events = SSEDecoder(), self.gen, self.events
-        try:
-            while (data := await self.upstream.read()) is not None:
-                out = []
-                for payload in decoder.feed(data):
-                    if payload == DONE:
-                        continue
-                    chunk = orjson.loads(payload)
-                    if "error" in chunk and "choices" not in chunk:
-                        raise _engine_refused(self.engine.name, 502, payload)
-                    gen.add(chunk)
-                    out.append(events.chunk(chunk, gen))
-                if out:
-                    yield b"".join(out)
-        except HTTPError as err:
-            yield events.error(err)
-            return
-        except (UpstreamError, asyncio.TimeoutError, orjson.JSONDecodeError) as err:
-            yield events.error(HTTPError(502, f"engine {self.engine.name} failed mid-stream: "
-                                              f"{type(err).__name__}: {err}", "server_error",
-                                         "engine_error"))
-            return
-        self.complete = True
-        if problem := gen.problem():
-            yield events.error(HTTPError(502, problem, "server_error", "engine_error"))
-            return
-        call = self.app.recording.call(self.ex, gen, self.engine, self.version,
-                              time.perf_counter() - self.t0)
-        self.call = call
-        try:
-            await self.app.record(self.ex, call)
-        except HTTPError as err:
-            yield events.error(err)
-            return
-        self.delivered = True
-        yield events.finish(gen)
-
-    async def aclose(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        try:
-            if self._iter is not None:
-                await self._iter.aclose()  # type: ignore[attr-defined]
-        finally:
-            self.upstream.close()
-            self.app.registry.release(self.lease, self.complete)
-            if not self.delivered and self.gen.prompt_ids is not None:
-                # Never half-recorded: what the harness may have seen is kept, marked aborted
-                # (the trainer skips it); a complete call whose recording was cut short keeps
-                # its seq, so the store holds one version of it.
-                call = self.call
-                if call is None:
-                    aborted = self.app.recording.call(self.ex, self.gen, self.engine, self.version,
-                                             time.perf_counter() - self.t0, aborted=True)
-                else:
-                    aborted = c.Call()
-                    aborted.CopyFrom(call)
-                    aborted.aborted = True
-                self.app.record_later(self.ex, aborted)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pydantic import AliasChoices, BaseModel, Field
+from pydantic import AliasChoices, BaseModel, Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from harnessrl.config import ServiceConfig
@@ -75,6 +75,19 @@ class GatewayConfig(ServiceConfig):
     tokens_per_rollout: int = Field(4, ge=1, description="token in, token out: recent calls "
                                     "per attempt a turn may extend (side conversations, "
                                     "branches)")
+    max_image_bytes: int = Field(
+        10 * 1024 * 1024, ge=1, description="largest image a request may carry, decoded (HTTP "
+        "400 above; docs/vision.md); the store's own max_image_bytes must not be smaller")
+    max_images: int = Field(32, ge=0, description="images one request may carry at most, its "
+                            "earlier turns' included (HTTP 400 above)")
+    image_fetch_timeout_s: float = Field(
+        10.0, gt=0, description="time one image fetch may take in all, for runs that fetch "
+        "image URLs (RunSpec.fetch_image_urls; HTTP 400 past it)")
+    processor_dirs: dict[str, str] = Field(
+        default_factory=dict, description="served model name -> its folder, whose processor "
+        "files (processor_config.json, preprocessor_config.json) are recorded with each call "
+        "that carries images (Call.processor_json), read at start; a model not named here "
+        "has its image calls recorded without them (docs/vision.md)")
     engine_probe_interval_s: float = Field(2.0, description="health probe of unhealthy engines")
     state_namespace: str = Field(
         "gateway-engines", description="store namespace (PutState) of the engine registry: "
@@ -97,6 +110,10 @@ class GatewayConfig(ServiceConfig):
         "", description="host:port at which the other replicas reach this one's GatewayAdmin "
         "(they forward every engine change to it); empty: grpc_bind, a wildcard host replaced "
         "by the hostname (Kubernetes: the pod IP, from the downward API)")
+    advertise_http_address: str = Field(
+        "", description="host:port at which the other replicas reach this one's HTTP data "
+        "plane (they forward to it the calls of the rollouts it owns); empty: the host of "
+        "advertise_address (or of grpc_bind, as there) with the HTTP port")
     replica_namespace: str = Field(
         "gateway-replicas", description="store namespace (PutState) where replicas announce "
         "themselves")
@@ -105,9 +122,18 @@ class GatewayConfig(ServiceConfig):
         "others'")
     replica_ttl_s: float = Field(
         5.0, gt=0, description="a replica not renewed for this long is gone (its peers stop "
-        "forwarding to it and, once they are alone, stop checking the store on every call)")
+        "forwarding engine changes and calls to it; its rollouts move to them)")
     shutdown_grace_s: float = Field(
-        30.0, ge=0, description="on SIGTERM: the gateway reports not ready, stops accepting "
+        130.0, ge=0, description="on SIGTERM: the gateway reports not ready, stops accepting "
         "connections, and gives the requests in flight this long to finish (a rolling restart "
-        "loses none of them; Kubernetes: keep terminationGracePeriodSeconds above it)")
+        "loses none of them; Kubernetes: keep terminationGracePeriodSeconds above it); at "
+        "least hold_timeout_s, so that a call held by a pause during the drain is not cut")
     log_level: str = Field("INFO", description="logging level")
+
+    @model_validator(mode="after")
+    def _grace_covers_hold(self) -> "GatewayConfig":
+        if self.shutdown_grace_s < self.hold_timeout_s:
+            raise ValueError(
+                f"shutdown_grace_s ({self.shutdown_grace_s:g}) must be at least hold_timeout_s "
+                f"({self.hold_timeout_s:g}): a call held by a pause during a drain would be cut")
+        return self

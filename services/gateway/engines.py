@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import re
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from harnessrl.errors import (
     AlreadyExists,
@@ -23,12 +24,12 @@ from services.gateway.adapters import (
     MAX_ADAPTERS,
     AdapterState,
     check_name,
-    reload,
-    unload,
 )
+from services.gateway import rendezvous
 from services.gateway.upstream import UpstreamPool
 
 log = logging.getLogger("harnessrl.gateway.engines")
+adapter_log = logging.getLogger("harnessrl.gateway.adapters")  # LoRA admin requests
 
 
 @dataclass
@@ -94,10 +95,6 @@ class Lease:
 
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
-
-
-def _rendezvous(rollout_id: str, engine: str) -> bytes:
-    return hashlib.blake2b(f"{rollout_id}\0{engine}".encode(), digest_size=8).digest()
 
 
 def normalize_base_url(base_url: str) -> str:
@@ -340,7 +337,7 @@ class EngineRegistry:
     def _choose(self, rollout_id: str, model: str, adapter: str = "") -> EngineState | None:
         if self.hash_routing:
             serving = [e for e in self.engines.values() if e.serves(model, adapter)]
-            return max(serving, key=lambda e: _rendezvous(rollout_id, e.name), default=None)
+            return max(serving, key=lambda e: rendezvous.weight(rollout_id, e.name), default=None)
         name = self._sticky.get(rollout_id)
         eng = self.engines.get(name) if name else None
         if eng is not None and eng.serves(model, adapter):
@@ -393,3 +390,41 @@ class EngineRegistry:
         self._reloading.discard(eng.name)
         eng.reachable = True
         self._notify()
+
+
+# LoRA admin requests to an engine (adapters.py keeps what each engine holds) ------------
+
+async def _lora_post(engine: EngineState, path: str, body: dict[str, object], what: str,
+                timeout_s: float) -> bool:
+    """POSTs a LoRA admin request to the engine; a failure is logged. True on HTTP 200."""
+    try:
+        status, raw = await engine.pool.post(path, orjson.dumps(body), timeout_s)
+    except Exception as err:  # noqa: BLE001 - logged; the caller decides what it means
+        adapter_log.warning("%s on %s failed: %s", what, engine.name, err, extra={"engine": engine.name})
+        return False
+    if status != 200:
+        adapter_log.warning("%s on %s: HTTP %d %s", what, engine.name, status, raw[:200],
+                    extra={"engine": engine.name})
+    return status == 200
+
+
+async def unload(engine: EngineState, lora_names: list[str], timeout_s: float = 30.0
+                 ) -> list[str]:
+    """Unloads replaced versions from the engine; a failure is logged (the engine keeps an
+    unused adapter in its cache, nothing is served wrong). The names it unloaded."""
+    done = []
+    for name in lora_names:
+        if name and await _lora_post(engine, "/v1/unload_lora_adapter", {"lora_name": name},
+                                f"unloading {name}", timeout_s):
+            adapter_log.info("unloaded adapter %s", name, extra={"engine": engine.name})
+            done.append(name)
+    return done
+
+
+async def reload(engine: EngineState, lora_name: str, lora_path: str, timeout_s: float = 60.0
+                 ) -> bool:
+    """Loads `lora_name` from `lora_path` again (an engine back after a restart); True when the
+    engine has it."""
+    return await _lora_post(engine, "/v1/load_lora_adapter", {
+        "lora_name": lora_name, "lora_path": lora_path, "load_inplace": True},
+        f"reloading {lora_name}", timeout_s)

@@ -97,7 +97,7 @@ _ERRORS: dict[int, type[RecordError]] = {spb.APPEND_RESULT_REJECTED: RecordRejec
 
 @dataclass(slots=True)
 class _Item:
-    call: c.Call
+    call: bytes  # the `Call`, serialised once (AppendCallsRequestBytes)
     state: spb.GatewayCallState | None  # what the store keeps for the attempt's later calls
     deadline: float
     future: asyncio.Future[None]
@@ -122,8 +122,9 @@ class CallRecorder:
         self.store_down_since: float | None = None
 
     async def record(self, call: c.Call, state: spb.GatewayCallState | None = None) -> None:
-        """Returns once the store has `call` (and `state`, written with it)."""
-        item = _Item(call, state, time.monotonic() + self.hold_timeout_s,
+        """Returns once the store has `call` (and `state`, written with it): the call as it is
+        now, serialised once (the store keeps these bytes)."""
+        item = _Item(call.SerializeToString(), state, time.monotonic() + self.hold_timeout_s,
                      self._loop.create_future())
         self._queue.append(item)
         self._ready.set()
@@ -242,14 +243,14 @@ class _RecordStream:
         if self.call is None:
             self.call = self.store.record_calls()
         call = self.call
-        request = spb.AppendCallsRequest(calls=[i.call for i in items])
+        # the calls' bytes as they are (AppendCallsRequest's wire format: no copy of each
+        # message into the request, no second serialisation)
+        request = spb.AppendCallsRequestBytes(calls=[i.call for i in items])
         if any(i.state is not None for i in items):
             request.states.extend(i.state or _NO_STATE for i in items)
-
-        async def send_and_read() -> Any:
+        async with asyncio.timeout(max(timeout, 0.001)):  # one timer, no task per batch
             await call.write(request)
-            return await call.read()
-        resp = await asyncio.wait_for(send_and_read(), max(timeout, 0.001))
+            resp = await call.read()
         if resp is grpc.aio.EOF:
             raise _StreamEnded("the RecordCalls stream ended without a status")
         return resp  # type: ignore[no-any-return]

@@ -15,7 +15,7 @@ from services.gateway.streaming import Generated
 from services.gateway.tokens import TokenReuse
 
 if TYPE_CHECKING:
-    from services.gateway.app import Exchange
+    from services.gateway.exchange import Exchange
 
 MAX_CONFLICTS = 3  # seqs taken by other replicas meanwhile, before the call fails
 
@@ -37,6 +37,8 @@ class Recording:
         call.started_at = ex.started
         call.latency_s = latency
         call.seq = ex.session.take_seq()
+        if ex.images is not None:  # hashes, processor settings; the bytes are stored already
+            ex.images.fields(call)
         if ex.plan is not None:
             self.tokens.check(ex.plan, gen.prompt_ids)
             self.tokens.fields(ex.plan, call)

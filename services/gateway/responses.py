@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from harnessrl.v1 import store_pb2 as spb
+from services.gateway.images import RequestImages, chat_content
 from services.gateway.schemas import Invalid, Loc
 from services.gateway.streaming import Generated
 
@@ -67,22 +68,39 @@ class Chains:
             self._items.popitem(last=False)
 
 
-def _content_text(content: Any, where: Loc) -> str:
+def _content_text(content: Any, where: Loc, images: RequestImages | None = None
+                  ) -> str | list[dict[str, Any]]:
+    """A string, or a list of parts joined; with `images`, a list with `input_image` parts
+    becomes chat content parts (text and image_url, in order)."""
     if isinstance(content, str):
         return content
     if content is None:
         raise Invalid(where, "a string or a list of parts is required")
-    parts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        if part["type"] not in ("input_text", "output_text", "text"):
+        if part["type"] == "input_image" and images is not None:
+            parts.append(_image(part, (*where, j), images))
+        elif part["type"] not in ("input_text", "output_text", "text"):
             raise Invalid((*where, j, "type"),
                           f"content parts of type {part['type']!r} are not supported")
-        parts.append(part.get("text") or "")
-    return "".join(parts)
+        else:
+            parts.append({"type": "text", "text": part.get("text") or ""})
+    return chat_content(parts)
 
 
-def input_messages(items: Any) -> list[dict[str, Any]]:
-    """Chat messages for a Responses `input` (a string or a list of items)."""
+def _image(part: dict[str, Any], where: Loc, images: RequestImages) -> dict[str, Any]:
+    """An `input_image` part (its `image_url`, a data URL) as a chat image_url part."""
+    if part.get("image_url") is None:
+        field = "file_id" if part.get("file_id") is not None else "image_url"
+        raise Invalid((*where, field), "an image_url (a data URL) is required (file ids are "
+                                       "not supported)", "invalid_image")
+    url = images.data_url(part["image_url"], (*where, "image_url"))
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def input_messages(items: Any, images: RequestImages | None = None) -> list[dict[str, Any]]:
+    """Chat messages for a Responses `input` (a string or a list of items); `input_image`
+    parts of user messages are taken when `images` checks them."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if items is None:
@@ -95,7 +113,8 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise Invalid(("input", i, "role"), f"unknown role {role!r}")
             out.append({"role": "system" if role == "developer" else role,
-                        "content": _content_text(item.get("content"), ("input", i, "content"))})
+                        "content": _content_text(item.get("content"), ("input", i, "content"),
+                                                 images if role == "user" else None)})
         elif kind == "function_call":
             call = {"id": item.get("call_id") or "", "type": "function", "function": {
                 "name": item.get("name") or "", "arguments": item.get("arguments") or ""}}
@@ -118,14 +137,15 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
     return out
 
 
-def to_chat(request: dict[str, Any], history: list[dict[str, Any]]) -> dict[str, Any]:
+def to_chat(request: dict[str, Any], history: list[dict[str, Any]],
+            images: RequestImages | None = None) -> dict[str, Any]:
     """The chat completions request for a Responses request (checked against its shape,
     `schemas.ResponsesRequest`) after `history`."""
     messages: list[dict[str, Any]] = []
     if request.get("instructions"):
         messages.append({"role": "system", "content": request["instructions"]})
     messages += history
-    messages += input_messages(request.get("input"))
+    messages += input_messages(request.get("input"), images)
     forward: dict[str, Any] = {"model": request.get("model"), "messages": messages}
     if request.get("max_output_tokens") is not None:
         forward["max_tokens"] = request["max_output_tokens"]

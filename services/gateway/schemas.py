@@ -276,6 +276,10 @@ def _one_choice(request: dict[str, Any]) -> None:
     if request.get("n") not in (1, None):
         raise Invalid(("n",), "over 1 is not supported: the controller samples groups",
                       "unsupported_n")
+    for name in ("mm_processor_kwargs", "media_io_kwargs"):  # the record would not show them
+        if name in request:  # (images are processed as the model's processor settings say)
+            raise Invalid((name,), "not supported: images are processed as the served "
+                                   "model's processor settings say", "unsupported_parameter")
 
 
 class Shape:

@@ -67,20 +67,21 @@ async def serve(cfg: GatewayConfig) -> None:
     def on_peers(alone: bool) -> None:
         registry.hash_routing = not alone
 
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.http_host, cfg.http_port))
+    http_port = sock.getsockname()[1]
+    admin_address = cfg.advertise_address or advertised(cfg.grpc_bind, grpc_port)
     replicas = ReplicaSet(
         store, cfg.replica_namespace, cfg.replica_name or default_name(grpc_port),
-        cfg.advertise_address or advertised(cfg.grpc_bind, grpc_port), cfg.replica_heartbeat_s,
-        cfg.replica_ttl_s, lambda: state.reload(registry, [], cfg.state_load_timeout_s),
-        on_peers)
+        admin_address, cfg.replica_heartbeat_s, cfg.replica_ttl_s,
+        lambda: state.reload(registry, [], cfg.state_load_timeout_s), on_peers,
+        cfg.advertise_http_address or f"{admin_address.rsplit(':', 1)[0]}:{http_port}")
     await replicas.beat()  # the peers, before any call (a store down: the gateway exits)
     admin.replicas = readiness.replicas = replicas
     sessions = Sessions(signer, store, replicas=replicas, hold_timeout_s=cfg.hold_timeout_s)
     app = GatewayApp(cfg, registry, sessions, recorder, store)
     app.readiness = readiness
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((cfg.http_host, cfg.http_port))
-    http_port = sock.getsockname()[1]
     http_server = await serve_http(app.handle, sock, cfg.max_body_bytes,
                                    cfg.http_idle_timeout_s, cfg.http_read_timeout_s)
     probe = asyncio.create_task(_probe_engines(registry, http, cfg.engine_probe_interval_s,
@@ -93,6 +94,7 @@ async def serve(cfg: GatewayConfig) -> None:
 
     async def shutdown() -> None:  # still a replica (pauses reach it) until its calls are done
         readiness.stopping = True
+        replicas.draining = True  # its rollouts move to its peers (the next heartbeat says so)
         cut = await http_server.drain(cfg.shutdown_grace_s)
         log.info("stopped serving HTTP%s", f"; {cut} connections cut after "
                  f"{cfg.shutdown_grace_s:g}s" if cut else "")
@@ -104,6 +106,7 @@ async def serve(cfg: GatewayConfig) -> None:
         heartbeat.cancel()
         await asyncio.gather(heartbeat, return_exceptions=True)  # no announcement after leave
         await replicas.leave()
+        app.ownership.close()
         await http.aclose()
         await store.close()
 

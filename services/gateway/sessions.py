@@ -8,8 +8,8 @@ closes the session, so the key stops working at once.
 
 What a gateway caches of an attempt (next seq, token segments) is also in the store, written
 with each call, so `refresh` reads it back when the cache may be behind: after a restart or an
-eviction, after the set of replicas changed, and before every call while other replicas serve
-too (`replicas.py`).
+eviction, and once after the set of replicas changed (with peers only the rollout's owner
+serves its calls: `ownership.py`).
 """
 
 from __future__ import annotations
@@ -29,11 +29,14 @@ from harnessrl.v1 import store_pb2 as spb
 
 
 NO_SEGMENTS = 2**31 - 1  # GetGatewayState's known_next_seq for the next seq alone
+# a store that answers these is down or restarting: the call is held, not refused
+HELD = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class Session:
     __slots__ = ("cred", "next_seq", "closed", "run_model", "sampling", "sampling_problem",
-                 "tokens", "let_go", "evicted", "adapter", "epoch", "seen_next", "lost")
+                 "tokens", "let_go", "evicted", "adapter", "epoch", "seen_next", "lost",
+                 "fetch_images")
 
     def __init__(self, cred: RolloutCredential, next_seq: int) -> None:
         self.cred = cred
@@ -49,6 +52,7 @@ class Session:
         self.epoch = 0  # the replica set's epoch its caches were last read from the store at
         self.seen_next = next_seq  # the store's next seq as far as this replica has seen it
         self.lost = False  # a seq it took was never stored (another replica may record it)
+        self.fetch_images = False  # RunSpec.fetch_image_urls: http(s) images are fetched
 
     def take_seq(self) -> int:
         seq = self.next_seq
@@ -69,6 +73,16 @@ class Sessions:
         self._sessions: dict[tuple[str, int], Session] = {}
         self._verified: dict[str, RolloutCredential] = {}
         self._loading: dict[tuple[str, int], asyncio.Future[Session]] = {}
+
+    async def from_headers(self, headers: list[tuple[bytes, bytes]]) -> Session:
+        """`authenticate` with a request's `Authorization` or `x-api-key` header."""
+        authorization = api_key = None
+        for name, value in headers:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == b"x-api-key":
+                api_key = value.decode("latin-1")
+        return await self.authenticate(authorization, api_key)
 
     async def authenticate(self, authorization: str | None, api_key: str | None = None
                            ) -> Session:
@@ -141,18 +155,25 @@ class Sessions:
                 return
             raise Unavailable(f"store unavailable: {err.details()}") from err
         session.run_model, session.adapter = run.spec.model, run.spec.adapter
+        session.fetch_images = run.spec.fetch_image_urls
         if run.spec.HasField("sampling") and run.spec.sampling.ListFields():
             session.sampling = run.spec.sampling
             session.sampling_problem = unmatched(run.spec.sampling, run.spec.stream)
 
+    async def wait_ready(self, deadline: float) -> None:
+        """Holds a call while this replica may not take calls (`ReplicaSet.wait_ready`)."""
+        if self.replicas is not None:
+            await self.replicas.wait_ready(deadline)
+
     def current(self, session: Session) -> bool:
         """Whether a call may go on without `refresh` (no chain to resolve): this replica takes
-        calls and the session's caches are the store's."""
+        calls, owns the rollout (alone, it owns every one: ownership.py) and the session's
+        caches were read since the last change of the replica set."""
         if session.tokens is None and session.next_seq > 0:
             return False
         replicas = self.replicas
-        return replicas is None or replicas.alone and session.epoch == replicas.epoch and \
-            replicas.ready
+        return replicas is None or replicas.owns(session.cred.rollout_id) and \
+            session.epoch == replicas.epoch and replicas.ready
 
     async def refresh(self, session: Session, response_id: str = "", force: bool = False
                       ) -> bytes | None:
@@ -160,8 +181,7 @@ class Sessions:
         module); with `response_id`, also resolves that Responses chain: its messages (JSON)
         or None when the store has no such response of this attempt."""
         replicas = self.replicas
-        if replicas is not None:
-            await replicas.wait_ready(time.monotonic() + self.hold_timeout_s)
+        await self.wait_ready(time.monotonic() + self.hold_timeout_s)
         if not force and not response_id and self.current(session):
             return None
         epoch = replicas.epoch if replicas is not None else 0
@@ -187,11 +207,20 @@ class Sessions:
         return st.messages_json if st.response_found else None
 
     async def _state(self, session: Session, known: int, response_id: str) -> spb.GatewayState:
-        try:
-            return await self.store.get_gateway_state(
-                session.cred.rollout_id, session.cred.attempt, known, response_id)
-        except grpc.aio.AioRpcError as err:
-            raise Unavailable(f"store unavailable: {err.details()}") from err
+        """The attempt's state in the store; a store that cannot be reached holds the call (as
+        the recorder holds a record) up to `hold_timeout_s`, then Unavailable (503)."""
+        deadline = time.monotonic() + self.hold_timeout_s
+        wait = 0.05
+        while True:
+            try:
+                return await self.store.get_gateway_state(
+                    session.cred.rollout_id, session.cred.attempt, known, response_id)
+            except grpc.aio.AioRpcError as err:
+                left = deadline - time.monotonic()
+                if err.code() not in HELD or left <= 0:
+                    raise Unavailable(f"store unavailable: {err.details()}") from err
+                await asyncio.sleep(min(wait, left))
+                wait = min(wait * 2, 1.0)
 
     def close(self, session: Session, why: str) -> None:
         session.closed = why

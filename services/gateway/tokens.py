@@ -98,6 +98,56 @@ def digest(canon: list[dict[str, Any]]) -> bytes:
                            digest_size=16).digest()
 
 
+class Prefixes:
+    """`digest` of the prefixes of one request's messages (canonical), hashed incrementally:
+    a longer prefix's hash goes on from a shorter one's, so the conversation is encoded and
+    hashed once per call, where `digest(canon[:n])` did it again for each prefix compared and
+    once more for the call's own state. The same bytes are hashed (orjson's compact list:
+    "[", the messages comma separated, "]"), so the digests are `digest`'s. (Each run of
+    messages is encoded in one call: orjson spends about 1 us a call, ten times what one
+    message costs it.)"""
+
+    __slots__ = ("canon", "_hash", "_n", "_seen")
+
+    def __init__(self, canon: list[dict[str, Any]]) -> None:
+        self.canon = canon
+        self._hash: Any = None  # "[" and the first `_n` messages, once a prefix is asked for
+        self._n = 0
+        self._seen: dict[int, bytes] = {}
+
+    def _add(self, h: Any, first: bool, messages: list[dict[str, Any]]) -> None:
+        encoded = orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)  # "[m,m,...]"
+        if not first:
+            h.update(b",")
+        h.update(memoryview(encoded)[1:-1])
+
+    def _upto(self, n: int) -> Any:
+        if self._hash is None or n < self._n:  # (asked out of order: hashed again)
+            self._hash, self._n = hashlib.blake2b(b"[", digest_size=16), 0
+        if n > self._n:
+            self._add(self._hash, self._n == 0, self.canon[self._n:n])
+            self._n = n
+        return self._hash
+
+    def digest(self, n: int) -> bytes:
+        """`digest(canon[:n])`."""
+        found = self._seen.get(n)
+        if found is None:
+            h = self._upto(n).copy()
+            h.update(b"]")
+            found = self._seen[n] = h.digest()
+        return found
+
+    def with_message(self, message: dict[str, Any]) -> bytes:
+        """`digest(canon + [message])`."""
+        if self._hash is None:  # no prefix asked for (a first turn): in one go
+            return digest(self.canon + [message])
+        h = self._hash.copy()  # (`_n` <= len(canon): only prefixes are asked for)
+        self._add(h, self._n == 0, self.canon[self._n:] + [message])
+        h.update(b"]")
+        return h.digest()
+
+
 _SETTINGS = ("tools", "chat_template", "chat_template_kwargs")
 _UNTRACKED = frozenset(("echo", "continue_final_message", "documents", "kv_transfer_params",
                         "prompt_embeds"))
@@ -131,6 +181,7 @@ class Plan:
     state: SegmentState | None = None  # the state it extends (CONTINUED)
     prompt: list[int] | None = None  # the ids sent (CONTINUED)
     canon: list[dict[str, Any]] = field(default_factory=list)  # its messages, canonical
+    prefixes: Prefixes | None = None  # digests of `canon`'s prefixes
     settings: bytes = b""
     engine_rendered: bool = False  # the engine did not use the ids sent
 
@@ -199,13 +250,15 @@ class TokenReuse:
             canon = [canonical(m) for m in messages]
         except NotText:
             return Plan(c.SEGMENT_START_UNTRACKED)
-        plan = Plan(c.SEGMENT_START_FIRST, canon=canon, settings=settings_digest(forward))
+        prefixes = Prefixes(canon)
+        plan = Plan(c.SEGMENT_START_FIRST, canon=canon, prefixes=prefixes,
+                    settings=settings_digest(forward))
         states: list[SegmentState] | None = session.tokens
         if not states:
             if session.next_seq > 0:
                 plan.start = c.SEGMENT_START_NO_STATE
             return plan
-        state = _extended(states, canon, plan.settings)
+        state = _extended(states, prefixes, plan.settings)
         if state is None:
             plan.start = c.SEGMENT_START_SETTINGS_CHANGED \
                 if all(s.settings != plan.settings for s in states) else c.SEGMENT_START_EDITED
@@ -284,14 +337,16 @@ class TokenReuse:
         over (`unsent` gives them back if it is not recorded). They go with a later call rather
         than their own: calls of one attempt in flight together each see the states as they
         were, and only `recorded`, one call at a time, knows which go."""
-        if call.segment_start == c.SEGMENT_START_UNTRACKED:
+        if call.segment_start in (c.SEGMENT_START_UNTRACKED, c.SEGMENT_START_MEDIA):
             return None
         try:
-            canon = plan.canon + [canonical(assistant)]
+            answer = canonical(assistant)
         except NotText:
             return None
-        out = spb.GatewayCallState(segment=True, n_messages=len(canon), digest=digest(canon),
-                                   settings=plan.settings)
+        out = spb.GatewayCallState(
+            segment=True, n_messages=len(plan.canon) + 1, settings=plan.settings,
+            digest=plan.prefixes.with_message(answer) if plan.prefixes is not None
+            else digest(plan.canon + [answer]))
         if len(session.let_go) >= self.drop_batch:
             out.drop_seqs.extend(session.let_go)
             session.let_go = []
@@ -352,17 +407,15 @@ class TokenReuse:
             old.tokens, old.evicted = None, True  # read again from the store on its next turn
 
 
-def _extended(states: list[SegmentState], canon: list[dict[str, Any]], settings: bytes
+def _extended(states: list[SegmentState], prefixes: Prefixes, settings: bytes
               ) -> SegmentState | None:
-    """The most recent state whose messages `canon` begins with (and adds to)."""
-    seen: dict[int, bytes] = {}
-    for state in states:
-        n = state.n_messages
-        if state.settings != settings or len(canon) <= n:
-            continue
-        if n not in seen:
-            seen[n] = digest(canon[:n])
-        if seen[n] == state.digest:
+    """The most recent state whose messages `prefixes.canon` begins with (and adds to)."""
+    n_canon = len(prefixes.canon)
+    candidates = [s for s in states if s.settings == settings and n_canon > s.n_messages]
+    for n in sorted({s.n_messages for s in candidates}):  # one pass, shortest first
+        prefixes.digest(n)
+    for state in candidates:
+        if prefixes.digest(state.n_messages) == state.digest:
             return state
     return None
 

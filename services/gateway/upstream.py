@@ -200,21 +200,23 @@ class UpstreamPool:
             raise ConnectFailed(f"cannot connect to {self.host}:{self.port}: {err}") from err
         return conn
 
-    def _request_bytes(self, path: str, body: bytes) -> bytes:
+    def _request_bytes(self, path: str, body: bytes, headers: bytes = b"") -> bytes:
+        """`headers` (lines, each `\r\nName: value`): sent in place of the engine key's."""
         key = self.key.value()
         if key != self._key:
             self._key, self._auth = key, b"\r\nAuthorization: Bearer " + key.encode() if key \
                 else b""
         return b"".join((
             b"POST ", (self.prefix + path).encode(), b" HTTP/1.1\r\nHost: ", self.host_header,
-            self._auth,
+            headers or self._auth,
             b"\r\nContent-Type: application/json\r\nContent-Length: ", str(len(body)).encode(),
             b"\r\n\r\n", body))
 
-    async def post(self, path: str, body: bytes, timeout: float) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes, timeout: float, headers: bytes = b""
+                   ) -> tuple[int, bytes]:
         """POSTs JSON; returns (status, body). Raises ConnectFailed when the engine could not
         be reached at all, UpstreamError when the exchange broke."""
-        request = self._request_bytes(path, body)
+        request = self._request_bytes(path, body, headers)
         now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()
@@ -229,10 +231,11 @@ class UpstreamPool:
                 raise
         return await self._exchange(await self._connect(), request, timeout)
 
-    async def stream(self, path: str, body: bytes, timeout: float) -> UpstreamStream:
+    async def stream(self, path: str, body: bytes, timeout: float, headers: bytes = b""
+                     ) -> UpstreamStream:
         """POSTs JSON and returns once the response head arrived; `timeout` bounds the whole
         exchange. Raises like `post`."""
-        request = self._request_bytes(path, body)
+        request = self._request_bytes(path, body, headers)
         now = time.monotonic()
         while self.idle:
             conn = self.idle.pop()

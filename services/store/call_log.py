@@ -163,10 +163,11 @@ class CallLog:
         return (f"{self.p}calls:{tail}", f"{self.p}gws:{tail}", f"{self.p}gw:{tail}",
                 f"{self.p}gwr:{tail}")
 
-    async def append(self, calls: Sequence[c.Call], states: Sequence[spb.GatewayCallState]
-                     ) -> list[int]:
-        """Appends checked calls with their states (one round trip): per call 1 stored,
-        0 duplicate, -1 unknown rollout, -2 attempt not running, -3 conflict."""
+    async def append(self, calls: Sequence[c.Call], states: Sequence[spb.GatewayCallState],
+                     data: Sequence[bytes] = ()) -> list[int]:
+        """Appends checked calls with their states (one round trip), each stored as its bytes
+        in `data` (as received) or else serialised: per call 1 stored, 0 duplicate, -1 unknown
+        rollout, -2 attempt not running, -3 conflict."""
         keys: list[str] = []
         args: list[bytes | str | int] = []
         for i, call in enumerate(calls):
@@ -180,7 +181,8 @@ class CallLog:
                     n_messages=state.n_messages, digest=state.digest,
                     settings=state.settings).SerializeToString()
             ends = state.drop_seqs
-            args += [call.attempt, call.seq, call.SerializeToString(), _unaborted(call),
+            args += [call.attempt, call.seq, data[i] if data else call.SerializeToString(),
+                     _unaborted(call),
                      record, len(ends), *ends, state.response_id]
             if state.response_id:
                 keys += [gw, resps]

@@ -47,6 +47,13 @@ class StoreConfig(ServiceConfig):
         1024 * 1024, ge=1, description="largest value PutState accepts (INVALID_ARGUMENT above)")
     max_state_keys: int = Field(
         10_000, ge=1, description="keys per PutState namespace (RESOURCE_EXHAUSTED above)")
+    max_image_bytes: int = Field(
+        20 * 1024 * 1024, ge=1, description="largest image PutImages accepts "
+        "(INVALID_ARGUMENT above; the gateway's own max_image_bytes should not be larger)")
+    max_image_store_bytes: int = Field(
+        2 * 1024 ** 3, ge=1, description="bytes of images the image store holds at most "
+        "(PutImages answers RESOURCE_EXHAUSTED past it); images are kept in Redis, in memory, "
+        "and not deleted yet: size Redis for them")
     ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
                                            "serving")
     metrics_bind: str = Field("", description=METRICS_BIND_HELP)

@@ -5,41 +5,31 @@ and a group is never published with only some of its rewards.
 
 Rules: every rollout of the group must have ended. An answer (no `error`) gives one reward
 per rollout that SUCCEEDED, no more and no fewer; each succeeded rollout's reward becomes
-the group grader's (the per-attempt grader's is kept as `attempt_reward`), with its parts and
-reason; the group is published to its stream once (the publish script's flag). With `error`
-the group FAILS: each succeeded rollout becomes FAILED with the reason (no reward), and the
-group is published so, every rollout failed — the trainer counts it (a sync step waits for
-every group, async admission for every consumed one) and learns nothing from it; a group is
-never published with some of its rewards. A group answered already (DONE or FAILED) is left as
-it is: a repeat is a no-op.
+the group grader's (the per-attempt grader's is kept as `attempt_reward`), with its parts,
+reason and tamper flag (`rewards.py`: a rollout the per-attempt grader found tampered stays
+so, and gets no positive reward); the group is published to its stream once
+(`GroupStream.end`). With `error` the group FAILS: each succeeded rollout becomes FAILED with the
+reason (no reward; a tamper flag stays), and the group is published so, every rollout failed —
+the trainer counts it (a sync step waits for every group, async admission for every consumed
+one) and learns nothing from it; a group is never published with some of its rewards. A group
+answered already (DONE or FAILED) is left as it is: a repeat is a no-op.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
+import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from harnessrl.errors import FailedPrecondition, InvalidArgument, NotFound
 from harnessrl.statuses import TERMINAL
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
+from services.store import rewards as reward_record
+from services.store.group_stream import GroupStream
 
-NO_STREAM = ("", "-")  # streams of runs that publish nothing
-
-if TYPE_CHECKING:
-    from services.store.redis_store import RolloutStore
-
-MAX_REASON_CHARS = 2000
-
-
-def check_parts(parts: "list[c.RewardPart]", where: str) -> None:
-    names = [p.name for p in parts]
-    if any(not n for n in names) or len(set(names)) != len(names):
-        raise InvalidArgument(f"{where}: reward parts need distinct, non-empty names")
-    if any(not math.isfinite(p.value) for p in parts):
-        raise InvalidArgument(f"{where}: reward parts must be finite numbers")
+MAX_REASON_CHARS = reward_record.MAX_REASON_CHARS
 
 
 def _checked(req: spb.SetGroupRewardsRequest) -> dict[str, spb.GroupReward]:
@@ -51,7 +41,7 @@ def _checked(req: spb.SetGroupRewardsRequest) -> dict[str, spb.GroupReward]:
             raise InvalidArgument(f"rewards: rollout_id {r.rollout_id!r} empty or repeated")
         if not math.isfinite(r.reward):
             raise InvalidArgument(f"rewards: {r.rollout_id}'s reward is not a finite number")
-        check_parts(list(r.parts), f"rewards: {r.rollout_id}")
+        reward_record.check_group(r)
         rewards[r.rollout_id] = r
     if req.error and rewards:
         raise InvalidArgument("give rewards or an error, not both")
@@ -79,22 +69,20 @@ def _apply(ros: list[c.Rollout], req: spb.SetGroupRewardsRequest,
             r = rewards[ro.rollout_id]
             if ro.has_reward:
                 ro.attempt_reward = ro.reward
-            ro.has_reward, ro.reward = True, r.reward
-            ro.reward_reason = r.reason[:MAX_REASON_CHARS]
-            del ro.reward_parts[:]
-            ro.reward_parts.extend(r.parts)
+            reward_record.record_group(ro, r)
 
 
-async def set_group_rewards(store: "RolloutStore", req: spb.SetGroupRewardsRequest
-                            ) -> tuple[list[c.Rollout], bool]:
-    """The group's rollouts as stored now, and whether this call published the group."""
+async def set_group_rewards(r: aioredis.Redis, prefix: str, stream: GroupStream,
+                            req: spb.SetGroupRewardsRequest) -> tuple[list[c.Rollout], bool]:
+    """The group's rollouts as stored now, and whether this call published the group (the
+    rollout records and the group's list are `redis_store`'s keys under `prefix`)."""
     rewards = _checked(req)
-    ids = [i.decode() for i in await store.r.lrange(store._k("grp", req.group_id), 0, -1)]
+    ids = [i.decode() for i in await r.lrange(f"{prefix}grp:{req.group_id}", 0, -1)]
     if not ids:
         raise NotFound(f"group {req.group_id!r} not found")
-    keys = [store._k("ro", i) for i in ids]
+    keys = [f"{prefix}ro:{i}" for i in ids]
     while True:
-        async with store.r.pipeline(transaction=True) as pipe:
+        async with r.pipeline(transaction=True) as pipe:
             try:
                 await pipe.watch(*keys)
                 datas = await pipe.mget(keys)
@@ -113,18 +101,10 @@ async def set_group_rewards(store: "RolloutStore", req: spb.SetGroupRewardsReque
                     raise FailedPrecondition(f"group {req.group_id}: not every rollout has "
                                              f"ended (running: {running[:5]})")
                 _apply(ros, req, rewards)
-                gdone, ro0 = store._k("gdone", req.group_id), ros[0]
                 pipe.multi()
                 for key, ro in zip(keys, ros):
                     pipe.set(key, ro.SerializeToString())
-                pipe.sadd(gdone, *ids)
-                publish = ro0.stream not in NO_STREAM
-                if publish:
-                    await store._publish(
-                        keys=[gdone, store._k("gpub", req.group_id),
-                              store._stream_key(ro0.stream)],
-                        args=[ro0.group_size, req.group_id, ro0.run_id, ro0.task_id],
-                        client=pipe)
+                publish = await stream.end(ros[0], ids, pipe=pipe)
                 results = await pipe.execute()
                 return ros, publish and bool(results[-1])
             except WatchError:

@@ -19,7 +19,7 @@ from collections import Counter
 from prometheus_client import Counter as PromCounter, Gauge
 
 from harnessrl.v1 import store_pb2 as spb
-from services.store.redis_store import RolloutStore
+from services.store.group_stream import GroupStream
 
 log = logging.getLogger("harnessrl.store")
 
@@ -51,11 +51,11 @@ def count_appended(results: list[int]) -> None:
         _BY_RESULT[result].inc(n)
 
 
-async def refresh_streams(store: RolloutStore, every_s: float) -> None:
+async def refresh_streams(streams: GroupStream, every_s: float) -> None:
     """Keeps the stream series current until cancelled (a Redis error is logged and retried)."""
     while True:
         try:
-            for stream, length, groups in await store.stream_stats():
+            for stream, length, groups in await streams.stats():
                 STREAM_ENTRIES.labels(stream).set(length)
                 for group, lag, pending in groups:
                     STREAM_LAG.labels(stream, group).set(lag)

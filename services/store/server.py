@@ -11,8 +11,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError, RedisError
 from harnessrl import procs, rpc
 from harnessrl.config import mask_passwords
 from harnessrl.metrics import serve_metrics
-from harnessrl.v1 import store_pb2, store_pb2_grpc
+from harnessrl.v1 import store_pb2
+from services.store.call_bytes import add_store_servicer
 from services.store.config import StoreConfig
+from services.store.images import ImageStore
 from services.store.metrics import refresh_streams
 from services.store.redis_client import connect
 from services.store.redis_store import RolloutStore
@@ -48,6 +50,7 @@ async def serve(cfg: StoreConfig) -> None:
                   mask_passwords(str(exc)), _hint(cfg.redis_url, exc))
         raise SystemExit(1) from None
     store = RolloutStore(client, cfg.key_prefix)
+    images = ImageStore(client, cfg.key_prefix, cfg.max_image_bytes, cfg.max_image_store_bytes)
 
     async def ready() -> tuple[bool, str]:
         """SERVING while Redis answers a PING within the check interval."""
@@ -58,14 +61,14 @@ async def serve(cfg: StoreConfig) -> None:
         return True, ""
 
     server, port, _ = await rpc.start_server(cfg.bind, [
-        (store_pb2_grpc.add_StoreServicer_to_server,
-         StoreServicer(store, cfg.max_state_value_bytes, cfg.max_state_keys),
+        (add_store_servicer,  # AppendCalls and RecordCalls keep each call's bytes
+         StoreServicer(store, cfg.max_state_value_bytes, cfg.max_state_keys, images),
          store_pb2.DESCRIPTOR.services_by_name["Store"].full_name),
     ], ready=ready, ready_interval_s=cfg.health_interval_s)
     log.info("store serving on port %d, redis %s, prefix %r", port, shown,
              cfg.key_prefix)
     metrics_port = serve_metrics(cfg.metrics_bind)
-    refresh = asyncio.create_task(refresh_streams(store, cfg.metrics_refresh_s)) \
+    refresh = asyncio.create_task(refresh_streams(store.groups, cfg.metrics_refresh_s)) \
         if metrics_port is not None else None
     rpc.write_ready_file(cfg.ready_file, grpc_port=port, redis_url=shown,
                          metrics_port=metrics_port)

@@ -17,6 +17,8 @@ from harnessrl.rpc import map_errors
 from harnessrl.v1 import common_pb2 as c
 from harnessrl.v1 import store_pb2 as spb
 from harnessrl.v1 import store_pb2_grpc
+from services.store.call_bytes import CallBatch
+from services.store.images import ImageStore
 from services.store.metrics import count_appended
 from services.store.redis_store import RolloutStore
 from services.store.state_space import require as _require
@@ -39,8 +41,9 @@ def _redis_unavailable(fn: F) -> F:
 @map_errors
 class StoreServicer(store_pb2_grpc.StoreServicer):
     def __init__(self, store: RolloutStore, max_state_value_bytes: int = 1024 * 1024,
-                 max_state_keys: int = 10_000) -> None:
+                 max_state_keys: int = 10_000, images: ImageStore | None = None) -> None:
         self.store = store
+        self.images = images or ImageStore(store.r, store.p, 20 * 1024 * 1024, 2 * 1024 ** 3)
         self.max_state_value_bytes = max_state_value_bytes
         self.max_state_keys = max_state_keys
 
@@ -71,14 +74,17 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
                                               request.workdir)
 
     @_redis_unavailable
-    async def AppendCalls(self, request: spb.AppendCallsRequest,
+    async def AppendCalls(self, request: CallBatch,  # type: ignore[override]
                           context: grpc.aio.ServicerContext) -> spb.AppendCallsResponse:
-        results, reasons = await self.store.append_calls(request.calls, request.states)
+        """(Requests read by `call_bytes.decode`: each call with the bytes it came in.)"""
+        results, reasons = await self.store.append_calls(request.calls, request.states,
+                                                         request.data)
         count_appended(results)
         return spb.AppendCallsResponse(results=results,  # type: ignore[arg-type]
                                        reasons=reasons)
 
-    async def RecordCalls(self, request_iterator: AsyncIterator[spb.AppendCallsRequest],
+    async def RecordCalls(self,  # type: ignore[override]
+                          request_iterator: AsyncIterator[CallBatch],
                           context: grpc.aio.ServicerContext
                           ) -> AsyncIterator[spb.AppendCallsResponse]:
         """AppendCalls per batch, answered in order. The store's own errors are answered in
@@ -89,8 +95,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         async for request in request_iterator:
             try:
                 try:
-                    results, reasons = await self.store.append_calls(request.calls,
-                                                                     request.states)
+                    results, reasons = await self.store.append_calls(
+                        request.calls, request.states, request.data)
                 except _REDIS_DOWN:
                     raise
                 except Exception:  # noqa: BLE001 - answered per call below
@@ -103,14 +109,14 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
             yield spb.AppendCallsResponse(results=results,  # type: ignore[arg-type]
                                           reasons=reasons)
 
-    async def _one_by_one(self, request: spb.AppendCallsRequest
-                          ) -> tuple[list[int], list[str]]:
+    async def _one_by_one(self, request: CallBatch) -> tuple[list[int], list[str]]:
         results, reasons = [], []
         states = list(request.states)
         for i, call in enumerate(request.calls):
             try:
                 (result,), (reason,) = await self.store.append_calls(
-                    [call], states[i:i + 1] if len(states) == len(request.calls) else ())
+                    [call], states[i:i + 1] if len(states) == len(request.calls) else (),
+                    request.data[i:i + 1])
             except _REDIS_DOWN:
                 raise
             except Exception as exc:  # noqa: BLE001 - the store's error, answered as FAILED
@@ -158,7 +164,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     @_redis_unavailable
     async def ReadGroups(self, request: spb.ReadGroupsRequest,
                          context: grpc.aio.ServicerContext) -> spb.ReadGroupsResponse:
-        groups = await self.store.read_groups(
+        groups = await self.store.groups.read(
             request.stream or "train", request.consumer_group or "trainer",
             request.consumer or "trainer-0", _bounded(request.max_groups or 1, 10_000),
             _bounded(request.block_ms, 60_000), request.include_calls,
@@ -168,7 +174,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     @_redis_unavailable
     async def AckGroups(self, request: spb.AckGroupsRequest,
                         context: grpc.aio.ServicerContext) -> spb.AckGroupsResponse:
-        n = await self.store.ack_groups(request.stream or "train",
+        n = await self.store.groups.ack(request.stream or "train",
                                         request.consumer_group or "trainer", request.entry_ids)
         return spb.AckGroupsResponse(acknowledged=n)
 
@@ -176,28 +182,28 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     async def NackGroups(self, request: spb.NackGroupsRequest,
                          context: grpc.aio.ServicerContext) -> spb.NackGroupsResponse:
         stream = request.stream or "train"
-        redelivered, dead = await self.store.nack_groups(
+        redelivered, dead = await self.store.groups.nack(
             stream, request.consumer_group or "trainer", request.consumer or "trainer-0",
             list(request.entry_ids), request.reason, max(0, request.max_deliveries),
             request.redeliver, request.include_calls)
         letters = []
         if dead:  # the newest dead letters hold them
             wanted = set(dead)
-            letters = [d for d in await self.store.list_dead_letters(stream, 10 * len(dead) + 100)
+            letters = [d for d in await self.store.groups.dead_letters(stream, 10 * len(dead) + 100)
                        if d.original_entry_id in wanted]
         return spb.NackGroupsResponse(dead_letters=letters, redelivered=redelivered)
 
     @_redis_unavailable
     async def ListDeadLetters(self, request: spb.ListDeadLettersRequest,
                               context: grpc.aio.ServicerContext) -> spb.ListDeadLettersResponse:
-        letters = await self.store.list_dead_letters(request.stream or "train", request.limit)
+        letters = await self.store.groups.dead_letters(request.stream or "train", request.limit)
         return spb.ListDeadLettersResponse(dead_letters=letters)
 
     @_redis_unavailable
     async def TrimGroups(self, request: spb.TrimGroupsRequest,
                          context: grpc.aio.ServicerContext) -> spb.TrimGroupsResponse:
-        trimmed, min_id = await self.store.trim_groups(request.stream or "train",
-                                                       request.below_entry_id)
+        trimmed, min_id = await self.store.groups.trim(request.stream or "train",
+                                                        request.below_entry_id)
         return spb.TrimGroupsResponse(trimmed=trimmed, min_entry_id=min_id)
 
     @_redis_unavailable
@@ -235,6 +241,16 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
         entries = await self.store.state.list(request.namespace)
         return spb.ListStateResponse(entries=[spb.StateEntry(key=k, value=v)
                                               for k, v in entries])
+
+    @_redis_unavailable
+    async def PutImages(self, request: spb.PutImagesRequest,
+                        context: grpc.aio.ServicerContext) -> spb.PutImagesResponse:
+        return await self.images.put(request.images)
+
+    @_redis_unavailable
+    async def GetImages(self, request: spb.GetImagesRequest,
+                        context: grpc.aio.ServicerContext) -> spb.GetImagesResponse:
+        return spb.GetImagesResponse(images=await self.images.get(request.sha256))
 
 
 def _bounded(value: int, most: int) -> int:

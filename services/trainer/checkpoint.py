@@ -11,6 +11,7 @@ Layout, under `<output_dir>/checkpoints/`:
       trainer_state.pt        optimizer state, RNG states (python, numpy, torch[, cuda])
       state.json              step, policy version, the stream entry ids consumed, when
     latest                    text file naming the newest complete checkpoint ("step-000012")
+                              (these names, and finding `latest`: harnessrl/checkpoint_folders.py)
 
 A checkpoint of a sharded trainer (world size N > 1) has the same layout, except:
 
@@ -63,7 +64,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -73,15 +73,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from harnessrl.checkpoint_folders import (LATEST, STATE_FILE, STEP_DIR, latest_checkpoint,
+                                          step_dir_name)
+
 from . import lora
 
 log = logging.getLogger("harnessrl.trainer")
 
-LATEST = "latest"
-STATE_FILE = "state.json"
 TRAINER_STATE_FILE = "trainer_state.pt"
 DCP_DIR = "dcp"
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 @dataclass
@@ -103,10 +103,6 @@ class TrainState:
     drop_reasons: dict[str, int] = field(default_factory=dict)
     staleness_max: int = 0
     """Largest staleness (trainer version - call version) of any trained sample."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 def _fsync_file(path: Path) -> None:
@@ -272,24 +268,12 @@ def _write_latest(root: Path, name: str) -> None:
     _fsync_dir(root)
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The folder `latest` names, or None when there is no checkpoint."""
-    pointer = Path(root) / LATEST
-    if not pointer.exists():
-        return None
-    path = Path(root) / pointer.read_text().strip()
-    if not (path / STATE_FILE).exists():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete "
-                                "checkpoint")
-    return path
-
-
 def prune(root: Path, keep: int) -> None:
     """Keeps the newest `keep` checkpoints (and always the one `latest` names); removes
     temporary folders left by crashed writers."""
     current = latest_checkpoint(root)
     steps = sorted((int(m.group(1)), p) for p in root.iterdir()
-                   if (m := _STEP_DIR.match(p.name)) and p.is_dir())
+                   if (m := STEP_DIR.match(p.name)) and p.is_dir())
     for _, path in steps[:-keep] if keep > 0 else steps:
         if current is None or path.resolve() != current.resolve():
             shutil.rmtree(path, ignore_errors=True)
@@ -306,7 +290,7 @@ def retained_consumed_floor(root: str | Path) -> str:
     if not root.exists():
         return ""
     steps = sorted((int(m.group(1)), p) for p in root.iterdir()
-                   if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).exists())
+                   if (m := STEP_DIR.match(p.name)) and (p / STATE_FILE).exists())
     ids = [e for _, p in steps[1:] for e in read_state(p).consumed_entries]
     if not ids:
         return ""

@@ -94,6 +94,14 @@ class ModeConfig(BaseModel):
                                "pool_factor x steps x tasks_per_step tasks (+ the admission "
                                "window): spares for dropped groups; never-admitted ones are "
                                "cancelled at the end")
+    sync_spare_groups: int = Field(
+        0, ge=0, description="sync ('sync-first'): each step's controller run holds its "
+                             "tasks_per_step tasks plus this many spare tasks (drawn apart, "
+                             "without the step's own), and the step trains on the first "
+                             "tasks_per_step groups to complete, in task order; the run is "
+                             "then cancelled and its later groups acknowledged untrained "
+                             "(surplus, not drops). 0: the step's run is waited for to its "
+                             "end, every group trained (docs/modes.md, 'sync-first')")
     version_check: Literal["fail", "warn"] = Field(
         "fail", description="sync: when a call of step s was served by another policy version "
                             "than the one pushed after step s-1: 'fail' stops the trainer, "
@@ -132,6 +140,15 @@ class ModeConfig(BaseModel):
             raise ValueError(f"mode.sleep_level={self.sleep_level} needs mode.kind=collocated "
                              f"(the engines can only sleep while the gateway holds the calls); "
                              f"got kind={self.kind!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _spares_need_sync(self) -> "ModeConfig":
+        if self.sync_spare_groups and self.kind != "sync":
+            raise ValueError(f"mode.sync_spare_groups={self.sync_spare_groups} needs "
+                             f"mode.kind=sync (async and collocated take the first complete "
+                             f"groups of their pool run already: mode.pool_factor); got "
+                             f"kind={self.kind!r}")
         return self
 
 
@@ -214,7 +231,7 @@ class TrainerConfig(ServiceConfig):
         1, ge=1, description="trainer processes (ranks) to start on this node, the model "
                              "sharded over them with FSDP2 (one per GPU; on CPU, gloo). Under "
                              "torchrun (WORLD_SIZE set) torchrun starts the ranks and this is "
-                             "ignored; across nodes use torchrun (see README, Training)")
+                             "ignored; across nodes use torchrun (see docs/training.md)")
     mixed_precision: bool = Field(
         False, description="sharded on GPU: bfloat16 parameters in forward/backward, float32 "
                            "gradient reduction (master weights and optimizer in `dtype`)")
@@ -264,6 +281,13 @@ class TrainerConfig(ServiceConfig):
     concurrency: int = Field(8, ge=1, description="harness runs at once within a step's run")
     rollout_timeout_s: float = Field(120.0, gt=0, description="per-attempt harness timeout")
     grader_timeout_s: float = Field(60.0, gt=0, description="grader timeout")
+    tampered_rewards: Literal["zero", "penalty", "drop"] = Field(
+        "zero", description="what a rollout gets whose grader found it tampered (its JSON "
+        "line's \"tampered\": true): 'zero' reward 0, 'penalty' reward -tampered_penalty, "
+        "'drop' no reward (kept and shown, not trained on, like a failed rollout); the "
+        "grader's own reward is never kept (RunSpec.tampered_rewards)")
+    tampered_penalty: float = Field(1.0, gt=0, le=1e6, description="tampered_rewards "
+                                    "'penalty': the reward is minus this")
     max_attempts: int = Field(1, ge=1, description="attempts per rollout (infrastructure "
                                                    "failures are retried)")
     rollout_backend: str = Field(

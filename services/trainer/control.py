@@ -36,6 +36,13 @@ class TrainerControl:
             for k, v in fields.items():
                 setattr(self._status, k, v)
 
+    def show_counts(self, state: Any, **fields: Any) -> None:
+        """The trainer state's (`checkpoint.TrainState`) step and group counts, with `fields`."""
+        self.update(step=state.step, groups_trained=state.groups_trained,
+                    groups_dropped=state.groups_dropped, staleness_max=state.staleness_max,
+                    **fields)
+        self.set_drop_reasons(state.drop_reasons)
+
     def set_drop_reasons(self, reasons: dict[str, int]) -> None:
         with self._lock:
             self._status.drop_reasons.clear()

@@ -1,5 +1,5 @@
 """Evaluation during training: `Trainer.evaluate` (called by `train_sync` / `train_async`
-before the first step and after each step) runs `evaluate_if_due`.
+before the first step and after each step) has rank 0's `Evaluator` run the evaluation due.
 
 When (settings `eval.*`, config.EvalConfig): at step 0 before training (`before_training`),
 after every `every`-th step and after the last (`at_end`); never after a stop request. Rank 0
@@ -50,18 +50,19 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from harnessrl.clients import StoreClient
 from harnessrl.evaluation import build_result, eval_spec, sampling_policy
 from harnessrl.tasks import load_task_file
 from harnessrl.v1 import common_pb2 as c
 
+from .checkpoint import TrainState
 from .config import TrainerConfig
-from .rollouts import run_sandbox
+from .control import TrainerControl
 from .outputs import append_jsonl, read_jsonl
-
-if TYPE_CHECKING:
-    from .loop import Trainer
+from .rollouts import RunLauncher, run_sandbox
+from .tracking import Trackers
 
 log = logging.getLogger("harnessrl.trainer")
 
@@ -95,63 +96,76 @@ def eval_tasks(cfg: TrainerConfig) -> tuple[int, list[tuple[str, dict[str, Any]]
     return len(tasks), tasks[:cfg.eval.limit] if cfg.eval.limit else tasks
 
 
-def evaluate_if_due(t: "Trainer") -> dict[str, Any] | None:
-    """Runs and records the evaluation due after the trainer's current step; returns its
-    metrics.jsonl line (None when none is due or it is recorded already)."""
-    cfg, step = t.cfg, t.state.step
-    if cfg.eval.enabled and step == 0 and not cfg.eval.before_training:
-        eval_tasks(cfg)  # a bad task file stops the trainer now, not after `every` steps
-    if not due(cfg, step) or recorded(cfg.metrics_file, step):
-        return None
-    assert t.launcher is not None and t.store is not None
-    t.control.set_state("evaluating")
-    e = cfg.eval
-    in_file, tasks = eval_tasks(cfg)
-    harness = e.harness_command or cfg.harness_command
-    grader = e.grader_command or cfg.grader_command
-    sampling = sampling_policy(e.temperature, e.top_p, e.max_tokens)
-    spec = eval_spec(name=f"{cfg.run_name}-eval", tasks=tasks, k=e.k, harness_command=harness,
-                     grader_command=grader, model=cfg.served_model_name, sampling=sampling,
-                     concurrency=cfg.concurrency, timeout_s=cfg.rollout_timeout_s,
-                     grader_timeout_s=cfg.grader_timeout_s, max_attempts=cfg.max_attempts,
-                     env=cfg.harness_env, backend=cfg.rollout_backend,
-                     sandbox=run_sandbox(cfg), setup_command=cfg.setup_command,
-                     setup_timeout_s=cfg.setup_timeout_s)
-    run_id = eval_run_id(t.state.run_prefix, step)
-    started, t0 = time.time(), time.perf_counter()
-    log.info("step %d: evaluating policy version %d on %d tasks x %d (run %s)", step,
-             t.state.policy_version, len(tasks), e.k, run_id, extra={"step": step})
-    run = t.launcher.run(run_id, spec)
-    if run.status != c.RUN_STATUS_SUCCEEDED:
-        raise RuntimeError(f"eval run {run_id} ended {c.RunStatus.Name(run.status)}: "
-                           f"{run.error}")
-    eval_s = time.perf_counter() - t0
-    rollouts = t.store.list_rollouts(run_id).rollouts
-    model = {"kind": "policy", "step": step, "policy_version": t.state.policy_version,
-             "served_name": cfg.served_model_name, "trainer_run": t.state.run_prefix,
-             "checkpoint": str(t.last_checkpoint) if t.last_checkpoint and
-             t.checkpointed_step == step else None}
-    result = build_result(
-        model=model, tasks_file=Path(e.tasks_file).resolve(),
-        tasks_in_file=in_file, task_ids=[tid for tid, _ in tasks],
-        rollouts=rollouts, k=e.k, threshold=e.threshold, harness=harness, grader=grader,
-        sampling=sampling, run_id=run_id, started_at=started, timings={"rollouts_s": eval_s},
-        limit=e.limit or None)
-    path = result_path(t.output, step)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(path)
-    row: dict[str, Any] = {
-        "kind": "eval", "step": step, "policy_version": t.state.policy_version,
-        "run_id": run_id, "time": time.time(), "k": e.k, "tasks": len(tasks),
-        "samples": result["samples"], "samples_failed": result["samples_failed"],
-        **result["metrics"], "calls_mean": result["calls_mean"], "eval_s": eval_s,
-        "result": str(path)}
-    append_jsonl(cfg.metrics_file, row)
-    if t.trackers is not None:
-        t.trackers.log_eval(row)
-    log.info("step %d: eval %s", step, ", ".join(f"{k} {v:.3f}" for k, v in
-                                               result["metrics"].items()),
-             extra={"step": step, "run": run_id})
-    return row
+class Evaluator:
+    """Rank 0's evaluations: runs them through `launcher`, reads their rollouts from `store`,
+    records them (the module docstring) in `output`, metrics.jsonl and the `trackers`."""
+
+    def __init__(self, cfg: TrainerConfig, launcher: RunLauncher | None,
+                 store: StoreClient | None, control: TrainerControl, output: Path,
+                 trackers: Trackers | None) -> None:
+        self.cfg, self.launcher, self.store = cfg, launcher, store
+        self.control, self.output, self.trackers = control, output, trackers
+
+    def evaluate_if_due(self, state: TrainState, checkpoint: Path | None
+                        ) -> dict[str, Any] | None:
+        """Runs and records the evaluation due after the trainer's current step (`state`;
+        `checkpoint`: that step's, if written); returns its metrics.jsonl line (None when none
+        is due or it is recorded already)."""
+        cfg, step, policy_version = self.cfg, state.step, state.policy_version
+        run_prefix = state.run_prefix
+        if cfg.eval.enabled and step == 0 and not cfg.eval.before_training:
+            eval_tasks(cfg)  # a bad task file stops the trainer now, not after `every` steps
+        if not due(cfg, step) or recorded(cfg.metrics_file, step):
+            return None
+        assert self.launcher is not None and self.store is not None
+        self.control.set_state("evaluating")
+        e = cfg.eval
+        in_file, tasks = eval_tasks(cfg)
+        harness = e.harness_command or cfg.harness_command
+        grader = e.grader_command or cfg.grader_command
+        sampling = sampling_policy(e.temperature, e.top_p, e.max_tokens)
+        spec = eval_spec(name=f"{cfg.run_name}-eval", tasks=tasks, k=e.k,
+                         harness_command=harness, grader_command=grader,
+                         model=cfg.served_model_name, sampling=sampling,
+                         concurrency=cfg.concurrency, timeout_s=cfg.rollout_timeout_s,
+                         grader_timeout_s=cfg.grader_timeout_s, max_attempts=cfg.max_attempts,
+                         env=cfg.harness_env, backend=cfg.rollout_backend,
+                         sandbox=run_sandbox(cfg), setup_command=cfg.setup_command,
+                         setup_timeout_s=cfg.setup_timeout_s)
+        run_id = eval_run_id(run_prefix, step)
+        started, t0 = time.time(), time.perf_counter()
+        log.info("step %d: evaluating policy version %d on %d tasks x %d (run %s)", step,
+                 policy_version, len(tasks), e.k, run_id, extra={"step": step})
+        run = self.launcher.run(run_id, spec)
+        if run.status != c.RUN_STATUS_SUCCEEDED:
+            raise RuntimeError(f"eval run {run_id} ended {c.RunStatus.Name(run.status)}: "
+                               f"{run.error}")
+        eval_s = time.perf_counter() - t0
+        rollouts = self.store.list_rollouts(run_id).rollouts
+        model = {"kind": "policy", "step": step, "policy_version": policy_version,
+                 "served_name": cfg.served_model_name, "trainer_run": run_prefix,
+                 "checkpoint": str(checkpoint) if checkpoint else None}
+        result = build_result(
+            model=model, tasks_file=Path(e.tasks_file).resolve(),
+            tasks_in_file=in_file, task_ids=[tid for tid, _ in tasks],
+            rollouts=rollouts, k=e.k, threshold=e.threshold, harness=harness, grader=grader,
+            sampling=sampling, run_id=run_id, started_at=started,
+            timings={"rollouts_s": eval_s}, limit=e.limit or None)
+        path = result_path(self.output, step)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(path)
+        row: dict[str, Any] = {
+            "kind": "eval", "step": step, "policy_version": policy_version,
+            "run_id": run_id, "time": time.time(), "k": e.k, "tasks": len(tasks),
+            "samples": result["samples"], "samples_failed": result["samples_failed"],
+            **result["metrics"], "calls_mean": result["calls_mean"], "eval_s": eval_s,
+            "result": str(path)}
+        append_jsonl(cfg.metrics_file, row)
+        if self.trackers is not None:
+            self.trackers.log_eval(row)
+        log.info("step %d: eval %s", step, ", ".join(f"{k} {v:.3f}" for k, v in
+                                                   result["metrics"].items()),
+                 extra={"step": step, "run": run_id})
+        return row

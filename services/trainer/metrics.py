@@ -40,7 +40,7 @@ _PHASES = {"generate_s": "generate", "train_s": "train", "push_s": "push",
 
 
 def observe_step(row: dict[str, Any]) -> None:
-    """Sets the series from one metrics.jsonl row (`loop.Trainer.record`)."""
+    """Sets the series from one metrics.jsonl row (`records.Recorder.record`)."""
     for key, phase in _PHASES.items():
         PHASES.labels(phase).observe(row[key])
     if row["trained"]:

@@ -2,19 +2,26 @@
 
 - `step_tasks`: the tasks of step s, drawn without replacement from the task file by a
   `random.Random` seeded with (seed, s) — the same on every restart.
-- `ControllerRuns.run`: `CreateRun` with the step's deterministic run id (idempotent: a
-  restarted trainer re-attaches to the run its previous life created, finished or not) and
-  `WatchRun` until the run is done. A watch cut short (controller restart) re-attaches.
+- `run_step` (sync mode), through `ControllerRuns.run`: `CreateRun` with the step's
+  deterministic run id (idempotent: a restarted trainer re-attaches to the run its previous
+  life created, finished or not) and `WatchRun` until the run is done. A watch cut short
+  (controller restart) re-attaches.
 - `StreamReader.read`: the completed groups of one run from the store's stream, through the
   trainer's consumer group (its first read reads the pending entries, so entries delivered to a
   crashed trainer and never acknowledged come back — one more delivery each; later reads take
   new entries only; `StreamReader.poll`, the async pool's read, does the same, since each
-  read of a pending entry counts as a delivery). Entries of other runs found there are sorted out: entries of this
-  trainer's own later steps are kept for their step, entries trained since the last checkpoint
-  stay pending; entries of its earlier, checkpointed steps (their ack was lost) and of runs that
-  are not this trainer's are acknowledged and skipped — the stream is the trainer's own (see the
-  config). Groups delivered `max_deliveries` times go to the dead-letter stream (the store does
-  it); the run's step then has fewer groups than tasks.
+  read of a pending entry counts as a delivery). Entries of other runs found there are sorted
+  out: entries of this trainer's own later steps are kept for their step, entries trained since
+  the last checkpoint stay pending; entries of its earlier, checkpointed steps (their ack was
+  lost) and of runs that are not this trainer's are acknowledged and skipped — the stream is
+  the trainer's own (see the config). `StreamReader.poll_step`, sync-first's read
+  (sync_first.py), polls one step's run the same way and hands back its earlier steps' entries
+  (their surplus groups) apart. Groups delivered `max_deliveries` times go to the dead-letter
+  stream (the store does it); the run's step then has fewer groups than tasks.
+- `StreamReader.screen`: rank 0 builds each group's samples before the step trains: a group
+  whose samples cannot be built is reported (NackGroups) and delivered again until it builds or
+  is dead-lettered (`max_deliveries`); `fail` reports the groups of a step whose training
+  failed; `trim` trims the stream below what the retained checkpoints consumed.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -63,13 +70,29 @@ def step_of_run(prefix: str, run_id: str) -> int | None:
     return None
 
 
+def run_step(launcher: RunLauncher, cfg: Any, tasks: Sequence[dict[str, Any]], run_id: str,
+             step: int) -> tuple[c.Run, list[str]]:
+    """Sync mode's controller run `run_id` of `step`'s tasks, until it is done (an error
+    unless it succeeded; cfg: `TrainerConfig`): the run and the ids of its tasks, in order."""
+    chosen = step_tasks(tasks, cfg.seed, step, cfg.tasks_per_step)
+    run = launcher.run(run_id, step_spec(cfg, chosen))
+    if run.status != c.RUN_STATUS_SUCCEEDED:
+        raise RuntimeError(f"run {run_id} ended {c.RunStatus.Name(run.status)}: {run.error}")
+    if run.num_failed:
+        log.warning("run %s: %d of %d rollouts failed", run_id, run.num_failed,
+                    run.num_rollouts, extra={"run": run_id, "step": step})
+    return run, [str(t["id"]) for t in chosen]
+
+
 class RunLauncher(Protocol):
     """Produces rollouts: `run` runs `spec` under `run_id` until it is done (sync mode);
-    `start` creates it and returns at once, `cancel` ends it (async mode's one run)."""
+    `start` creates it and returns at once, `cancel` ends it (async mode's one run, a
+    sync-first step's run). `start` refuses a run that ended unsucceeded, but with
+    `cancelled_ok` one that was cancelled (a sync-first step redone after a restart)."""
 
     def run(self, run_id: str, spec: c.RunSpec) -> c.Run: ...
 
-    def start(self, run_id: str, spec: c.RunSpec) -> c.Run: ...
+    def start(self, run_id: str, spec: c.RunSpec, cancelled_ok: bool = False) -> c.Run: ...
 
     def cancel(self, run_id: str) -> c.Run: ...
 
@@ -119,10 +142,12 @@ class ControllerRuns:
             time.sleep(1.0)
 
 
-    def start(self, run_id: str, spec: c.RunSpec) -> c.Run:
+    def start(self, run_id: str, spec: c.RunSpec, cancelled_ok: bool = False) -> c.Run:
         spec.adapter = self.adapter
         run = self.controller.create_run(spec, run_id=run_id)
-        if run.status not in (c.RUN_STATUS_RUNNING, c.RUN_STATUS_SUCCEEDED):
+        ok = (c.RUN_STATUS_RUNNING, c.RUN_STATUS_SUCCEEDED) + \
+            ((c.RUN_STATUS_CANCELLED,) if cancelled_ok else ())
+        if run.status not in ok:
             raise RuntimeError(f"run {run_id} is {c.RunStatus.Name(run.status)}: {run.error}")
         return run
 
@@ -164,8 +189,61 @@ class StreamReader:
         self._note_dead(resp.dead_letters)
         return list(resp.redelivered), list(resp.dead_letters)
 
+    def fail(self, groups: Sequence[c.Group], reason: str) -> None:
+        """A step's training failed: with a bound on deliveries, each of its groups counts a
+        failed delivery (the restart redelivers them); without one, nothing is reported."""
+        if self.max_deliveries:
+            self.nack(groups, reason, redeliver=False)
+
+    def screen(self, groups: Sequence[c.Group], build: Callable[[c.Group], Any]
+               ) -> tuple[list[c.Group], dict[str, Any]]:
+        """The groups whose samples `build` makes, and entry id -> what it made. A group whose
+        samples cannot be built is reported (NackGroups) and delivered again, until it builds
+        or has been delivered `max_deliveries` times (then it is dead-lettered and left out).
+        With no bound (0) the error propagates."""
+        ok, built = [], {}
+        for g in groups:
+            while True:
+                try:
+                    built[g.entry_id] = build(g)
+                    ok.append(g)
+                    break
+                except Exception as exc:  # noqa: BLE001 - the group is reported, not lost
+                    if self.max_deliveries == 0:
+                        raise
+                    reason = f"samples of group {g.group_id}: {type(exc).__name__}: {exc}"
+                    log.warning("%s; reporting the failed delivery", reason)
+                    again, dead = self.nack([g], reason, redeliver=True)
+                    if dead or not again:
+                        log.error("group %s dead-lettered after %s deliveries: %s", g.group_id,
+                                  dead[0].deliveries if dead else "?", reason)
+                        break
+                    g = again[0]
+                    canonical_order(g)
+        return ok, built
+
+    def trim(self, below: str) -> None:
+        """Trims the stream below entry `below` (the store keeps whatever a consumer group has
+        pending or not yet read); a failure is logged (housekeeping: the next one retries)."""
+        try:
+            resp = self.store.trim_groups(below, stream=self.stream)
+        except grpc.RpcError as err:
+            log.warning("trimming stream %s failed: %s", self.stream, err)
+            return
+        if resp.trimmed:
+            log.info("stream %s: trimmed %d entries below %s", self.stream, resp.trimmed,
+                     resp.min_entry_id)
+
     def dead_groups(self, run_id: str) -> set[str]:
         return self.dead.get(run_id, set())
+
+    def ack_resumed(self, consumed: list[str]) -> None:
+        """Acknowledges the entries a resumed checkpoint consumed (trained: in the
+        checkpoint)."""
+        if consumed:
+            n = self.ack(consumed)
+            log.info("acknowledged %d of the %d entries the checkpoint consumed", n,
+                     len(consumed))
 
     def ack(self, entry_ids: Sequence[str]) -> int:
         if not entry_ids:
@@ -264,6 +342,37 @@ class StreamReader:
         self.ack(stray)
         return new
 
+    def poll_step(self, run_id: str, step: int, known: set[str], block_ms: int = 200
+                  ) -> tuple[list[c.Group], list[c.Group]]:
+        """Sync-first's read (sync_first.py): the completed groups of step `step`'s run
+        `run_id`, and those of this trainer's earlier steps' runs (completed after their step
+        took its groups: the caller acknowledges them untrained), both in stream order, but
+        those in `known`; groups of its later steps (pending since before a restart) are held
+        for their step, other runs' acknowledged and skipped. `block_ms`: how long to wait
+        for a first new entry (0: not at all)."""
+        resp = self._read(len(known) + 64 + (0 if self.started else PENDING_MAX), block_ms)
+        pool = [*self.held.values(), *resp.groups]
+        self.held.clear()
+        new: list[c.Group] = []
+        late: list[c.Group] = []
+        stray: list[str] = []
+        for g in pool:
+            other = step_of_run(self.run_prefix, g.run_id)
+            if g.entry_id in known:
+                continue
+            if g.run_id == run_id:
+                new.append(g)
+            elif other is not None and other > step:
+                self.held[g.entry_id] = g
+            elif other is not None:
+                late.append(g)
+            else:
+                log.warning("stream %s: acknowledging entry %s of run %s without training it "
+                            "(not this trainer's run)", self.stream, g.entry_id, g.run_id)
+                stray.append(g.entry_id)
+        self.ack(stray)
+        return new, late
+
 
 def canonical_order(g: c.Group) -> None:
     """Rollouts by index in group."""
@@ -310,7 +419,14 @@ def step_spec(cfg: Any, tasks: Sequence[dict[str, Any]]) -> c.RunSpec:
         env=cfg.harness_env, stream=cfg.stream, model=cfg.served_model_name,
         backend=cfg.rollout_backend, sandbox=run_sandbox(cfg),
         setup_command=cfg.setup_command,
-        setup_timeout_s=cfg.setup_timeout_s if cfg.setup_command else 0.0)
+        setup_timeout_s=cfg.setup_timeout_s if cfg.setup_command else 0.0,
+        tampered_rewards=TAMPERED_REWARDS[cfg.tampered_rewards],
+        tampered_penalty=cfg.tampered_penalty if cfg.tampered_rewards == "penalty" else 0.0)
+
+
+# TrainerConfig.tampered_rewards -> RunSpec.tampered_rewards
+TAMPERED_REWARDS = {"zero": c.TAMPERED_REWARDS_ZERO, "penalty": c.TAMPERED_REWARDS_PENALTY,
+                    "drop": c.TAMPERED_REWARDS_DROP}
 
 
 def run_sandbox(cfg: Any) -> c.SandboxSpec:

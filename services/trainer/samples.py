@@ -105,6 +105,10 @@ def _check_call(rollout_id: str, call: common_pb2.Call) -> None:
         )
     if not all(math.isfinite(lp) and lp <= 0.0 for lp in call.logprobs):
         raise ValueError(f"rollout {rollout_id} call {call.seq}: logprobs must be finite and <= 0")
+    if call.images:  # its prompt ids hold image placeholders that only its pixels give meaning
+        raise ValueError(f"rollout {rollout_id} call {call.seq}: the call has images, and the "
+                         f"trainer does not train on images yet (issue #45, docs/vision.md): "
+                         f"training on its token ids without their pixels would be wrong")
 
 
 def rollout_samples(

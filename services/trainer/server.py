@@ -1,5 +1,6 @@
 """Wires the trainer: its gRPC service in a thread of its own (with its own asyncio loop), the
-training loop in the main thread, signals, the ready file."""
+training loop in the main thread with its parts connected to the other services
+(`build_trainer`), signals, the ready file."""
 
 from __future__ import annotations
 
@@ -7,17 +8,25 @@ import asyncio
 import logging
 import signal
 import threading
+from pathlib import Path
 from types import FrameType
 
 from harnessrl import identity, rpc
+from harnessrl.clients import ControllerClient, GatewayAdminClient, StoreClient
 from harnessrl.metrics import serve_metrics
 from harnessrl.v1 import trainer_pb2, trainer_pb2_grpc
 
 from .adapter_push import AdapterWeights
+from .collocation import EngineSleep
 from .config import TrainerConfig
 from .control import TrainerControl
-from .loop import build_trainer, train
+from .gauges import GatewayHold, Gauges
+from .loop import Trainer, train
+from .outputs import run_prefix_of
+from .rollouts import ControllerRuns
 from .servicer import TrainerServicer
+from .sharding import Dist
+from .weights import make_sink
 
 log = logging.getLogger("harnessrl.trainer")
 
@@ -83,6 +92,30 @@ def _install_signal_handlers(control: TrainerControl) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
+
+
+def build_trainer(cfg: TrainerConfig, control: TrainerControl | None = None,
+                  dist: Dist | None = None) -> Trainer:
+    """The service's trainer: the controller runs the steps, the store's stream feeds it, the
+    engines registered with the gateway get its weights. Sharded, only rank 0 connects to
+    them (one voice); the other ranks follow it through collectives."""
+    if dist is not None and not dist.is_main:
+        return Trainer(cfg, None, None, None, control, dist)
+
+    store = StoreClient.connect(cfg.store_address)
+    adapter = run_prefix_of(Path(cfg.output_dir), cfg.run_name) if cfg.lora else ""  # LoRA
+    launcher = ControllerRuns(ControllerClient.connect(cfg.controller_address),
+                              cfg.run_timeout_s, adapter)
+    admin = GatewayAdminClient.connect(cfg.gateway_admin_address)
+    weights = make_sink(admin, cfg)
+    controller = ControllerClient.connect(cfg.controller_address)
+    gauges = Gauges(GatewayAdminClient.connect(cfg.gateway_admin_address), controller,
+                    cfg.mode.gauge_interval_s)
+    collocated, m = cfg.mode.kind == "collocated", cfg.mode
+    hold = GatewayHold(admin, m.hold_drain_timeout_s, adapter) if collocated else None
+    sleep = EngineSleep(admin, m.sleep_level, m.sleep_timeout_s) if m.sleep_level else None
+    return Trainer(cfg, launcher, store, weights, control, dist, gauges=gauges, hold=hold,
+                   admission=gauges, sleep=sleep)
 
 
 def serve(cfg: TrainerConfig) -> int:

@@ -80,6 +80,13 @@ class Dist:
         return self.world_size > 1
 
     # -- collectives (no-ops at world size 1) ------------------------------------------------
+    def share(self, items: list[T], lengths: Sequence[int]) -> list[T]:
+        """This rank's share of `items` (all of them unsharded), balanced by `lengths`
+        (`split_by_tokens`)."""
+        if not self.sharded:
+            return items
+        return [items[i] for i in split_by_tokens(lengths, self.world_size)[self.rank]]
+
     def agree(self, value: T) -> T:
         """Rank 0's `value` on every rank (a picklable object)."""
         if not self.sharded:

@@ -24,7 +24,8 @@ from typing import Any
 
 log = logging.getLogger("harnessrl.trainer")
 
-ROLLOUT_COLUMNS = ("step", "rollout_id", "task_id", "reward", "status", "calls", "text")
+ROLLOUT_COLUMNS = ("step", "rollout_id", "task_id", "reward", "status", "tampered", "calls",
+                   "text")
 
 
 def render_markdown(rollouts: list[dict[str, Any]]) -> str:
@@ -32,8 +33,10 @@ def render_markdown(rollouts: list[dict[str, Any]]) -> str:
     parts = []
     for r in rollouts:
         body = r["text"].replace("```", "'''")
+        tampered = f", TAMPERED ({r.get('tamper_evidence') or 'no evidence'})" \
+            if r.get("tampered") else ""
         parts.append(f"**{r['rollout_id']}** task {r['task_id']}, reward {r['reward']}, "
-                     f"{r['status']}, {r['calls']} calls\n\n```\n{body}\n```")
+                     f"{r['status']}{tampered}, {r['calls']} calls\n\n```\n{body}\n```")
     return "\n\n".join(parts)
 
 
@@ -139,5 +142,6 @@ def render_rollouts(groups: list[Any], tokenizer: Any, k: int, step: int
         out.append({"step": step, "rollout_id": ro.rollout_id, "task_id": ro.task_id,
                     "reward": ro.reward if ro.has_reward else None,
                     "status": c.RolloutStatus.Name(ro.status).removeprefix("ROLLOUT_STATUS_"),
+                    "tampered": ro.tampered, "tamper_evidence": ro.tamper_evidence,
                     "calls": len(ro.calls), "text": text})
     return out

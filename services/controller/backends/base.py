@@ -34,6 +34,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from services.controller.sandbox.policy import SandboxPolicy
 
+_JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # JobSpec.job_id's form
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -149,6 +151,30 @@ class JobBackend(abc.ABC):
         (running or ended); True when found (`wait` then reports it), False when that job was
         never launched. See the module docstring."""
         return False
+
+    def _follows(self, spec: JobSpec) -> bool:
+        """Whether this backend follows `spec`'s job already. A run resumed in this process
+        (its execution stopped: its store was gone too long) finds the jobs it launched still
+        followed here: adopting one is then taking it as it is (`wait` reports it). One whose
+        launch was cut short (no task follows it yet) is forgotten, to be adopted anew."""
+        job = self._jobs.get(spec.job_id)
+        if job is not None and getattr(job, "task", None) is None:
+            del self._jobs[spec.job_id]
+            return False
+        return job is not None
+
+    def _check_spec(self, spec: JobSpec) -> None:
+        """Raises `ValueError` for a spec that no backend launches or adopts: a job id not of
+        `JobSpec.job_id`'s form or one it follows already, an empty argv, a timeout not above
+        0. A backend extends it with what it cannot run."""
+        if not _JOB_ID.match(spec.job_id):
+            raise ValueError(f"invalid job id {spec.job_id!r}: use [A-Za-z0-9._-], 1-200 chars")
+        if spec.job_id in self._jobs:
+            raise ValueError(f"job {spec.job_id} exists already")
+        if not spec.argv:
+            raise ValueError("empty argv")
+        if not spec.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {spec.timeout_s}")
 
     def check_argv(self, argv: list[str], env: dict[str, str]) -> str | None:
         """Why `argv` (with `env`) cannot run on this backend, or None; lets a run with a typo

@@ -121,6 +121,7 @@ class DockerBackend(JobBackend):
                  "ReadOnly": not task_writable, "VolumeOptions": {"NoCopy": True}}]
 
     def _check_spec(self, spec: JobSpec) -> None:
+        super()._check_spec(spec)
         if spec.sandbox is not None:
             raise ValueError("the docker backend's jobs are containers: no sandbox policy")
         _env(HARNESS, spec.env)
@@ -129,8 +130,6 @@ class DockerBackend(JobBackend):
 
     # -- launching and adopting --------------------------------------------------------------
     async def launch(self, spec: JobSpec) -> None:
-        if spec.job_id in self._jobs:
-            raise ValueError(f"job {spec.job_id} exists already")
         self._check_spec(spec)
         now = time.time()
         job = _Job(spec, job_name(spec.job_id), now, now + spec.timeout_s)
@@ -166,6 +165,8 @@ class DockerBackend(JobBackend):
                               self._config(job, HARNESS, job.spec.argv, env, job.deadline))
 
     async def adopt(self, spec: JobSpec) -> bool:
+        if self._follows(spec):
+            return True
         self._check_spec(spec)
         name = job_name(spec.job_id)
         info = await self.api.inspect(f"{name}-h")

@@ -4,10 +4,8 @@ through the official `kubernetes` client (kubeconfig or in-cluster service accou
 One job, top to bottom (`launch`, then `_supervise`):
   render the Job from the user's template (`k8s_manifests`) -> create it suspended (rate
   limited) -> create its Secret, owned by the Job -> un-suspend it -> follow the Job and its
-  pod through two watches (Jobs and Pods carrying `app.kubernetes.io/managed-by=harnessrl`;
-  resumed from their last resourceVersion, re-listed every `relist_s` and at once after a
-  410 Gone) -> the pod ends: save the harness's log (and the grader's) into the attempt's
-  workdir -> the result. At the timeout, on cancel, or when the pod cannot start (image pull
+  pod through two watches (`k8s_watches`) -> the pod ends: save the harness's log (and the
+  grader's) into the attempt's workdir -> the result. At the timeout, on cancel, or when the pod cannot start (image pull
   error; unschedulable past `pending_timeout_s`; its Secret missing past `secret_timeout_s`)
   the logs are saved and the Job is deleted with its pods (propagation Background; its Secret
   is garbage-collected). While the API refuses a watch (403: the Role lacks list or watch),
@@ -19,7 +17,7 @@ follows it on; `close` leaves running Jobs alone for the next controller to adop
 `activeDeadlineSeconds` bounds them meanwhile).
 
 The client library is synchronous: its calls run in worker threads (`asyncio.to_thread`), the
-two watches in threads of their own that hand events to the event loop.
+two watches in threads of their own (`k8s_watches`).
 """
 
 from __future__ import annotations
@@ -27,34 +25,31 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from aiolimiter import AsyncLimiter
-from kubernetes import client as k8s, watch as k8s_watch
+from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
 from services.controller.backends import k8s_manifests as manifests
 from services.controller.backends.k8s_api import api_client, why as _why
+from services.controller.backends.k8s_watches import JobWatches
 from services.controller.backends.base import (GraderOutput, JobBackend, JobResult,
                                                JobSpec)
 
 log = logging.getLogger(__name__)
 
 EXEC_FAILED_EXIT_CODE = 127
-_SELECTOR = f"{manifests.MANAGED_BY_LABEL}={manifests.MANAGED_BY}"
 _IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
-_WATCH_TIMEOUT_S = 5  # a watch is resumed this often (from its last resourceVersion)
 
 
 @dataclass(frozen=True)
 class KubernetesSettings:
-    """The backend's settings (the controller's `k8s_*` config fields)."""
+    """The backend's settings (from the controller config's `k8s` section and kill_grace_s)."""
     job_template: dict[str, Any]
     gateway_url: str
     namespace: str = ""  # "" : the service account's namespace in-cluster, else kubeconfig's
@@ -108,125 +103,21 @@ class KubernetesBackend(JobBackend):
         self._limiter = AsyncLimiter(max(settings.creates_per_s, 0.001), 1.0)
         self._jobs: dict[str, _Job] = {}  # job id ->
         self._by_name: dict[str, _Job] = {}  # Job name ->
-        self._job_objs: dict[str, Any] = {}  # Job name -> V1Job, as the watch last saw it
-        self._pods: dict[str, Any] = {}  # Job name -> its (newest) V1Pod
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop = threading.Event()
-        self._watchers: list[threading.Thread] = []
-        self._synced = {"jobs": threading.Event(), "pods": threading.Event()}
-        self._denied: dict[str, str] = {}  # "jobs"/"pods" -> why the API refuses its watch
+        # what the API says of the Jobs and pods (its tables: Job name -> V1Job / V1Pod)
+        self.watches = JobWatches(self.batch, self.core, self.namespace, settings.relist_s,
+                                  self._wake)
 
-    # -- watching ----------------------------------------------------------------------------
+    def _wake(self, name: str) -> None:
+        """What the API says of Job `name` changed: its job (if ours) looks again."""
+        job = self._by_name.get(name)
+        if job is not None:
+            job.changed.set()
+
     async def _ensure_watching(self, resume_from: str | None = None) -> None:
-        """Starts the two watches (once); `resume_from`: a resourceVersion to watch from
-        before any list (what a watch whose connection broke does)."""
-        if not self._watchers:
-            self._loop = asyncio.get_running_loop()
-            for kind, lister in (("jobs", self.batch.list_namespaced_job),
-                                 ("pods", self.core.list_namespaced_pod)):
-                t = threading.Thread(target=self._watch, args=(kind, lister, resume_from),
-                                     daemon=True, name=f"k8s-watch-{kind}")
-                t.start()
-                self._watchers.append(t)
-            for ev in self._synced.values():  # the first list, so adopt sees what exists
-                await asyncio.to_thread(ev.wait, 30)
-        if self._denied:
-            raise PermissionError("; ".join(self._denied.values()))
-
-    def _watch(self, kind: str, lister: Callable[..., Any], rv: str | None) -> None:
-        """List, then watch from the list's resourceVersion. A watch ends every
-        `_WATCH_TIMEOUT_S` and resumes from the last resourceVersion it saw; every `relist_s`
-        the state is listed afresh, and at once after a 410 Gone (that resourceVersion is
-        compacted away) or an error."""
-        listed_at = time.monotonic()
-        while not self._stop.is_set():
-            try:
-                if rv is None or time.monotonic() - listed_at > self.settings.relist_s:
-                    listed = lister(self.namespace, label_selector=_SELECTOR)
-                    listed_at = time.monotonic()
-                    rv = listed.metadata.resource_version
-                    self._deliver(kind, "LIST", listed.items)
-                    self._synced[kind].set()
-                w = k8s_watch.Watch()
-                for event in w.stream(lister, self.namespace, label_selector=_SELECTOR,
-                                      resource_version=rv, timeout_seconds=_WATCH_TIMEOUT_S,
-                                      allow_watch_bookmarks=True):
-                    if self._stop.is_set():
-                        w.stop()
-                        break
-                    rv = event["raw_object"].get("metadata", {}).get("resourceVersion", rv)
-                    if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                        self._deliver(kind, event["type"], [event["object"]])
-                self._denied.pop(kind, None)
-            except ApiException as exc:
-                rv = None
-                if exc.status == 410:
-                    log.info("watch of %s: 410 Gone (resourceVersion compacted); listing "
-                             "again", kind)
-                else:
-                    log.warning("watch of %s: %s; listing again", kind, _why(exc))
-                    if exc.status in (401, 403):
-                        self._denied[kind] = _why(exc)
-                        self._synced[kind].set()  # nothing to wait for
-                    self._stop.wait(1.0)
-            except Exception as exc:  # noqa: BLE001 - the API server away: keep trying
-                rv = None
-                if self._stop.is_set():
-                    return
-                log.warning("watch of %s failed (%s: %s); listing again", kind,
-                            type(exc).__name__, exc)
-                self._stop.wait(1.0)
-
-    def _deliver(self, kind: str, type_: str, objs: list[Any]) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._on_event, kind, type_, objs)
-
-    def _on_event(self, kind: str, type_: str, objs: list[Any]) -> None:
-        """Updates what the backend knows (on the event loop) and wakes the jobs concerned."""
-        table = self._job_objs if kind == "jobs" else self._pods
-        touched = set()
-        if type_ == "LIST":
-            seen = set()
-            for obj in objs:
-                name = self._owner_name(kind, obj)
-                seen.add(name)
-                table[name] = obj
-            touched = set(table) - seen | seen
-            for gone in set(table) - seen:
-                del table[gone]
-        else:
-            for obj in objs:
-                name = self._owner_name(kind, obj)
-                touched.add(name)
-                if type_ == "DELETED":
-                    if kind == "jobs" or (name in table and
-                                          table[name].metadata.name == obj.metadata.name):
-                        table.pop(name, None)
-                else:
-                    table[name] = obj
-        for name in touched:
-            job = self._by_name.get(name)
-            if job is not None:
-                job.changed.set()
-
-    @staticmethod
-    def _owner_name(kind: str, obj: Any) -> str:
-        if kind == "jobs":
-            return str(obj.metadata.name)
-        labels = obj.metadata.labels or {}
-        return str(labels.get("batch.kubernetes.io/job-name") or labels.get("job-name") or "")
+        """Starts the watches, once (`JobWatches.start`)."""
+        await self.watches.start(resume_from)
 
     # -- launching ---------------------------------------------------------------------------
-    def _check_spec(self, spec: JobSpec) -> None:
-        if spec.job_id in self._jobs:
-            raise ValueError(f"job {spec.job_id} exists already")
-        if not spec.argv:
-            raise ValueError("empty argv")
-        if not spec.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {spec.timeout_s}")
-        if not spec.job_id or "/" in spec.job_id or len(spec.job_id) > 200:
-            raise ValueError(f"invalid job id {spec.job_id!r}")
-
     def _render(self, spec: JobSpec) -> dict[str, Any]:
         s = self.settings
         return manifests.render_job(
@@ -271,6 +162,8 @@ class KubernetesBackend(JobBackend):
                                 {"spec": {"suspend": False}})
 
     async def adopt(self, spec: JobSpec) -> bool:
+        if self._follows(spec):
+            return True
         self._check_spec(spec)
         await self._ensure_watching()
         name = manifests.job_name(spec.job_id)
@@ -281,7 +174,7 @@ class KubernetesBackend(JobBackend):
                 return False
             raise
         job = self._register(spec, name, _ts(obj.metadata.creation_timestamp))
-        self._job_objs.setdefault(name, obj)
+        self.watches.jobs.setdefault(name, obj)
         if obj.spec.suspend:  # its controller died before it started it
             await self._start(job, obj.metadata.uid)
         log.info("job %s: adopted Job %s from an earlier controller", spec.job_id, name)
@@ -316,8 +209,8 @@ class KubernetesBackend(JobBackend):
 
     def _ended(self, job: _Job, pending_since: dict[str, float]) -> Any:
         """A coroutine giving the job's result when what the API says ends it, else None."""
-        obj, pod = self._job_objs.get(job.name), self._pods.get(job.name)
-        if obj is None and self._synced["jobs"].is_set() and \
+        obj, pod = self.watches.jobs.get(job.name), self.watches.pods.get(job.name)
+        if obj is None and self.watches.synced["jobs"].is_set() and \
                 time.time() - job.launched_at > 5.0:
             return self._end(job, exit_code=-1, error=f"Job {job.name} was deleted outside "
                                                       "the controller")
@@ -427,7 +320,7 @@ class KubernetesBackend(JobBackend):
                    exit_code: int = -9, error: str = "",
                    grader: GraderOutput | None = None) -> JobResult:
         """Ends the job from our side: its logs saved, the Job deleted with its pods."""
-        pod = self._pods.get(job.name)
+        pod = self.watches.pods.get(job.name)
         if pod is not None:
             await self._save_logs(job, pod)
         else:
@@ -452,13 +345,13 @@ class KubernetesBackend(JobBackend):
     async def _wait_pod_gone(self, job: _Job) -> None:
         """Waits (bounded) until the Job's pod is gone: nothing of the job runs then."""
         bound = time.monotonic() + self.settings.kill_grace_s + 30.0
-        while job.name in self._pods and time.monotonic() < bound:
+        while job.name in self.watches.pods and time.monotonic() < bound:
             job.changed.clear()
             try:
                 await asyncio.wait_for(job.changed.wait(), 0.5)
             except asyncio.TimeoutError:
                 pass
-        if job.name in self._pods:
+        if job.name in self.watches.pods:
             log.warning("job %s: pod of Job %s still there after deletion", job.spec.job_id,
                         job.name)
 
@@ -499,5 +392,5 @@ class KubernetesBackend(JobBackend):
         for job in self._jobs.values():
             if job.task is not None and not job.task.done():
                 job.task.cancel()
-        self._stop.set()
+        self.watches.stop()
         await asyncio.to_thread(self.api.close)

@@ -29,7 +29,6 @@ import asyncio
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -45,7 +44,6 @@ from services.controller.sandbox import Sandbox
 
 log = logging.getLogger(__name__)
 
-_JOB_ID = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 EXEC_FAILED_EXIT_CODE = 127
 _WRAPPER = str(Path(__file__).with_name("job_wrapper.py"))
 _POLL_S = 0.1  # how often an adopted job's leader is checked (it is not our child to wait for)
@@ -135,14 +133,7 @@ class LocalBackend(JobBackend):
         return None
 
     def _check_spec(self, spec: JobSpec) -> None:
-        if not _JOB_ID.match(spec.job_id):
-            raise ValueError(f"invalid job id {spec.job_id!r}: use [A-Za-z0-9._-], 1-200 chars")
-        if spec.job_id in self._jobs:
-            raise ValueError(f"job {spec.job_id} exists already")
-        if not spec.argv:
-            raise ValueError("empty argv")
-        if not spec.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {spec.timeout_s}")
+        super()._check_spec(spec)
         if spec.grader is not None:
             raise ValueError("the local backend runs graders as jobs of their own")
         if spec.sandbox is not None and self.sandbox is None:
@@ -188,6 +179,8 @@ class LocalBackend(JobBackend):
         job.task = asyncio.ensure_future(self._supervise(job, proc.pid, proc.wait(), deadline))
 
     async def adopt(self, spec: JobSpec) -> bool:
+        if self._follows(spec):
+            return True
         self._check_spec(spec)
         record = await asyncio.to_thread(_read_json,
                                          Path(spec.workdir) / f".{spec.job_id}.job.json")

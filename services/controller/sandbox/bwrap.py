@@ -9,7 +9,8 @@ and images per harness).
 
 A sandboxed job runs as `job_wrapper -> bwrap -> init.py -> the command`:
 - its own user, pid, ipc, uts, cgroup and network namespaces; uid 1000 inside, no
-  capabilities, no new user namespaces inside (`--disable-userns`), no new privileges;
+  capabilities, no new user namespaces inside (`--disable-userns`; a grader's may make one,
+  `SandboxPolicy.nested`, for the sandbox its tests run in), no new privileges;
 - the mount tree of `policy.SandboxPolicy`: the system and the command's code read-only, the
   work folder writable, a private `/tmp`, its own `/proc` (its own processes only) and a
   minimal `/dev`; the controller's records (exit status, job record, grader output) are in
@@ -29,6 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from harnessrl.bwrap_binds import system_binds
 from services.controller.sandbox import cgroups
 from services.controller.sandbox.egress import Doors
 from services.controller.sandbox.policy import SandboxPolicy
@@ -38,14 +40,6 @@ log = logging.getLogger("harnessrl.controller.sandbox")
 UID = 1000  # the job's user inside (mapped to the controller's own user outside)
 INIT = Path(__file__).with_name("init.py")
 INSIDE = Path("/run/harnessrl")  # where the sandbox sees its init and its doors
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-# Of /etc, what programs need to run (libraries, certificates, time zone, names), not the
-# machine's configuration and secrets.
-ETC_PATHS = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d",
-             "/etc/ssl", "/etc/ca-certificates", "/etc/ca-certificates.conf", "/etc/pki",
-             "/etc/localtime", "/etc/timezone", "/etc/mime.types", "/etc/os-release",
-             "/etc/nsswitch.conf", "/etc/host.conf", "/etc/hosts", "/etc/protocols",
-             "/etc/services", "/etc/gitconfig", "/etc/python3", "/etc/fonts")
 # The environment a sandboxed job starts from (the run's and the controller's come on top).
 BASE_ENV = {"PATH": f"{Path(sys.prefix) / 'bin'}:/usr/local/bin:/usr/bin:/bin",
             "LANG": "C.UTF-8", "TMPDIR": "/tmp", "USER": "agent", "LOGNAME": "agent"}
@@ -75,7 +69,7 @@ class Sandbox:
             raise Unavailable("bubblewrap (bwrap) is not installed: `apt-get install "
                               "bubblewrap` (or dnf/apk/pacman install bubblewrap)")
         probe = subprocess.run(
-            [self.bwrap, *_namespaces(), *_system_binds(), "--", "/bin/true"],
+            [self.bwrap, *_namespaces(), *system_binds(), "--", "/bin/true"],
             capture_output=True, text=True, timeout=30)
         if probe.returncode != 0:
             raise Unavailable(f"bubblewrap cannot make a sandbox here ({probe.stderr.strip()}"
@@ -112,7 +106,7 @@ class Sandbox:
             inside = INSIDE / target.door
             door_binds += ["--ro-bind", str(folder), str(inside)]
             forwards += ["--forward", f"{port}={inside / 's.sock'}"]
-        cmd = [self.bwrap, *_namespaces(policy.host_network), *_system_binds(),
+        cmd = [self.bwrap, *_namespaces(policy.host_network, policy.nested), *system_binds(),
                "--ro-bind", str(self.runtime / "passwd"), "/etc/passwd",
                "--ro-bind", str(self.runtime / "group"), "/etc/group",
                "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
@@ -147,20 +141,11 @@ class Sandbox:
             self.cgroups.close()
 
 
-def _namespaces(host_network: bool = False) -> list[str]:
-    return ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+def _namespaces(host_network: bool = False, nested: bool = False) -> list[str]:
+    return ["--unshare-all", "--unshare-user", *([] if nested else ["--disable-userns"]),
+            "--die-with-parent",
             "--cap-drop", "ALL", "--uid", str(UID), "--gid", str(UID),
             "--hostname", "sandbox", *(["--share-net"] if host_network else [])]
-
-
-def _system_binds() -> list[str]:
-    args: list[str] = []
-    for p in (*SYSTEM_PATHS, *ETC_PATHS):
-        if os.path.islink(p) and p in SYSTEM_PATHS:  # merged /usr: /bin -> usr/bin
-            args += ["--symlink", os.readlink(p), p]
-        elif os.path.exists(p):
-            args += ["--ro-bind", p, p]
-    return args
 
 
 def _inside(path: Path, parents: tuple[Path, ...]) -> bool:

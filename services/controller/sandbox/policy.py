@@ -1,7 +1,7 @@
 """What one sandboxed job may reach: its `SandboxPolicy`, built from the run's spec.
 
-The filesystem is an allow-list. Read-only: the system (`bwrap.SYSTEM_PATHS`), the Python the
-controller runs on (the sandbox's first process needs it, and `python3` on the sandbox's PATH
+The filesystem is an allow-list. Read-only: the system (`harnessrl.bwrap_binds`), the Python
+the controller runs on (the sandbox's first process needs it, and `python3` on the sandbox's PATH
 is it), the interpreter and code its command names (each absolute path in the argv: a file's
 folder, a folder itself; a venv's interpreter brings its venv and base Python), and the run's
 `sandbox.read_only_paths`. Writable: the attempt's work folder. Hidden even inside those: the
@@ -45,6 +45,10 @@ class SandboxPolicy:
     # read-only paths as the command spells them, where that goes through a symlink:
     # (spelled, real); the real path is what is bound (and masked), the spelled one links to it
     aliases: tuple[tuple[Path, Path], ...] = ()
+    # may make one sandbox more inside: a grader's, whose tests of the agent's code run in a
+    # nested sandbox (harnessrl.graders.nested_sandbox, which forbids nesting further); never
+    # a harness's
+    nested: bool = False
 
 
 def is_loopback(host: str) -> bool:
@@ -173,7 +177,7 @@ def inside_url(url: str) -> tuple[str, tuple[Target, int]]:
 
 def build(spec: c.RunSpec, *, argv: list[str], work: Path, timeout_s: float,
           hidden: list[Path], egress: list[str], gateway_url: str = "",
-          read_only: Sequence[Path] = ()) -> SandboxPolicy:
+          read_only: Sequence[Path] = (), nested: bool = False) -> SandboxPolicy:
     """The policy of one job of the run `spec` (its harness or its grader)."""
     sb = spec.sandbox
     egress_targets, host_net = parse_egress(egress)
@@ -195,4 +199,4 @@ def build(spec: c.RunSpec, *, argv: list[str], work: Path, timeout_s: float,
         targets=tuple(dict.fromkeys(targets)), host_network=host_net,
         memory_mb=sb.memory_mb or DEFAULT_MEMORY_MB,
         max_processes=sb.max_processes or DEFAULT_MAX_PROCESSES,
-        cpu_time_s=int(sb.cpu_time_s or timeout_s) + 1, env=env)
+        cpu_time_s=int(sb.cpu_time_s or timeout_s) + 1, env=env, nested=nested)

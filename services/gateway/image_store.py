@@ -1,0 +1,151 @@
+"""The gateway's side of the image store (issue #45): each request's images go to the store's
+content-addressed image store (`Store.PutImages`) before the engine is asked, so the hashes a
+recorded call carries always resolve; and the processor settings recorded with each call that
+carries images (`Call.processor_json`), read from the served models' folders at start.
+
+A hash this gateway stored already (the most recent `known_max`) is not sent again: a harness
+resends a conversation's images every turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import grpc
+import orjson
+
+from harnessrl.v1 import store_pb2 as spb
+from services.gateway.exchange import HTTPError
+from services.gateway.image_fetch import FetchRefused, ImageFetcher
+from services.gateway.images import Image, RequestImages
+from services.gateway.schemas import Invalid
+
+log = logging.getLogger("harnessrl.gateway")
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+# what of the model's config.json decides how an image becomes placeholders (config.json's
+# top level, and its vision_config)
+VISION_KEYS = ("scale_factor", "image_token_id", "image_token_index", "image_seq_len")
+VISION_CONFIG_KEYS = ("image_size", "patch_size")
+
+
+def processor_settings(model: str, folder: str) -> bytes:
+    """The processor settings recorded with the calls of `model` (Call.processor_json): the
+    processor files saved in the model's folder, and the vision settings of its config.json
+    (image and patch size, pixel shuffle, image token), as JSON."""
+    files = {}
+    for name in PROCESSOR_FILES:
+        path = Path(folder) / name
+        if path.is_file():
+            files[name] = orjson.loads(path.read_bytes())
+    if not files:
+        raise ValueError(f"processor_dirs: {folder} (model {model!r}) holds none of "
+                         f"{', '.join(PROCESSOR_FILES)}")
+    out: dict[str, Any] = {"model": model, "files": files}
+    config = Path(folder) / "config.json"
+    if config.is_file():
+        data = orjson.loads(config.read_bytes())
+        vision = {k: data[k] for k in VISION_KEYS if k in data}
+        sub = data.get("vision_config") or {}
+        vision.update({f"vision_config.{k}": sub[k] for k in VISION_CONFIG_KEYS if k in sub})
+        out["vision"] = vision
+    return orjson.dumps(out, option=orjson.OPT_SORT_KEYS)
+
+
+class GatewayImages:
+    """The gateway's images: the checks' bounds, the processor settings of each served model,
+    and the image store (through the store service)."""
+
+    def __init__(self, store: Any, max_bytes: int, max_images: int,
+                 processor_dirs: dict[str, str], hold_timeout_s: float,
+                 fetch_timeout_s: float = 10.0, known_max: int = 100_000) -> None:
+        self.store = store
+        self.fetcher = ImageFetcher(max_bytes, fetch_timeout_s)
+        self.max_bytes, self.max_images = max_bytes, max_images
+        self.processors = {m: processor_settings(m, d) for m, d in processor_dirs.items()}
+        self.hold_timeout_s = hold_timeout_s
+        self.known_max = known_max
+        self._known: OrderedDict[str, None] = OrderedDict()  # hashes the store has
+        self._warned: set[str] = set()
+
+    def request(self, session: Any) -> RequestImages:
+        return RequestImages(self.max_bytes, self.max_images, session.fetch_images)
+
+    async def collect(self, found: RequestImages, messages: Any, model: str
+                      ) -> RequestImages | None:
+        """The request's images (None: it has none), http(s) ones fetched (for a run that
+        fetches them), with the served model's processor settings."""
+        found.collect(messages)
+        if found.pending:
+            if len(found.images) + len(found.pending) > self.max_images:  # before any fetch
+                raise Invalid(("messages",), f"{len(found.images) + len(found.pending)} images "
+                              f"in one request: at most {self.max_images} (max_images)",
+                              "too_many_images")
+            pending = list(found.pending.items())
+            results = await asyncio.gather(*(self.fetcher.fetch(url) for url, _ in pending),
+                                           return_exceptions=True)
+            for (url, where), result in zip(pending, results):
+                if isinstance(result, FetchRefused):
+                    raise Invalid(where, str(result), "image_fetch_refused")
+                if isinstance(result, BaseException):
+                    raise result
+                found.fetched(url, result)
+            found.collect(messages)
+        if not found.images:
+            return None
+        found.processor = self.processors.get(model, b"")
+        if not found.processor and model not in self._warned:
+            self._warned.add(model)
+            log.warning("calls with images to model %r are recorded without processor "
+                        "settings: give the gateway its folder (processor_dirs)", model)
+        return found
+
+    async def put(self, found: RequestImages | None) -> None:
+        """Stores the request's images not known stored yet; waits while the store is
+        unavailable (up to hold_timeout_s), else HTTPError: 400 (an image the store's bound
+        refuses), 507 (the image store is full), 503 or 502 (the store failed)."""
+        if found is None:
+            return
+        new: dict[str, Image] = {}
+        for img in found.images:
+            if img.sha256 in self._known:
+                self._known.move_to_end(img.sha256)
+            else:
+                new[img.sha256] = img
+        if not new:
+            return
+        request = [spb.StoredImage(sha256=i.sha256, media_type=i.media_type, data=i.data)
+                   for i in new.values()]
+        deadline = time.monotonic() + self.hold_timeout_s
+        delay = 0.05
+        while True:
+            try:
+                await self.store.put_images(request, timeout=max(
+                    1.0, min(30.0, deadline - time.monotonic())))
+                break
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise HTTPError(400, f"image refused by the store: {err.details()}",
+                                    "invalid_request_error", "image_too_large") from err
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise HTTPError(507, f"image not stored: {err.details()}", "server_error",
+                                    "image_store_full") from err
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
+                        or time.monotonic() + delay > deadline:
+                    raise HTTPError(503 if code == grpc.StatusCode.UNAVAILABLE else 502,
+                                    f"image store: {code.name} {err.details()}",
+                                    "server_error", "image_store_error") from err
+            await asyncio.sleep(delay)
+            delay = min(1.0, delay * 2)
+        for h in new:
+            self._known[h] = None
+        while len(self._known) > self.known_max:
+            self._known.popitem(last=False)
