@@ -79,3 +79,22 @@ def test_a_stale_drop_the_recorded_calls_do_not_bear_out_is_a_problem(
     assert len(acc.problems) == 1 and problem in acc.problems[0], acc.problems
     assert acc.by_design == {}
 
+
+@pytest.mark.parametrize("rewards,by_design,problems", [
+    ((1.0, 1.0), {"zero_variance": 2}, 0), ((1.0, 0.0), {}, 2)], ids=["equal", "different"])
+def test_a_zero_variance_drop_needs_equal_rewards_in_the_store(
+        rewards: tuple[float, float], by_design: dict[str, int], problems: int) -> None:
+    """The trainer drops a group whose rewards are all equal (no learning signal) with no kill
+    behind it: by design when the store's rewards bear it out, a problem when they differ."""
+    group = f"{RUN}/t0"
+    ros = {f"{group}/{i}": c.Rollout(rollout_id=f"{group}/{i}", run_id=RUN, group_id=group,
+                                     attempt=1, status=c.ROLLOUT_STATUS_SUCCEEDED, reward=r)
+           for i, r in enumerate(rewards)}
+    view = ca.RedisView(ros, [RUN], [ca.Entry("1-0", group, RUN, acked=True, pending=False)],
+                        {rid: [0] for rid in ros})
+    claims = ca.Claims(dropped={rid: ca.ZERO_VARIANCE for rid in ros},
+                       dropped_at={rid: 0 for rid in ros})
+    acc = ca.account({rid: 0 for rid in ros}, view, claims, {}, [], run_end=0.0, mode="sync",
+                     max_staleness=0)
+    assert len(acc.problems) == problems and acc.by_design == by_design, acc.problems
+    assert acc.drops == []

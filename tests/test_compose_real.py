@@ -42,7 +42,8 @@ import redis
 import yaml
 
 from harnessrl.procs import free_port
-from harnessrl.testing import chaos_accounting as ca
+from harnessrl.engine_guard import ClientKey
+from harnessrl.testing import chaos_accounting as ca, trained_probe
 from harnessrl.v1 import common_pb2 as c
 
 REPO = Path(__file__).resolve().parent.parent
@@ -94,6 +95,7 @@ class ComposeRun:
     identities: dict[str, str] = field(default_factory=dict)  # volume -> its certificate's CN
     redis_auth: dict[str, str] = field(default_factory=dict)
     engine_from_rollouts: dict[str, int] = field(default_factory=dict)  # route -> status
+    probe: Any = None  # the engine's probe logprobs after training (trained_probe.Probe)
     healthcheck: dict[str, int] = field(default_factory=dict)
     operator: dict[str, Any] = field(default_factory=dict)
     auth_checks_s: float = 0.0
@@ -231,11 +233,49 @@ def redis_status(compose: Compose) -> dict[str, Any]:
     return out
 
 
+# the kills that can fail a rollout's attempt: its harness's calls go through the gateway (a
+# trainer's kill fails none: the restarted trainer redoes its step on the same rollouts)
+FAILS_ATTEMPTS = {"gateway"}
+
+
+def kills_explaining(dropped: dict[str, str], view: ca.RedisView,
+                     kills: list[dict[str, Any]], end: float) -> dict[str, list[str]]:
+    """Each dropped rollout's kills (as chaos_accounting ties them): every attempt the store
+    records for it ran during the window of a kill that can fail an attempt, from the kill -9
+    to the service serving again; a succeeded rollout dropped with its group, by the kills of
+    its group's failed rollouts. [] for a drop no kill explains."""
+    windows = [ca.KillWindow(k["service"], k["at"], k["at"] + k["back_s"],
+                             f"{k['service']}@{k['at']:.1f}") for k in kills
+               if k["service"] in FAILS_ATTEMPTS]
+
+    def of_attempts(ro: c.Rollout) -> list[str]:
+        found: list[str] = []
+        for a in ro.attempts:
+            ks = [w.label for w in windows if w.covers(a.started_at, a.finished_at or end)]
+            if not ks:
+                return []
+            found += [k for k in ks if k not in found]
+        return found
+
+    out = {rid: of_attempts(view.rollouts[rid]) if view.rollouts[rid].status != ca.SUCCEEDED
+           else [] for rid in dropped}
+    for rid in dropped:
+        ro = view.rollouts[rid]
+        if ro.status == ca.SUCCEEDED and not out[rid]:
+            failed = [r for r, x in view.rollouts.items() if x.group_id == ro.group_id
+                      and x.status != ca.SUCCEEDED]
+            if failed and all(out.get(r) for r in failed):
+                out[rid] = sorted({k for r in failed for k in out[r]})
+    return out
+
+
 def account(compose: Compose, expected: dict[str, int], prefix: str,
-            metrics_file: Path, password: str) -> dict[str, Any]:
+            metrics_file: Path, password: str, kills: list[dict[str, Any]]) -> dict[str, Any]:
     """Every expected rollout (the trainer's documented task rule, recomputed) is in Redis
     (read directly, on the compose network's address), and is trained (claimed by the
-    trainer and its group acknowledged in Redis) or dropped with a reason; none twice."""
+    trainer and its group acknowledged in Redis) or dropped with a reason and a kill that
+    explains it (`kills_explaining`), or in a group whose succeeded rollouts all have one reward
+    in Redis (the trainer's zero-variance drop, by design); none twice."""
     url = (f"redis://{STORE_REDIS_USER}:{password}@{compose.ip('redis')}:"
            f"{compose.env['REDIS_PORT']}/0")
     view = ca.read_redis(url, KEY_PREFIX, prefix, set(expected))
@@ -258,9 +298,17 @@ def account(compose: Compose, expected: dict[str, int], prefix: str,
                      and r.rsplit("/", 1)[0] in acked)
     dropped: dict[str, str] = {}
     unexplained = []
+    by_design: list[str] = []
     for rid in sorted(set(expected) - set(trained) - set(lost)):
         ro = view.rollouts[rid]
         reason = claims.dropped.get(rid) or (ro.error or "").strip()
+        if reason == ca.ZERO_VARIANCE:  # the trainer's own drop: no signal, no kill behind it
+            if ca.equal_rewards(rid, view.rollouts):
+                by_design.append(rid)
+            else:
+                unexplained.append(f"{rid}: dropped ({reason}), but its group's succeeded "
+                                   "rollouts have different rewards in the store")
+            continue
         if reason and ro.status != ca.SUCCEEDED or rid in claims.dropped:
             dropped[rid] = reason
         else:
@@ -269,8 +317,14 @@ def account(compose: Compose, expected: dict[str, int], prefix: str,
                 f"{rid}: {c.RolloutStatus.Name(ro.status)}, claimed trained "
                 f"{claims.trained[rid]}x, its group's stream entry: "
                 f"{e if e else 'none'}")
+    tied = kills_explaining(dropped, view, kills, time.time())
+    unexplained += [f"{rid}: dropped ({dropped[rid]}), no kill explains it: attempts "
+                    f"{[(a.started_at, a.finished_at) for a in view.rollouts[rid].attempts]}, "
+                    f"kills {kills}" for rid, ks in tied.items() if not ks]
     return {"expected": len(expected), "trained": len(trained), "lost": lost, "trimmed": trimmed,
-            "trained_twice": twice, "dropped": dropped, "unexplained": unexplained,
+            "trained_twice": twice, "dropped": {rid: f"{why} [{', '.join(tied[rid])}]"
+                                                for rid, why in dropped.items()},
+            "unexplained": unexplained, "zero_variance": len(by_design),
             "dropped_by_reason": dict(Counter(
                 re.sub(r"[0-9a-f]{8,}|\d+", "#", r)[:80] for r in dropped.values()))}
 
@@ -497,6 +551,12 @@ def compose(docker_daemon, built_images, tiny_model_dir: Path,  # type: ignore[n
         if run.checkpoint:
             ck = checkpoints / "checkpoints" / run.checkpoint
             run.checkpoint_files = sorted(p.name for p in ck.iterdir()) if ck.is_dir() else []
+        # training seen from outside the trainer: the engine container asked over HTTP (with
+        # the trainer's engine key), the checkpoint read from the volume
+        key = ClientKey((dc.volume("engine-key-trainer") / "key").read_text().strip())
+        run.probe = trained_probe.probe_engine(
+            f"http://{dc.ip('engine-cpu')}:{env['ENGINE_PORT']}", tiny_model_dir, "tiny", key,
+            checkpoints / "checkpoints" / run.checkpoint if run.checkpoint else None)
         prefix = json.loads((checkpoints / "run.json").read_text())["run_prefix"]
         tasks = REPO / "examples" / "calc" / "tasks.jsonl"  # the trainer image's copy
         from services.trainer.config import TrainerConfig
@@ -505,7 +565,7 @@ def compose(docker_daemon, built_images, tiny_model_dir: Path,  # type: ignore[n
         expected = ca.expected_sync(tasks, tc["seed"].default, STEPS,
                                     tc["tasks_per_step"].default, tc["group_size"].default,
                                     prefix)
-        run.accounting = account(dc, expected, prefix, metrics, password)
+        run.accounting = account(dc, expected, prefix, metrics, password, run.kills)
         r.close()
         for svc in RUNNING:
             run.inside[svc] = redis_status(dc) if svc == "redis" else proc_status(dc, svc)
@@ -577,6 +637,9 @@ def test_merged_config_differs_from_the_base_only_in_the_steps(compose: ComposeR
 
 
 def test_compose_trains_through_a_gateway_and_a_trainer_crash(compose: ComposeRun) -> None:
+    """Every expected rollout is trained once or dropped, and each drop is tied to a kill that
+    can cause it (`kills_explaining`: the gateway's, over every attempt of the rollout); a
+    trainer that dropped groups on its own would leave drops no kill explains."""
     print(json.dumps({k: v for k, v in compose.__dict__.items()
                       if k not in ("base", "merged", "inside")}, indent=1, default=str))
     assert compose.trainer_exit == 0, f"trainer exited {compose.trainer_exit}; {compose.logs}"
@@ -587,7 +650,17 @@ def test_compose_trains_through_a_gateway_and_a_trainer_crash(compose: ComposeRu
     assert [k["service"] for k in compose.kills] == ["gateway", "trainer-cpu"]
     acc = compose.accounting
     assert not acc["lost"] and not acc["trained_twice"] and not acc["unexplained"], acc
-    assert acc["trained"] + len(acc["dropped"]) == acc["expected"] > 0, acc
+    assert acc["trained"] + len(acc["dropped"]) + acc["zero_variance"] == acc["expected"] > 0, acc
+    assert acc["trained"] > 0, acc
+
+
+def test_the_engine_serves_what_the_trainer_trained(compose: ComposeRun) -> None:
+    """From outside the trainer (harnessrl/testing/trained_probe.py): the engine container's
+    logprobs of a fixed probe moved from the base model's and equal the last checkpoint's in
+    the volume, computed offline. A trainer that drops every group pushes nothing: the engine
+    then serves the base weights, and this fails."""
+    assert compose.probe is not None and compose.probe.checkpoint, compose.probe
+    assert trained_probe.check(compose.probe) == []
 
 
 @pytest.mark.parametrize("service", [*RUNNING, "trainer-cpu"])

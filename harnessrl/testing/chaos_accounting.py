@@ -36,7 +36,8 @@ explained when every attempt the store records for it has a start line in the ha
 was in flight during some kill's window; a succeeded rollout dropped with its group ("group
 too_few_rollouts") is explained by the kills that explain its group's failed rollouts; a
 dead-lettered group by the trainer's deaths (it needs deliveries - 1 of them). Each drop is
-reported with its kill(s); any other drop fails. In async mode two drops are the mode's own:
+reported with its kill(s); any other drop fails, but one: a group whose succeeded rollouts all
+have the same reward in the store ("group zero_variance") is dropped by design, and counted. In async mode two drops are the mode's own:
 "stale" (bounded staleness) and the surplus (groups not taken when training ended: cancelled,
 pending or never delivered); they are counted, not tied to kills.
 
@@ -51,6 +52,7 @@ other kept step's: trained (once) or dropped with a kill's explanation.
 from __future__ import annotations
 
 import json
+import re
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -160,6 +162,9 @@ class RedisView:
     rollouts: dict[str, c.Rollout]  # the expected ones found, and the prefix's others
     runs: list[str]  # run ids of the prefix
     entries: list[Entry]  # the stream's, of the prefix's runs
+    # policy versions of the calls (not aborted) of each succeeded rollout's last attempt, as
+    # the gateway recorded them (`P calls:{rollout}:{attempt}`)
+    versions: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _id(x: Any) -> tuple[int, int]:
@@ -203,7 +208,14 @@ def read_redis(url: str, key_prefix: str, run_prefix: str, expected: set[str]) -
                                      acked=delivered and e not in pend, pending=e in pend,
                                      dead_reason=d[0] if d else None,
                                      deliveries=d[1] if d else pend.get(e, 0)))
-        return RedisView(rollouts, runs, entries)
+        succeeded = [(i, ro.attempt) for i, ro in rollouts.items() if ro.status == SUCCEEDED]
+        pipe = r.pipeline(transaction=False)
+        for i, attempt in succeeded:
+            pipe.hvals(f"{key_prefix}calls:{i}:{attempt}")
+        versions = {i: [call.policy_version for call in map(c.Call.FromString, raw)
+                        if not call.aborted]
+                    for (i, _), raw in zip(succeeded, pipe.execute() if succeeded else [])}
+        return RedisView(rollouts, runs, entries, versions)
     finally:
         r.close()
 
@@ -213,6 +225,9 @@ class Claims:
     trained: Counter[str] = field(default_factory=Counter)
     dropped: dict[str, str] = field(default_factory=dict)
     steps: list[int] = field(default_factory=list)
+    # the trainer's version at the start of the step that dropped each rollout (its row's
+    # behaviour_version): what a stale drop's "trainer at" must say
+    dropped_at: dict[str, int] = field(default_factory=dict)
 
 
 def read_claims(metrics_file: Path) -> Claims:
@@ -223,6 +238,8 @@ def read_claims(metrics_file: Path) -> Claims:
             out.steps.append(row["step"])
             out.trained.update(row.get("trained_rollouts", []))
             out.dropped.update(row.get("dropped_rollouts", {}))
+            out.dropped_at.update({rid: row.get("behaviour_version", -1)
+                                   for rid in row.get("dropped_rollouts", {})})
     return out
 
 
@@ -233,7 +250,7 @@ class Accounting:
     rollouts_in: int = 0
     trained: int = 0
     drops: list[dict[str, Any]] = field(default_factory=list)  # rollout, reason, kills
-    by_design: dict[str, int] = field(default_factory=dict)  # async: stale, surplus
+    by_design: dict[str, int] = field(default_factory=dict)  # zero_variance; async: stale, surplus
     trained_twice: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -246,17 +263,61 @@ class Accounting:
         return dict(Counter(d["reason"] for d in self.drops))
 
 
+ZERO_VARIANCE = "group zero_variance"
+
+
+def equal_rewards(rid: str, rollouts: dict[str, c.Rollout]) -> bool:
+    """A drop the trainer makes by design (`advantage.filter_zero_variance`), read from the
+    store: `rid` succeeded and every succeeded rollout of its group has the same reward, so the
+    group carries no learning signal. No kill is needed to explain it."""
+    ro = rollouts[rid]
+    rewards = {round(x.reward, 9) for x in rollouts.values()
+               if x.group_id == ro.group_id and x.status == SUCCEEDED}
+    return ro.status == SUCCEEDED and len(rewards) == 1
+
+
 def _why_failed(ro: c.Rollout) -> str:
     err = ro.error or "; ".join(a.error for a in ro.attempts if a.error) or "no error recorded"
     return f"{c.RolloutStatus.Name(ro.status).removeprefix('ROLLOUT_STATUS_').lower()}: " \
            f"{err[:120]}"
 
 
+_STALE = re.compile(r"^stale: a call of policy version (\d+), trainer at (\d+), "
+                    r"max_staleness (\d+)$")
+
+
+def _stale_problem(rid: str, why: str, versions: list[int], trainer_at: int | None,
+                   max_staleness: int | None) -> str | None:
+    """Why a "stale" drop does not hold against the calls the gateway recorded for the group
+    (its succeeded rollouts'), or None: the claimed oldest version must be the oldest recorded
+    and too old for the trainer's version; that version must be the dropping step's
+    `behaviour_version` (`trainer_at`) and the bound the run's `max_staleness`."""
+    m = _STALE.match(why)
+    if m is None:
+        return f"stale drop of {rid} with a reason of no known form: {why!r}"
+    oldest, trainer, bound = (int(x) for x in m.groups())
+    if trainer_at is not None and trainer != trainer_at:
+        return f"stale drop of {rid}: the reason says trainer at {trainer}, the step that " \
+               f"dropped it started at version {trainer_at}"
+    if max_staleness is not None and bound != max_staleness:
+        return f"stale drop of {rid}: the reason's max_staleness {bound} is not the run's " \
+               f"{max_staleness}"
+    if trainer - oldest <= bound:
+        return f"stale drop of {rid}: version {oldest} at trainer {trainer} is within " \
+               f"max_staleness {bound}"
+    if min(versions, default=None) != oldest:
+        return f"stale drop of {rid}: the trainer names a call of version {oldest}, the " \
+               f"gateway recorded the group's calls at versions {sorted(set(versions))}"
+    return None
+
+
 def account(expected: dict[str, int], view: RedisView, claims: Claims,
             harness: dict[str, dict[int, Attempt]], kills: list[KillWindow], run_end: float,
-            mode: str = "sync", trainer_deaths: int = 0) -> Accounting:
+            mode: str = "sync", trainer_deaths: int = 0,
+            max_staleness: int | None = None) -> Accounting:
     """See the module docstring. `trainer_deaths`: times the trainer died (killed, or killed
-    by the supervisor after an engine restart)."""
+    by the supervisor after an engine restart); `max_staleness`: the run's (async), which a
+    stale drop's reason must name."""
     acc = Accounting(expected=len(expected))
     bad = acc.problems.append
     # the store's record of every expected rollout; nothing else of the prefix
@@ -344,8 +405,21 @@ def account(expected: dict[str, int], view: RedisView, claims: Claims,
                     "kills": ks if trainer_deaths >= max(1, e.deliveries - 1) else []}
         elif rid in claims.dropped:
             why = claims.dropped[rid]
+            if why == ZERO_VARIANCE:
+                if equal_rewards(rid, view.rollouts):
+                    acc.by_design["zero_variance"] = acc.by_design.get("zero_variance", 0) + 1
+                else:
+                    bad(f"rollout {rid} dropped as {why}, but its group's succeeded rollouts "
+                        "have different rewards in the store")
+                continue
             if mode != "sync" and why.startswith("stale"):
-                acc.by_design["stale"] = acc.by_design.get("stale", 0) + 1
+                group = [view.versions.get(r, []) for r in view.rollouts
+                         if group_of(r) == group_of(rid)]
+                if problem := _stale_problem(rid, why, [v for vs in group for v in vs],
+                                             claims.dropped_at.get(rid), max_staleness):
+                    bad(problem)
+                else:
+                    acc.by_design["stale"] = acc.by_design.get("stale", 0) + 1
                 continue
             reason = why if ro.status == SUCCEEDED else _why_failed(ro) if why == "failed" \
                 else f"{why}: {_why_failed(ro)}"
