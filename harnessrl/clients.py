@@ -192,11 +192,13 @@ class StoreClient(_Client[store_pb2_grpc.StoreStub]):
         return self.stub.ListState(spb.ListStateRequest(namespace=namespace),
                                    timeout=self.timeout)
 
-    def put_images(self, images: Iterable[spb.StoredImage], timeout: float | None = None
-                   ) -> spb.PutImagesResponse:
-        """Stores images in the content-addressed image store (docs/vision.md)."""
-        return self.stub.PutImages(spb.PutImagesRequest(images=list(images)),
-                                   timeout=timeout or self.timeout)
+    def put_images(self, images: Iterable[spb.StoredImage], timeout: float | None = None,
+                   rollout_id: str = "", max_rollout_bytes: int = 0) -> spb.PutImagesResponse:
+        """Stores images in the content-addressed image store (docs/vision.md), those new to
+        it counted against `rollout_id`'s `max_rollout_bytes` (0: no bound)."""
+        return self.stub.PutImages(spb.PutImagesRequest(
+            images=list(images), rollout_id=rollout_id, max_rollout_bytes=max_rollout_bytes),
+            timeout=timeout or self.timeout)
 
     def get_images(self, sha256: Iterable[str], timeout: float | None = None
                    ) -> spb.GetImagesResponse:

@@ -22,8 +22,10 @@ import http.server
 import io
 import json
 import random
+import re
 import threading
 import time
+import types
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,7 +118,7 @@ class ImageWorld(World):
         try:
             keys = [k.decode() for k in r.keys(f"{self.prefix}img:*")]
             return {k.rsplit(":", 1)[1]: r.hget(k, "d")  # type: ignore[misc]
-                    for k in keys if not k.endswith(":bytes")}
+                    for k in keys if re.fullmatch(r"img:[0-9a-f]{64}", k[len(self.prefix):])}
         finally:
             r.close()
 
@@ -404,6 +406,95 @@ def test_gateway_answers_507_when_the_image_store_is_full(tmp_path: Path,
         proc.stop()
 
 
+def unique_png() -> bytes:
+    """A small PNG no other test stored (a random colour)."""
+    return png("#%06x" % random.randrange(1 << 24), size=8)
+
+
+def test_a_rollouts_new_images_count_against_its_bound(tmp_path: Path, redis_url: str) -> None:
+    """The store's side: the bytes of images a rollout stores first count against the bound
+    its gateway names; past it nothing of the request is stored; an image stored already,
+    by any rollout, costs nothing."""
+    prefix = f"t{uuid.uuid4().hex[:10]}:"
+    svc = StoreService(tmp_path / "store", redis_url, prefix).start()
+    store = StoreClient.connect(svc.address, timeout=10)
+    r = redis.Redis.from_url(redis_url)
+    a, b, d = unique_png(), unique_png(), unique_png()
+
+    def put(rid: str, most: int, *data: bytes) -> spb.PutImagesResponse:
+        return store.put_images([spb.StoredImage(media_type="image/png", data=x) for x in data],
+                                rollout_id=rid, max_rollout_bytes=most)
+    try:
+        bound = len(a) + len(b)
+        assert put("run/t/0", bound, a).rollout_bytes == len(a)
+        with pytest.raises(grpc.RpcError) as over:  # a fits, b and d together would not
+            put("run/t/0", bound, a, b, d)
+        assert over.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert over.value.details().startswith("rollout image quota: rollout run/t/0 has "
+                                               f"stored {len(a)} bytes")
+        assert [g.found for g in store.get_images([sha(b), sha(d)]).images] == [False, False]
+        done = put("run/t/0", bound, a, b)  # exactly its bound
+        assert (done.stored, done.existing, done.rollout_bytes) == (1, 1, bound)
+        assert int(r.get(f"{prefix}img:ro:run/t/0") or 0) == bound
+        assert 0 < r.ttl(f"{prefix}img:ro:run/t/0") <= 7 * 24 * 3600
+        other = put("run/t/1", 1, a, b)  # stored already: another rollout pays nothing
+        assert (other.stored, other.existing, other.rollout_bytes) == (0, 2, 0)
+        assert put("run/t/1", len(d), d).rollout_bytes == len(d)  # its own bound, not t/0's
+        assert int(r.get(f"{prefix}img:bytes") or 0) == bound + len(d)
+        for rid, most in (("", 10), ("run/t/2", -1)):
+            with pytest.raises(grpc.RpcError) as bad:
+                put(rid, most, unique_png())
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        store.close()
+        r.close()
+        svc.stop()
+
+
+def test_a_rollout_past_its_image_bound_gets_413_and_others_go_on(world: ImageWorld) -> None:
+    """Through the gateway: a run's `max_rollout_image_bytes` bounds what each of its
+    rollouts adds to the image store (413 past it, the call not recorded, its images not
+    stored); another rollout of the run has a bound of its own; a run that sets none is
+    counted against the gateway's default."""
+    run_id = f"quota-{uuid.uuid4().hex[:6]}"
+    a, b, d = unique_png(), unique_png(), unique_png()
+    world.store.put_run(c.Run(run_id=run_id, spec=c.RunSpec(
+        max_rollout_image_bytes=len(a) + len(b))))
+
+    def rollout(i: int, run: str = run_id) -> tuple[str, openai.OpenAI]:
+        rid = f"{run}/t/{i}"
+        world.store.create_rollouts([c.Rollout(rollout_id=rid, run_id=run, task_id="t",
+                                               group_id=f"{run}/t", group_size=3, stream="-")])
+        world.store.start_attempt(rid, 1)
+        return rid, world.client(SIGNER.mint(rid, 1, 60))
+
+    def ask(client: openai.OpenAI, *data: bytes) -> Any:
+        return client.chat.completions.create(model="tiny", messages=[{
+            "role": "user", "content": [image_part(x) for x in data]}])
+    first, client = rollout(0)
+    ask(client, a)
+    ask(client, a, b)  # b fits exactly
+    with pytest.raises(openai.APIStatusError) as over:
+        ask(client, a, b, d)
+    assert over.value.status_code == 413
+    assert over.value.body["code"] == "rollout_image_quota"  # type: ignore[index]
+    assert len(world.calls(first)) == 2 and sha(d) not in world.stored_images()
+    second, client2 = rollout(1)
+    ask(client2, d)  # a bound of its own
+    assert world.stored_images()[sha(d)] == d and len(world.calls(second)) == 1
+    r = redis.Redis.from_url(world.redis_url)
+    try:
+        assert int(r.get(f"{world.prefix}img:ro:{first}") or 0) == len(a) + len(b)
+        other_run = f"plain-{uuid.uuid4().hex[:6]}"
+        world.store.put_run(c.Run(run_id=other_run, spec=c.RunSpec()))
+        third, client3 = rollout(0, other_run)
+        e = unique_png()
+        ask(client3, e)  # the gateway's default bound (64 MiB): counted, not refused
+        assert int(r.get(f"{world.prefix}img:ro:{third}") or 0) == len(e)
+    finally:
+        r.close()
+
+
 @pytest.mark.parametrize("name,put,get", [
     ("gateway", True, True), ("trainer", True, True), ("reader", False, True),
     ("operator", False, True), ("controller", False, False), ("grader", False, False)])
@@ -649,8 +740,9 @@ def test_fetched_images_are_checked_and_forwarded_inline(
     images = GatewayImages(None, MAX_IMAGE_BYTES, 3, {}, 1.0)
     images.fetcher = _fetcher(image_server, "93.184.216.34")
 
-    class Run:
-        fetch_images = True
+    class Run:  # what GatewayImages reads of a gateway session
+        fetch_images, max_image_bytes = True, 0
+        cred = types.SimpleNamespace(rollout_id="r/t/0")
     messages: list[Any] = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://images.example/red.png"}}]}]
     found = asyncio.run(images.collect(images.request(Run()), messages, "tiny"))

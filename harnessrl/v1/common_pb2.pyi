@@ -694,6 +694,7 @@ class RunSpec(_message.Message):
     TAMPERED_REWARDS_FIELD_NUMBER: _builtins.int
     TAMPERED_PENALTY_FIELD_NUMBER: _builtins.int
     FETCH_IMAGE_URLS_FIELD_NUMBER: _builtins.int
+    MAX_ROLLOUT_IMAGE_BYTES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     tasks_file: _builtins.str
     """a JSONL file, one JSON object per line ("id" or "task_id" names it)"""
@@ -745,6 +746,12 @@ class RunSpec(_message.Message):
     resolves to is checked, and the one connected to is one of them), follows no redirects,
     and bounds each fetch's size (the gateway's max_image_bytes) and time
     (image_fetch_timeout_s). The image goes to the engine as a data URL: vLLM fetches nothing.
+    """
+    max_rollout_image_bytes: _builtins.int
+    """Bytes of new images each rollout of this run may add to the image store (docs/vision.md):
+    images stored already, by any rollout, cost nothing; past the bound the call is refused
+    with 413 (its engine answer is discarded) and nothing of it is stored. 0: the gateway's
+    max_rollout_image_bytes. It bounds what one rollout's harness can take of the store.
     """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:
@@ -823,10 +830,11 @@ class RunSpec(_message.Message):
         tampered_rewards: Global___TamperedRewards.ValueType = ...,
         tampered_penalty: _builtins.float = ...,
         fetch_image_urls: _builtins.bool = ...,
+        max_rollout_image_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling", "sandbox", b"sandbox"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "admission_batch_groups", b"admission_batch_groups", "admission_max_staleness", b"admission_max_staleness", "backend", b"backend", "concurrency", b"concurrency", "env", b"env", "fetch_image_urls", b"fetch_image_urls", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_grader_command", b"group_grader_command", "group_grader_timeout_s", b"group_grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "sandbox", b"sandbox", "setup_command", b"setup_command", "setup_timeout_s", b"setup_timeout_s", "stream", b"stream", "tampered_penalty", b"tampered_penalty", "tampered_rewards", b"tampered_rewards", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "admission_batch_groups", b"admission_batch_groups", "admission_max_staleness", b"admission_max_staleness", "backend", b"backend", "concurrency", b"concurrency", "env", b"env", "fetch_image_urls", b"fetch_image_urls", "grader_command", b"grader_command", "grader_timeout_s", b"grader_timeout_s", "group_grader_command", b"group_grader_command", "group_grader_timeout_s", b"group_grader_timeout_s", "group_size", b"group_size", "harness_command", b"harness_command", "max_attempts", b"max_attempts", "max_rollout_image_bytes", b"max_rollout_image_bytes", "model", b"model", "name", b"name", "reward_source", b"reward_source", "sampling", b"sampling", "sandbox", b"sandbox", "setup_command", b"setup_command", "setup_timeout_s", b"setup_timeout_s", "stream", b"stream", "tampered_penalty", b"tampered_penalty", "tampered_rewards", b"tampered_rewards", "tasks", b"tasks", "tasks_file", b"tasks_file", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1260,16 +1260,28 @@ class PutImagesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     IMAGES_FIELD_NUMBER: _builtins.int
+    ROLLOUT_ID_FIELD_NUMBER: _builtins.int
+    MAX_ROLLOUT_BYTES_FIELD_NUMBER: _builtins.int
+    rollout_id: _builtins.str
+    """The rollout the images come from: the bytes of those stored by this request (not those
+    stored before) count against its bound. "": no rollout, no bound but the store's.
+    """
+    max_rollout_bytes: _builtins.int
+    """Bytes of new images `rollout_id` may have stored in all; past it nothing of the request is
+    stored (RESOURCE_EXHAUSTED, details starting "rollout image quota"). 0: no bound.
+    """
     @_builtins.property
     def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoredImage]: ...
     def __init__(
         self,
         *,
         images: _abc.Iterable[Global___StoredImage] | None = ...,
+        rollout_id: _builtins.str = ...,
+        max_rollout_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images", "max_rollout_bytes", b"max_rollout_bytes", "rollout_id", b"rollout_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1282,10 +1294,13 @@ class PutImagesResponse(_message.Message):
     STORED_FIELD_NUMBER: _builtins.int
     EXISTING_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
+    ROLLOUT_BYTES_FIELD_NUMBER: _builtins.int
     stored: _builtins.int
     """new images"""
     existing: _builtins.int
     """images stored before (left as they were)"""
+    rollout_bytes: _builtins.int
+    """bytes of new images `rollout_id` has stored, this request's in"""
     @_builtins.property
     def sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """each image's hash, in order"""
@@ -1296,10 +1311,11 @@ class PutImagesResponse(_message.Message):
         stored: _builtins.int = ...,
         existing: _builtins.int = ...,
         sha256: _abc.Iterable[_builtins.str] | None = ...,
+        rollout_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["existing", b"existing", "sha256", b"sha256", "stored", b"stored"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["existing", b"existing", "rollout_bytes", b"rollout_bytes", "sha256", b"sha256", "stored", b"stored"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

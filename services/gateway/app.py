@@ -83,9 +83,7 @@ class GatewayApp:
         sessions.tokens = self.tokens  # it loads the segments it reads from the store
         self.recording = Recording(recorder, sessions, self.tokens)
         self.ownership = Ownership(sessions.replicas, sessions.signer, cfg)
-        self.images = GatewayImages(store, cfg.max_image_bytes, cfg.max_images,
-                                  cfg.processor_dirs, cfg.hold_timeout_s,
-                                  cfg.image_fetch_timeout_s)  # image_store.py
+        self.images = GatewayImages.from_config(store, cfg)  # image_store.py
         # (method, path) -> (handler, error style)
         self.routes: dict[tuple[str, str], tuple[Route, str]] = {
             ("POST", "/v1/chat/completions"): (self.chat_completions, "openai"),

@@ -80,6 +80,11 @@ class GatewayConfig(ServiceConfig):
         "400 above; docs/vision.md); the store's own max_image_bytes must not be smaller")
     max_images: int = Field(32, ge=0, description="images one request may carry at most, its "
                             "earlier turns' included (HTTP 400 above)")
+    max_rollout_image_bytes: int = Field(
+        64 * 1024 * 1024, ge=1, description="bytes of new images one rollout may add to the "
+        "store's image store, for runs that do not set RunSpec.max_rollout_image_bytes (HTTP "
+        "413 past it, the call not recorded): what one harness can take of the store's "
+        "max_image_store_bytes")
     image_fetch_timeout_s: float = Field(
         10.0, gt=0, description="time one image fetch may take in all, for runs that fetch "
         "image URLs (RunSpec.fetch_image_urls; HTTP 400 past it)")

@@ -20,6 +20,7 @@ import grpc
 import orjson
 
 from harnessrl.v1 import store_pb2 as spb
+from services.gateway.config import GatewayConfig
 from services.gateway.exchange import HTTPError
 from services.gateway.image_fetch import FetchRefused, ImageFetcher
 from services.gateway.images import Image, RequestImages
@@ -27,6 +28,8 @@ from services.gateway.schemas import Invalid
 
 log = logging.getLogger("harnessrl.gateway")
 
+# how the store's refusal for a rollout's bound starts (services/store/images.py QUOTA)
+ROLLOUT_QUOTA = "rollout image quota"
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
@@ -65,18 +68,29 @@ class GatewayImages:
 
     def __init__(self, store: Any, max_bytes: int, max_images: int,
                  processor_dirs: dict[str, str], hold_timeout_s: float,
-                 fetch_timeout_s: float = 10.0, known_max: int = 100_000) -> None:
+                 fetch_timeout_s: float = 10.0, known_max: int = 100_000,
+                 max_rollout_bytes: int = 64 * 1024 * 1024) -> None:
         self.store = store
         self.fetcher = ImageFetcher(max_bytes, fetch_timeout_s)
         self.max_bytes, self.max_images = max_bytes, max_images
+        self.max_rollout_bytes = max_rollout_bytes  # unless the run sets its own
         self.processors = {m: processor_settings(m, d) for m, d in processor_dirs.items()}
         self.hold_timeout_s = hold_timeout_s
         self.known_max = known_max
         self._known: OrderedDict[str, None] = OrderedDict()  # hashes the store has
         self._warned: set[str] = set()
 
+    @classmethod
+    def from_config(cls, store: Any, cfg: GatewayConfig) -> GatewayImages:
+        return cls(store, cfg.max_image_bytes, cfg.max_images, cfg.processor_dirs,
+                   cfg.hold_timeout_s, cfg.image_fetch_timeout_s,
+                   max_rollout_bytes=cfg.max_rollout_image_bytes)
+
     def request(self, session: Any) -> RequestImages:
-        return RequestImages(self.max_bytes, self.max_images, session.fetch_images)
+        found = RequestImages(self.max_bytes, self.max_images, session.fetch_images)
+        found.rollout_id = session.cred.rollout_id
+        found.max_rollout_bytes = session.max_image_bytes or self.max_rollout_bytes
+        return found
 
     async def collect(self, found: RequestImages, messages: Any, model: str
                       ) -> RequestImages | None:
@@ -108,9 +122,11 @@ class GatewayImages:
         return found
 
     async def put(self, found: RequestImages | None) -> None:
-        """Stores the request's images not known stored yet; waits while the store is
-        unavailable (up to hold_timeout_s), else HTTPError: 400 (an image the store's bound
-        refuses), 507 (the image store is full), 503 or 502 (the store failed)."""
+        """Stores the request's images not known stored yet, those new to the store counted
+        against its rollout's bound; waits while the store is unavailable (up to
+        hold_timeout_s), else HTTPError: 400 (an image the store's bound refuses), 413 (the
+        rollout's images would pass its bound), 507 (the image store is full), 503 or 502
+        (the store failed)."""
         if found is None:
             return
         new: dict[str, Image] = {}
@@ -127,14 +143,19 @@ class GatewayImages:
         delay = 0.05
         while True:
             try:
-                await self.store.put_images(request, timeout=max(
-                    1.0, min(30.0, deadline - time.monotonic())))
+                await self.store.put_images(
+                    request, timeout=max(1.0, min(30.0, deadline - time.monotonic())),
+                    rollout_id=found.rollout_id, max_rollout_bytes=found.max_rollout_bytes)
                 break
             except grpc.aio.AioRpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise HTTPError(400, f"image refused by the store: {err.details()}",
                                     "invalid_request_error", "image_too_large") from err
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED and \
+                        (err.details() or "").startswith(ROLLOUT_QUOTA):
+                    raise HTTPError(413, f"images not stored: {err.details()}",
+                                    "invalid_request_error", "rollout_image_quota") from err
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise HTTPError(507, f"image not stored: {err.details()}", "server_error",
                                     "image_store_full") from err

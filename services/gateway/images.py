@@ -109,6 +109,8 @@ class RequestImages:
     max_images: int
     fetch: bool = False  # http(s) URLs are fetched (RunSpec.fetch_image_urls): `pending`
     processor: bytes = b""  # the served model's processor settings (Call.processor_json)
+    rollout_id: str = ""  # whose bound the images new to the store count against
+    max_rollout_bytes: int = 0  # that bound (RunSpec.max_rollout_image_bytes or the gateway's)
     images: list[Image] = field(default_factory=list)  # in prompt order (after `collect`)
     raw: dict[str, Image] = field(default_factory=dict)  # each string decoded -> its image
     _normal: dict[str, str] = field(default_factory=dict)  # each URL checked -> as forwarded

@@ -36,7 +36,7 @@ HELD = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 class Session:
     __slots__ = ("cred", "next_seq", "closed", "run_model", "sampling", "sampling_problem",
                  "tokens", "let_go", "evicted", "adapter", "epoch", "seen_next", "lost",
-                 "fetch_images")
+                 "fetch_images", "max_image_bytes")
 
     def __init__(self, cred: RolloutCredential, next_seq: int) -> None:
         self.cred = cred
@@ -53,6 +53,7 @@ class Session:
         self.seen_next = next_seq  # the store's next seq as far as this replica has seen it
         self.lost = False  # a seq it took was never stored (another replica may record it)
         self.fetch_images = False  # RunSpec.fetch_image_urls: http(s) images are fetched
+        self.max_image_bytes = 0  # RunSpec.max_rollout_image_bytes (0: the gateway's)
 
     def take_seq(self) -> int:
         seq = self.next_seq
@@ -156,6 +157,7 @@ class Sessions:
             raise Unavailable(f"store unavailable: {err.details()}") from err
         session.run_model, session.adapter = run.spec.model, run.spec.adapter
         session.fetch_images = run.spec.fetch_image_urls
+        session.max_image_bytes = run.spec.max_rollout_image_bytes
         if run.spec.HasField("sampling") and run.spec.sampling.ListFields():
             session.sampling = run.spec.sampling
             session.sampling_problem = unmatched(run.spec.sampling, run.spec.stream)

@@ -7,10 +7,15 @@ Keys (under the store's prefix P):
   the bytes, computed here: a caller's hash that does not match is refused, so a key always
   holds the bytes it names and a write never changes what a stored call refers to.
 - `P img:bytes` the bytes stored under `img:*` in all, which `max_store_bytes` bounds.
+- `P img:ro:{rollout_id}` the bytes of the images a rollout's calls stored first (its
+  gateway names the rollout and its bound, `PutImagesRequest.max_rollout_bytes`), kept for
+  `ROLLOUT_COUNT_TTL_S` after its last new image.
 
-A batch is written by one Lua script: images stored already are left as they are (a harness
-resends a conversation's images every turn: each is kept once), and a batch that would take
-the total over the bound stores nothing (RESOURCE_EXHAUSTED). Images are not deleted yet: a
+A batch is written by one Lua script: images stored already are left as they are and cost
+nothing (a harness resends a conversation's images every turn: each is kept once), and a batch
+that would take the total over the store's bound, or its rollout's over the rollout's, stores
+nothing (RESOURCE_EXHAUSTED; the rollout's case names "rollout image quota"). So one rollout's
+harness can take at most its bound of the store, not all of it. Images are not deleted yet: a
 deployment sizes `max_store_bytes` (and Redis's memory) for its runs' images.
 """
 
@@ -29,12 +34,17 @@ MEDIA_TYPES = frozenset(("image/png", "image/jpeg", "image/gif", "image/webp"))
 _HEX = re.compile(r"[0-9a-f]{64}")
 MAX_PER_REQUEST = 1024  # images per PutImages / GetImages request
 
+ROLLOUT_COUNT_TTL_S = 7 * 24 * 3600  # a rollout's count outlives any of its calls
+QUOTA = "rollout image quota"  # how a refusal for a rollout's bound starts
+
 _PUT_LUA = """
--- KEYS: total, then one image key per image; ARGV: max total, then media type and bytes of
--- each image. Returns {stored, existing}, or -1 (nothing stored) when the new images would
--- take the total over the bound.
+-- KEYS: total, the rollout's count (or the total again when none), then one key per image;
+-- ARGV: max total, max for the rollout (0: none), the count's TTL, then media type and bytes
+-- of each image. Returns {0, stored, existing, rollout's bytes}, {1, total} when the new images
+-- would take the total over its bound, {2, rollout's bytes} over the rollout's; nothing is
+-- stored in those two cases.
 local seen, order, size = {}, {}, 0
-for i = 2, #KEYS do
+for i = 3, #KEYS do
   if not seen[KEYS[i]] and redis.call('EXISTS', KEYS[i]) == 0 then
     seen[KEYS[i]] = true
     order[#order + 1] = i
@@ -42,12 +52,24 @@ for i = 2, #KEYS do
   end
 end
 local total = tonumber(redis.call('GET', KEYS[1]) or '0')
-if size > 0 and total + size > tonumber(ARGV[1]) then return -1 end
+if size > 0 and total + size > tonumber(ARGV[1]) then return {1, total} end
+local rollout = 0
+if KEYS[2] ~= KEYS[1] then
+  rollout = tonumber(redis.call('GET', KEYS[2]) or '0')
+  local most = tonumber(ARGV[2])
+  if size > 0 and most > 0 and rollout + size > most then return {2, rollout} end
+end
 for _, i in ipairs(order) do
   redis.call('HSET', KEYS[i], 't', ARGV[2 * i - 2], 'd', ARGV[2 * i - 1])
 end
-if size > 0 then redis.call('INCRBY', KEYS[1], size) end
-return {#order, #KEYS - 1 - #order}
+if size > 0 then
+  redis.call('INCRBY', KEYS[1], size)
+  if KEYS[2] ~= KEYS[1] then
+    rollout = redis.call('INCRBY', KEYS[2], size)
+    redis.call('EXPIRE', KEYS[2], ARGV[3])
+  end
+end
+return {0, #order, #KEYS - 2 - #order, rollout}
 """
 
 
@@ -69,12 +91,22 @@ class ImageStore:
     def key(self, sha256: str) -> str:
         return f"{self.prefix}img:{sha256}"
 
-    async def put(self, images: Sequence[spb.StoredImage]) -> spb.PutImagesResponse:
+    async def put(self, images: Sequence[spb.StoredImage], rollout_id: str = "",
+                  max_rollout_bytes: int = 0) -> spb.PutImagesResponse:
+        """Stores the images not stored yet; those new ones count against `rollout_id`'s
+        `max_rollout_bytes` (0: no bound) and the store's `max_store_bytes`."""
         if len(images) > MAX_PER_REQUEST:
             raise InvalidArgument(f"{len(images)} images in one request: at most "
                                   f"{MAX_PER_REQUEST}")
+        if max_rollout_bytes < 0:
+            raise InvalidArgument(f"max_rollout_bytes must be >= 0, got {max_rollout_bytes}")
+        if max_rollout_bytes and not rollout_id:
+            raise InvalidArgument("max_rollout_bytes is given without a rollout_id")
+        total_key = f"{self.prefix}img:bytes"
         hashes = []
-        keys, args = [f"{self.prefix}img:bytes"], [str(self.max_store_bytes).encode()]
+        keys = [total_key, f"{self.prefix}img:ro:{rollout_id}" if rollout_id else total_key]
+        args = [str(self.max_store_bytes).encode(), str(max_rollout_bytes).encode(),
+                str(ROLLOUT_COUNT_TTL_S).encode()]
         for i, img in enumerate(images):
             if not img.data:
                 raise InvalidArgument(f"images[{i}].data is empty")
@@ -93,12 +125,18 @@ class ImageStore:
             args += [img.media_type.encode(), img.data]
         if not hashes:
             return spb.PutImagesResponse()
-        result = await self._put(keys=keys, args=args)
-        if result == -1:
+        status, *counts = (int(x) for x in await self._put(keys=keys, args=args))
+        if status == 1:
             raise ResourceExhausted(f"the image store is full (max_image_store_bytes "
                                     f"{self.max_store_bytes})")
-        stored, existing = (int(x) for x in result)
-        return spb.PutImagesResponse(stored=stored, existing=existing, sha256=hashes)
+        if status == 2:
+            raise ResourceExhausted(
+                f"{QUOTA}: rollout {rollout_id} has stored {counts[0]} bytes of images; these "
+                f"would take it over its {max_rollout_bytes} (RunSpec.max_rollout_image_bytes "
+                f"or the gateway's max_rollout_image_bytes)")
+        stored, existing, rollout_bytes = counts
+        return spb.PutImagesResponse(stored=stored, existing=existing, sha256=hashes,
+                                     rollout_bytes=rollout_bytes)
 
     async def get(self, hashes: Sequence[str]) -> list[spb.StoredImage]:
         if len(hashes) > MAX_PER_REQUEST:

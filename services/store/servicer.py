@@ -245,7 +245,8 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     @_redis_unavailable
     async def PutImages(self, request: spb.PutImagesRequest,
                         context: grpc.aio.ServicerContext) -> spb.PutImagesResponse:
-        return await self.images.put(request.images)
+        return await self.images.put(request.images, request.rollout_id,
+                                     request.max_rollout_bytes)
 
     @_redis_unavailable
     async def GetImages(self, request: spb.GetImagesRequest,
