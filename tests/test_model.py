@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from harnessrl.model import build_tiny_model, calc_task, load_tokenizer
-from harnessrl.model.build import tokenizer_corpus
+from harnessrl.model.build import tokenizer_corpus, weights_digest
 from harnessrl.model.tokenizer import SPECIAL_TOKENS, TOOL_TOKENS, train_tokenizer
 from harnessrl.model.warmup import encode_dialogue
 
@@ -126,6 +126,9 @@ def test_build_is_cached_deterministic_and_seeded(tmp_path: Path) -> None:
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
     c = build_tiny_model(tmp_path / "c", warmup_steps=3, seed=1)
+    # recipe.json names the weights built: equal for a and b, another for c's seed
+    digests = [json.loads((x / "recipe.json").read_text())["weights_digest"] for x in (a, b, c)]
+    assert digests[0] == digests[1] == weights_digest(a) != digests[2] == weights_digest(c)
     wa, wc = _weights(a), _weights(c)
     assert not torch.equal(wa["model.embed_tokens.weight"], wc["model.embed_tokens.weight"])
     # another recipe in the same folder rebuilds it

@@ -4,7 +4,9 @@ supervised warm-up on the example task. Nothing comes from a model hub.
 
 The output directory is a Hugging Face model folder (safetensors, config, generation config,
 tokenizer with chat template) that transformers and vLLM load as is. It also holds
-`recipe.json`: the recipe and its hash; building again with the same recipe returns at once.
+`recipe.json`: the recipe and its hash, and the built weights' hash (`weights_digest`: the same
+recipe built on another CPU may give other weights); building again with the same recipe
+returns at once.
 """
 
 from __future__ import annotations
@@ -143,6 +145,22 @@ def _relabel(found: dict, recipe: Recipe, out: Path) -> bool:
     return True
 
 
+def weights_digest(model_dir: str | Path) -> str:
+    """sha256 (16 hex digits) of a model folder's weight files, in name order: two builds of
+    one recipe on different CPUs need not give the same weights (the recipe's digest is of the
+    recipe), and this tells them apart."""
+    h = hashlib.sha256()
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def _build(recipe: Recipe, out: Path) -> Path:
     t0 = time.monotonic()
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -178,11 +196,12 @@ def _build(recipe: Recipe, out: Path) -> Path:
         "digest": recipe.digest(), "recipe": dataclasses.asdict(recipe),
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_warmup_loss": losses[-1] if losses else None,
+        "weights_digest": weights_digest(tmp),
         "build_seconds": round(seconds, 1),
     }, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    log.info("built tiny model in %s (%.0fs)", out, seconds)
+    log.info("built tiny model in %s (%.0fs, weights %s)", out, seconds, weights_digest(out))
     return out
 
 
