@@ -193,12 +193,14 @@ class StoreClient(_Client[store_pb2_grpc.StoreStub]):
                                    timeout=self.timeout)
 
     def put_images(self, images: Iterable[spb.StoredImage], timeout: float | None = None,
-                   rollout_id: str = "", max_rollout_bytes: int = 0) -> spb.PutImagesResponse:
+                   rollout_id: str = "", max_rollout_bytes: int = 0,
+                   present: Iterable[str] = ()) -> spb.PutImagesResponse:
         """Stores images in the content-addressed image store (docs/vision.md), those new to
-        it counted against `rollout_id`'s `max_rollout_bytes` (0: no bound)."""
+        it counted against `rollout_id`'s `max_rollout_bytes` (0: no bound); of `present`,
+        the hashes not stored are answered in `missing`."""
         return self.stub.PutImages(spb.PutImagesRequest(
-            images=list(images), rollout_id=rollout_id, max_rollout_bytes=max_rollout_bytes),
-            timeout=timeout or self.timeout)
+            images=list(images), rollout_id=rollout_id, max_rollout_bytes=max_rollout_bytes,
+            present=list(present)), timeout=timeout or self.timeout)
 
     def get_images(self, sha256: Iterable[str], timeout: float | None = None
                    ) -> spb.GetImagesResponse:

@@ -495,6 +495,30 @@ def test_a_rollout_past_its_image_bound_gets_413_and_others_go_on(world: ImageWo
         r.close()
 
 
+def test_an_image_the_store_lost_is_sent_again(world: ImageWorld) -> None:
+    """The gateway does not resend an image it stored, but names it; one the store lost (a
+    Redis restart that lost its last writes under appendfsync everysec, here deleted from
+    Redis) is sent again with the next call that carries it, so the call's hash resolves."""
+    rid = world.rollout()
+    client = world.client(SIGNER.mint(rid, 1, 60))
+    x = unique_png()
+    msg = {"role": "user", "content": [image_part(x)]}
+    client.chat.completions.create(model="tiny", messages=[msg])
+    assert world.stored_images()[sha(x)] == x
+    r = redis.Redis.from_url(world.redis_url)
+    try:
+        assert r.delete(f"{world.prefix}img:{sha(x)}") == 1
+    finally:
+        r.close()
+    client.chat.completions.create(model="tiny", messages=[msg, {"role": "assistant",
+                                   "content": "a square"}, {"role": "user", "content": "and?"}])
+    second = world.calls(rid)[1]
+    assert [i.sha256 for i in second.images] == [sha(x)]
+    assert world.stored_images()[sha(x)] == x
+    got = world.store.put_images([], present=[sha(x), sha(b"never stored")])
+    assert list(got.missing) == [sha(b"never stored")]
+
+
 @pytest.mark.parametrize("name,put,get", [
     ("gateway", True, True), ("trainer", True, True), ("reader", False, True),
     ("operator", False, True), ("controller", False, False), ("grader", False, False)])

@@ -1262,6 +1262,7 @@ class PutImagesRequest(_message.Message):
     IMAGES_FIELD_NUMBER: _builtins.int
     ROLLOUT_ID_FIELD_NUMBER: _builtins.int
     MAX_ROLLOUT_BYTES_FIELD_NUMBER: _builtins.int
+    PRESENT_FIELD_NUMBER: _builtins.int
     rollout_id: _builtins.str
     """The rollout the images come from: the bytes of those stored by this request (not those
     stored before) count against its bound. "": no rollout, no bound but the store's.
@@ -1272,16 +1273,23 @@ class PutImagesRequest(_message.Message):
     """
     @_builtins.property
     def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___StoredImage]: ...
+    @_builtins.property
+    def present(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Hashes the caller holds the images of and believes stored (a gateway does not resend
+        what it stored): the store answers those it does not hold in `missing`, to be sent again.
+        """
+
     def __init__(
         self,
         *,
         images: _abc.Iterable[Global___StoredImage] | None = ...,
         rollout_id: _builtins.str = ...,
         max_rollout_bytes: _builtins.int = ...,
+        present: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images", "max_rollout_bytes", b"max_rollout_bytes", "rollout_id", b"rollout_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["images", b"images", "max_rollout_bytes", b"max_rollout_bytes", "present", b"present", "rollout_id", b"rollout_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1295,6 +1303,7 @@ class PutImagesResponse(_message.Message):
     EXISTING_FIELD_NUMBER: _builtins.int
     SHA256_FIELD_NUMBER: _builtins.int
     ROLLOUT_BYTES_FIELD_NUMBER: _builtins.int
+    MISSING_FIELD_NUMBER: _builtins.int
     stored: _builtins.int
     """new images"""
     existing: _builtins.int
@@ -1305,6 +1314,10 @@ class PutImagesResponse(_message.Message):
     def sha256(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """each image's hash, in order"""
 
+    @_builtins.property
+    def missing(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """of `present`, the hashes not stored (lost with Redis's data)"""
+
     def __init__(
         self,
         *,
@@ -1312,10 +1325,11 @@ class PutImagesResponse(_message.Message):
         existing: _builtins.int = ...,
         sha256: _abc.Iterable[_builtins.str] | None = ...,
         rollout_bytes: _builtins.int = ...,
+        missing: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["existing", b"existing", "rollout_bytes", b"rollout_bytes", "sha256", b"sha256", "stored", b"stored"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["existing", b"existing", "missing", b"missing", "rollout_bytes", b"rollout_bytes", "sha256", b"sha256", "stored", b"stored"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

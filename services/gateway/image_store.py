@@ -3,8 +3,10 @@ content-addressed image store (`Store.PutImages`) before the engine is asked, so
 recorded call carries always resolve; and the processor settings recorded with each call that
 carries images (`Call.processor_json`), read from the served models' folders at start.
 
-A hash this gateway stored already (the most recent `known_max`) is not sent again: a harness
-resends a conversation's images every turn.
+A hash this gateway stored already (the most recent `known_max`) is not sent again (a harness
+resends a conversation's images every turn), only named (`PutImagesRequest.present`): one the
+store no longer holds (lost with the last writes of a Redis that crashed under `appendfsync
+everysec`) is answered `missing` and sent again, so a recorded call never names a lost image.
 """
 
 from __future__ import annotations
@@ -130,23 +132,43 @@ class GatewayImages:
         if found is None:
             return
         new: dict[str, Image] = {}
+        known: dict[str, Image] = {}
         for img in found.images:
             if img.sha256 in self._known:
                 self._known.move_to_end(img.sha256)
+                known[img.sha256] = img
             else:
                 new[img.sha256] = img
-        if not new:
-            return
+        missing = await self._put(found, list(new.values()), list(known))
+        if missing:  # the store lost them: they are sent again (and counted as new)
+            log.warning("the image store lost %d image(s) this gateway had stored (a Redis "
+                        "restart that lost its last writes?): sending them again", len(missing))
+            for h in missing:
+                self._known.pop(h, None)
+            await self._put(found, [known[h] for h in missing], [])
+            new.update((h, known[h]) for h in missing)
+        for h in new:
+            self._known[h] = None
+        while len(self._known) > self.known_max:
+            self._known.popitem(last=False)
+
+    async def _put(self, found: RequestImages, images: list[Image], present: list[str]
+                   ) -> list[str]:
+        """One PutImages of `images`, naming `present`; the hashes of those it answers
+        missing. Raises HTTPError as `put` says."""
+        if not images and not present:
+            return []
         request = [spb.StoredImage(sha256=i.sha256, media_type=i.media_type, data=i.data)
-                   for i in new.values()]
+                   for i in images]
         deadline = time.monotonic() + self.hold_timeout_s
         delay = 0.05
         while True:
             try:
-                await self.store.put_images(
+                response = await self.store.put_images(
                     request, timeout=max(1.0, min(30.0, deadline - time.monotonic())),
-                    rollout_id=found.rollout_id, max_rollout_bytes=found.max_rollout_bytes)
-                break
+                    rollout_id=found.rollout_id, max_rollout_bytes=found.max_rollout_bytes,
+                    present=present)
+                return list(response.missing)
             except grpc.aio.AioRpcError as err:
                 code = err.code()
                 if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -166,7 +188,3 @@ class GatewayImages:
                                     "server_error", "image_store_error") from err
             await asyncio.sleep(delay)
             delay = min(1.0, delay * 2)
-        for h in new:
-            self._known[h] = None
-        while len(self._known) > self.known_max:
-            self._known.popitem(last=False)

@@ -92,16 +92,35 @@ class ImageStore:
         return f"{self.prefix}img:{sha256}"
 
     async def put(self, images: Sequence[spb.StoredImage], rollout_id: str = "",
-                  max_rollout_bytes: int = 0) -> spb.PutImagesResponse:
+                  max_rollout_bytes: int = 0, present: Sequence[str] = ()
+                  ) -> spb.PutImagesResponse:
         """Stores the images not stored yet; those new ones count against `rollout_id`'s
-        `max_rollout_bytes` (0: no bound) and the store's `max_store_bytes`."""
-        if len(images) > MAX_PER_REQUEST:
-            raise InvalidArgument(f"{len(images)} images in one request: at most "
-                                  f"{MAX_PER_REQUEST}")
+        `max_rollout_bytes` (0: no bound) and the store's `max_store_bytes`. Of `present`
+        (hashes the caller believes stored), those not stored are answered in `missing`."""
+        if len(images) + len(present) > MAX_PER_REQUEST:
+            raise InvalidArgument(f"{len(images) + len(present)} images in one request: at "
+                                  f"most {MAX_PER_REQUEST}")
         if max_rollout_bytes < 0:
             raise InvalidArgument(f"max_rollout_bytes must be >= 0, got {max_rollout_bytes}")
         if max_rollout_bytes and not rollout_id:
             raise InvalidArgument("max_rollout_bytes is given without a rollout_id")
+        for i, h in enumerate(present):
+            check_hash(h, f"present[{i}]")
+        missing = [h for h, n in zip(present, await self._exist(present)) if not n]
+        response = await self._store(images, rollout_id, max_rollout_bytes)
+        response.missing.extend(missing)
+        return response
+
+    async def _exist(self, hashes: Sequence[str]) -> list[int]:
+        if not hashes:
+            return []
+        async with self.r.pipeline(transaction=False) as pipe:
+            for h in hashes:
+                pipe.exists(self.key(h))
+            return [int(x) for x in await pipe.execute()]
+
+    async def _store(self, images: Sequence[spb.StoredImage], rollout_id: str,
+                     max_rollout_bytes: int) -> spb.PutImagesResponse:
         total_key = f"{self.prefix}img:bytes"
         hashes = []
         keys = [total_key, f"{self.prefix}img:ro:{rollout_id}" if rollout_id else total_key]

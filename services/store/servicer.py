@@ -246,7 +246,7 @@ class StoreServicer(store_pb2_grpc.StoreServicer):
     async def PutImages(self, request: spb.PutImagesRequest,
                         context: grpc.aio.ServicerContext) -> spb.PutImagesResponse:
         return await self.images.put(request.images, request.rollout_id,
-                                     request.max_rollout_bytes)
+                                     request.max_rollout_bytes, request.present)
 
     @_redis_unavailable
     async def GetImages(self, request: spb.GetImagesRequest,
