@@ -46,8 +46,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from harnessrl import procs  # noqa: E402
 from harnessrl.local.stack import Stack, StackConfig  # noqa: E402
+from harnessrl.model.build import weights_digest  # noqa: E402
 from test_learning import (MARGIN, TRAINER_FLAGS, WALL_LIMIT_S, learned,  # noqa: E402
-                           learning_summary, start_trainer)
+                           learning_summary, start_trainer, store_evidence)
 
 
 def answer_stats(rollouts: Path, run_name: str) -> dict[str, dict[str, Any]]:
@@ -108,9 +109,10 @@ def run_seed(stack: Stack, out: Path, model: Path, seed: int,
     metrics = out / name / "out" / "metrics.jsonl"
     lines = ([json.loads(x) for x in metrics.read_text().splitlines()]
              if metrics.exists() else [])
-    s = learning_summary(lines)
+    s = {**learning_summary(lines), **(store_evidence(stack, lines) if lines else {})}
     return {"seed": seed, "returncode": trainer.proc.returncode, "wall_s": round(wall, 1),
             "passed": trainer.proc.returncode == 0 and learned(s), **s, **noise(s),
+            "model_weights": weights_digest(model),
             "answers": answer_stats(stack.state / "rollouts", name),
             "flags": flags}
 

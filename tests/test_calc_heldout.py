@@ -55,3 +55,27 @@ def test_the_learning_check_on_recorded_runs() -> None:
     assert learning_summary(lr0)["heldout_gain"] == -0.0312
     assert not learned(learning_summary(lr0))
     assert not learned(learning_summary(learned_run[1:-1]))  # no evaluations: no proof
+
+
+def test_the_store_check_refuses_figures_the_store_does_not_hold() -> None:
+    """test_learning's second check (`check_store_evidence`) on the recorded run above, with
+    the store's side as it would read: equal figures pass; a trainer reporting more than the
+    store's rewards give, one whose final evaluation ran on the base weights, or whose runs
+    hold fewer samples than it claims, fail."""
+    import pytest
+
+    from test_learning import check_store_evidence
+
+    run = [eval_line(0, 0.296875), *(dict(step_line(i + 1, 0.5), behaviour_version=i)
+                                     for i in range(12)), eval_line(12, 0.890625)]
+    for r in run:
+        r.setdefault("tasks", 32)
+
+    def store(final: float = 0.8906, versions: list[int] | None = None,
+              samples: int = 64) -> dict:
+        return {"store_heldout": {0: 0.2969, 12: final}, "store_samples": {0: 64, 12: samples},
+                "store_versions": {0: [0], 12: versions if versions is not None else [12]}}
+    check_store_evidence(store(), run, versions=True)
+    for planted in (store(final=0.4), store(versions=[0]), store(samples=60)):
+        with pytest.raises(AssertionError):
+            check_store_evidence(planted, run, versions=True)

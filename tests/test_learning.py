@@ -6,8 +6,11 @@ pass rate over seeds: bench/learning.py) — within 30 minutes of wall clock, ev
 (Redis, store, gateway, controller, vLLM with gloo weight transfer, the example harness and
 grader as processes, `python -m services.trainer`). The two evaluations are the trainer's own
 (`--eval.*`, docs/evaluation.md): before the first step (step 0, the base weights) and after
-the last, each a controller run on the weights the engine serves. The training curve is
-printed, not checked.
+the last, each a controller run on the weights the engine serves. The gain is checked twice:
+as the trainer reports it, and recomputed from the eval runs' rollouts in Redis (the grader's
+rewards as the controller recorded them, and the policy version the gateway recorded on each
+call: the final evaluation ran on the last pushed version, not the base). The training curve
+is printed, not checked.
 
 Why it is learnable (see examples/calc): the warmed-up policy calls the calculator and then
 either copies the tool's result ("The answer is N.", right) or states a number of its own
@@ -30,6 +33,7 @@ import pytest
 
 from harnessrl import procs
 from harnessrl.local.stack import Stack, StackConfig
+from harnessrl.model.build import weights_digest
 
 HELDOUT = Path(__file__).resolve().parents[1] / "examples" / "calc" / "heldout.jsonl"
 
@@ -126,7 +130,8 @@ def test_reward_rises_on_the_calculator_example(
     started = time.monotonic()
     trainer = start_trainer(stack, tmp_path / name, tiny_model_dir, name,
                             ["--nproc", str(nproc)])
-    check_learned(trainer, started, tmp_path / name, record_property, {"nproc": nproc})
+    check_learned(stack, trainer, started, tmp_path / name, record_property, {"nproc": nproc},
+                  versions=True)
 
 
 # LoRA (docs/lora.md): rank 8, alpha 16, the adapter alone trained, pushed as a PEFT folder per
@@ -172,12 +177,55 @@ def test_lora_reward_rises_on_the_calculator_example(
                 for i, n in enumerate(names)]
     try:
         for t, n in zip(trainers, names):
-            check_learned(t, started, tmp_path / n, record_property,
-                          {"runs": runs, "run": n})
+            check_learned(lora_stack, t, started, tmp_path / n, record_property,
+                          {"runs": runs, "run": n}, versions=False)
     finally:
         for t, _ in trainers:
             if t.alive:
                 t.stop()
+
+
+def store_evidence(stack: Stack, lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The held-out figures recomputed from what the trainer cannot write alone: each eval
+    run's rollouts as the store keeps them in Redis (read with redis-py, not through the store
+    service or the trainer), their rewards the grader's, recorded by the controller (a failed
+    sample counts 0, as avg@k does), and the policy version the gateway recorded on each of
+    their calls (the version the engine served them at)."""
+    from harnessrl.testing import chaos_accounting as ca
+
+    evals = [r for r in lines if r.get("kind") == "eval"]
+    out: dict[str, Any] = {"store_heldout": {}, "store_samples": {}, "store_versions": {}}
+    for row in evals:
+        run_id = row["run_id"]
+        view = ca.read_redis(stack.redis_url, stack.cfg.key_prefix,
+                             run_id.rsplit("-step", 1)[0], set())
+        ros = [ro for ro in view.rollouts.values() if ro.run_id == run_id]
+        rewards = [ro.reward if ro.status == ca.SUCCEEDED else 0.0 for ro in ros]
+        step = row["step"]
+        out["store_samples"][step] = len(ros)
+        out["store_heldout"][step] = round(sum(rewards) / len(ros), 4) if ros else None
+        out["store_versions"][step] = sorted({v for ro in ros if ro.status == ca.SUCCEEDED
+                                              for v in view.versions[ro.rollout_id]})
+    return out
+
+
+def check_store_evidence(summary: dict[str, Any], lines: list[dict[str, Any]],
+                         versions: bool) -> None:
+    """The trainer's held-out figures are the store's, and (`versions`: full fine-tuning) the
+    base evaluation ran on the first step's behaviour version, the final one on the last
+    step's pushed version, which differ: the engine served trained weights."""
+    rows = [r for r in lines if r.get("kind") != "eval"]
+    k = int(TRAINER_FLAGS["--eval.k"])
+    for r in (r for r in lines if r.get("kind") == "eval"):
+        step = r["step"]
+        assert summary["store_samples"][step] == r["samples"] == r["tasks"] * k, summary
+        assert summary["store_heldout"][step] == round(r[f"avg@{k}"], 4), summary
+    base, final = summary["store_heldout"].get(0), summary["store_heldout"].get(len(rows))
+    assert base is not None and final is not None and final - base >= MARGIN, summary
+    if versions:
+        assert summary["store_versions"][0] == [rows[0]["behaviour_version"]], summary
+        assert summary["store_versions"][len(rows)] == [rows[-1]["policy_version"]], summary
+        assert rows[-1]["policy_version"] != rows[0]["behaviour_version"], summary
 
 
 def start_trainer(stack: Stack, tmp: Path, model: Path, name: str,
@@ -196,10 +244,11 @@ def start_trainer(stack: Stack, tmp: Path, model: Path, name: str,
     return procs.ServiceProcess("trainer", argv, tmp).start(), flags
 
 
-def check_learned(trainer: tuple[procs.ServiceProcess, dict[str, str]], started: float,
-                  tmp: Path, record_property: pytest.RecordProperty,
-                  extra: dict[str, object]) -> None:
-    """Waits for the trainer (within the wall bound, from `started`) and checks its curve."""
+def check_learned(stack: Stack, trainer: tuple[procs.ServiceProcess, dict[str, str]],
+                  started: float, tmp: Path, record_property: pytest.RecordProperty,
+                  extra: dict[str, object], versions: bool) -> None:
+    """Waits for the trainer (within the wall bound, from `started`) and checks the held-out
+    gain, as the trainer reports it and as the store holds it (`check_store_evidence`)."""
     trainer, flags = trainer
     try:
         trainer.proc.wait(max(1.0, WALL_LIMIT_S - (time.monotonic() - started)))
@@ -211,12 +260,16 @@ def check_learned(trainer: tuple[procs.ServiceProcess, dict[str, str]], started:
 
     lines = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in lines if r.get("kind") != "eval"]
-    summary = {**learning_summary(lines), "wall_s": round(wall, 1), "flags": flags, **extra}
+    summary = {**learning_summary(lines), **store_evidence(stack, lines),
+               "wall_s": round(wall, 1), "flags": flags, **extra,
+               # which weights: the CI run of 12-0x whose base scored 0.031 likely had others
+               "model_weights": weights_digest(stack.cfg.model_dir)}
     print("LEARNING " + json.dumps(summary))
     record_property("learning", json.dumps(summary))
     assert len(rows) == int(TRAINER_FLAGS["--steps"])
     assert wall <= WALL_LIMIT_S, summary
     assert learned(summary), summary
+    check_store_evidence(summary, lines, versions)
 
 
 def learning_summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
