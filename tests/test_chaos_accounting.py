@@ -81,14 +81,16 @@ def test_a_stale_drop_the_recorded_calls_do_not_bear_out_is_a_problem(
 
 
 @pytest.mark.parametrize("rewards,by_design,problems", [
-    ((1.0, 1.0), {"zero_variance": 2}, 0), ((1.0, 0.0), {}, 2)], ids=["equal", "different"])
+    ((1.0, 1.0), {"zero_variance": 2}, 0), ((1.0, 0.0), {}, 2), ((1.0, 1.0 + 1e-12), {}, 2),
+    ((1.0,), {}, 1)], ids=["equal", "different", "barely-different", "one-rollout"])
 def test_a_zero_variance_drop_needs_equal_rewards_in_the_store(
-        rewards: tuple[float, float], by_design: dict[str, int], problems: int) -> None:
+        rewards: tuple[float, ...], by_design: dict[str, int], problems: int) -> None:
     """The trainer drops a group whose rewards are all equal (no learning signal) with no kill
     behind it: by design when the store's rewards bear it out, a problem when they differ."""
     group = f"{RUN}/t0"
     ros = {f"{group}/{i}": c.Rollout(rollout_id=f"{group}/{i}", run_id=RUN, group_id=group,
-                                     attempt=1, status=c.ROLLOUT_STATUS_SUCCEEDED, reward=r)
+                                     attempt=1, status=c.ROLLOUT_STATUS_SUCCEEDED, reward=r,
+                                     has_reward=True)
            for i, r in enumerate(rewards)}
     view = ca.RedisView(ros, [RUN], [ca.Entry("1-0", group, RUN, acked=True, pending=False)],
                         {rid: [0] for rid in ros})

@@ -320,7 +320,8 @@ def test_run_specs_that_would_exhaust_the_controller_are_refused() -> None:
     base = c.RunSpec(name="x", tasks=[c.Task(task_id=f"t{i}") for i in range(30)],
                      harness_command=["/bin/true"], grader_command=["/bin/true"])
     for change in ({"group_size": 2**31 - 1}, {"timeout_s": 1e308},
-                   {"grader_timeout_s": 1e300}):
+                   {"grader_timeout_s": 1e300},
+                   {"max_rollout_image_bytes": -1}):  # (every image call of it refused 400)
         spec = c.RunSpec()
         spec.CopyFrom(base)
         for k, v in change.items():

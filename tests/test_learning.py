@@ -219,7 +219,7 @@ def check_store_evidence(summary: dict[str, Any], lines: list[dict[str, Any]],
     for r in (r for r in lines if r.get("kind") == "eval"):
         step = r["step"]
         assert summary["store_samples"][step] == r["samples"] == r["tasks"] * k, summary
-        assert summary["store_heldout"][step] == round(r[f"avg@{k}"], 4), summary
+        assert abs(summary["store_heldout"][step] - r[f"avg@{k}"]) <= 1e-4, summary
     base, final = summary["store_heldout"].get(0), summary["store_heldout"].get(len(rows))
     assert base is not None and final is not None and final - base >= MARGIN, summary
     if versions:
@@ -260,12 +260,16 @@ def check_learned(stack: Stack, trainer: tuple[procs.ServiceProcess, dict[str, s
 
     lines = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in lines if r.get("kind") != "eval"]
-    summary = {**learning_summary(lines), **store_evidence(stack, lines),
-               "wall_s": round(wall, 1), "flags": flags, **extra,
+    summary = {**learning_summary(lines), "wall_s": round(wall, 1), "flags": flags, **extra,
                # which weights: the CI run of 12-0x whose base scored 0.031 likely had others
                "model_weights": weights_digest(stack.cfg.model_dir)}
+    try:  # the summary is printed and recorded whatever the store's side gives
+        summary.update(store_evidence(stack, lines))
+    except Exception as err:  # noqa: BLE001 (reported, then failed below)
+        summary["store_error"] = repr(err)
     print("LEARNING " + json.dumps(summary))
     record_property("learning", json.dumps(summary))
+    assert "store_error" not in summary, summary
     assert len(rows) == int(TRAINER_FLAGS["--steps"])
     assert wall <= WALL_LIMIT_S, summary
     assert learned(summary), summary

@@ -268,12 +268,15 @@ ZERO_VARIANCE = "group zero_variance"
 
 def equal_rewards(rid: str, rollouts: dict[str, c.Rollout]) -> bool:
     """A drop the trainer makes by design (`advantage.filter_zero_variance`), read from the
-    store: `rid` succeeded and every succeeded rollout of its group has the same reward, so the
-    group carries no learning signal. No kill is needed to explain it."""
+    store: `rid` is usable (succeeded, rewarded) and every usable rollout of its group, at
+    least 2 of them (fewer is the trainer's "too_few_rollouts"), has exactly the same reward
+    (the trainer's test, `advantages.is_zero_variance`), so the group carries no learning
+    signal. No kill is needed to explain it."""
+    def usable(x: c.Rollout) -> bool:
+        return x.status == SUCCEEDED and x.has_reward
     ro = rollouts[rid]
-    rewards = {round(x.reward, 9) for x in rollouts.values()
-               if x.group_id == ro.group_id and x.status == SUCCEEDED}
-    return ro.status == SUCCEEDED and len(rewards) == 1
+    rewards = [x.reward for x in rollouts.values() if x.group_id == ro.group_id and usable(x)]
+    return usable(ro) and len(rewards) >= 2 and all(r == rewards[0] for r in rewards)
 
 
 def _why_failed(ro: c.Rollout) -> str:

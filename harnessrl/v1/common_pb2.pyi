@@ -750,8 +750,9 @@ class RunSpec(_message.Message):
     max_rollout_image_bytes: _builtins.int
     """Bytes of new images each rollout of this run may add to the image store (docs/vision.md):
     images stored already, by any rollout, cost nothing; past the bound the call is refused
-    with 413 (its engine answer is discarded) and nothing of it is stored. 0: the gateway's
-    max_rollout_image_bytes. It bounds what one rollout's harness can take of the store.
+    with 413 (not recorded) and nothing of it is stored. 0: the gateway's
+    max_rollout_image_bytes; < 0 refused. One bound for all of a rollout's attempts. It
+    bounds what one rollout's harness can take of the store.
     """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]:

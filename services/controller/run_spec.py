@@ -54,6 +54,9 @@ def normalize(spec: c.RunSpec, backends: tuple[str, ...], default_backend: str) 
     s.CopyFrom(spec)
     if s.admission_max_staleness < 0 or s.admission_batch_groups < 0:
         raise InvalidArgument("admission_max_staleness and admission_batch_groups must be >= 0")
+    if s.max_rollout_image_bytes < 0:
+        raise InvalidArgument(f"max_rollout_image_bytes must be >= 0 (0: the gateway's), got "
+                              f"{s.max_rollout_image_bytes}")
     if s.group_size < 0 or s.concurrency < 0 or s.max_attempts < 0:
         raise InvalidArgument("group_size, concurrency and max_attempts must be >= 1 "
                               "(0 takes the default)")

@@ -1,6 +1,6 @@
 """The gateway's side of the image store (issue #45): each request's images go to the store's
-content-addressed image store (`Store.PutImages`) before the engine is asked, so the hashes a
-recorded call carries always resolve; and the processor settings recorded with each call that
+content-addressed image store (`Store.PutImages`) after the engine answered and before the call
+is recorded, so the hashes a recorded call carries always resolve; and the processor settings recorded with each call that
 carries images (`Call.processor_json`), read from the served models' folders at start.
 
 A hash this gateway stored already (the most recent `known_max`) is not sent again (a harness
@@ -139,28 +139,28 @@ class GatewayImages:
                 known[img.sha256] = img
             else:
                 new[img.sha256] = img
-        missing = await self._put(found, list(new.values()), list(known))
-        if missing:  # the store lost them: they are sent again (and counted as new)
+        deadline = time.monotonic() + self.hold_timeout_s  # for both puts together
+        missing = await self._put(found, list(new.values()), list(known), deadline)
+        if missing:  # the store lost them: sent again, counted as new against this rollout
             log.warning("the image store lost %d image(s) this gateway had stored (a Redis "
                         "restart that lost its last writes?): sending them again", len(missing))
             for h in missing:
                 self._known.pop(h, None)
-            await self._put(found, [known[h] for h in missing], [])
+            await self._put(found, [known[h] for h in missing], [], deadline)
             new.update((h, known[h]) for h in missing)
         for h in new:
             self._known[h] = None
         while len(self._known) > self.known_max:
             self._known.popitem(last=False)
 
-    async def _put(self, found: RequestImages, images: list[Image], present: list[str]
-                   ) -> list[str]:
+    async def _put(self, found: RequestImages, images: list[Image], present: list[str],
+                   deadline: float) -> list[str]:
         """One PutImages of `images`, naming `present`; the hashes of those it answers
         missing. Raises HTTPError as `put` says."""
         if not images and not present:
             return []
         request = [spb.StoredImage(sha256=i.sha256, media_type=i.media_type, data=i.data)
                    for i in images]
-        deadline = time.monotonic() + self.hold_timeout_s
         delay = 0.05
         while True:
             try:

@@ -106,9 +106,8 @@ class ImageStore:
             raise InvalidArgument("max_rollout_bytes is given without a rollout_id")
         for i, h in enumerate(present):
             check_hash(h, f"present[{i}]")
-        missing = [h for h, n in zip(present, await self._exist(present)) if not n]
         response = await self._store(images, rollout_id, max_rollout_bytes)
-        response.missing.extend(missing)
+        response.missing.extend(h for h, n in zip(present, await self._exist(present)) if not n)
         return response
 
     async def _exist(self, hashes: Sequence[str]) -> list[int]:
