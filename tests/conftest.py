@@ -109,9 +109,9 @@ def store_service(tmp_path: Path, redis_url: str, key_prefix: str) -> Iterator[S
 TEST_SECRET = "test-secret-0123456789abcdef0123456789"
 
 
-def running_rollout(store: StoreClient) -> tuple[str, str]:
+def running_rollout(store: StoreClient, secret: bytes | None = None) -> tuple[str, str]:
     """A new one-rollout group with its first attempt started, and that attempt's key (signed
-    with TEST_SECRET, 10 minutes)."""
+    with `secret`, default TEST_SECRET, 10 minutes)."""
     from harnessrl.credentials import CredentialSigner
     from harnessrl.v1 import common_pb2 as c
 
@@ -120,7 +120,7 @@ def running_rollout(store: StoreClient) -> tuple[str, str]:
                                      group_id=rid[:-2], group_size=1, max_attempts=1,
                                      stream="-")])
     store.start_attempt(rid, 1)
-    return rid, CredentialSigner(TEST_SECRET.encode()).mint(rid, 1, 600)
+    return rid, CredentialSigner(secret or TEST_SECRET.encode()).mint(rid, 1, 600)
 
 
 class StubEngineService:

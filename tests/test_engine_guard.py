@@ -410,10 +410,10 @@ def test_a_local_stack_gives_the_key_to_the_gateway_and_the_judge_only(
     import uuid
 
     from harnessrl.clients import GatewayAdminClient, StoreClient
-    from harnessrl.credentials import CredentialSigner, load_secret
+    from conftest import running_rollout
+    from harnessrl.credentials import load_secret
     from harnessrl.identity import Identity
     from harnessrl.local.stack import Stack, StackConfig
-    from harnessrl.v1 import common_pb2 as c
 
     session_key = ClientKey.from_env().value()  # conftest's, which the stack would adopt
     monkeypatch.delenv("HARNESSRL_ENGINE_API_KEY_FILE", raising=False)
@@ -452,12 +452,7 @@ def test_a_local_stack_gives_the_key_to_the_gateway_and_the_judge_only(
 
         store = StoreClient.connect(stack.store_address,
                                     ident=Identity.from_folder(stack.tls / "controller"))
-        rid = f"run/{uuid.uuid4().hex[:8]}/0"
-        store.create_rollouts([c.Rollout(rollout_id=rid, run_id="run", task_id="t",
-                                         group_id=rid[:-2], group_size=1, max_attempts=1,
-                                         stream="-")])
-        store.start_attempt(rid, 1)
-        token = CredentialSigner(load_secret(None, stack.secret_file)).mint(rid, 1, 600)
+        rid, token = running_rollout(store, load_secret(None, stack.secret_file))
         r = httpx.post(stack.gateway_url + "/chat/completions", timeout=120, headers={
             "Authorization": f"Bearer {token}"}, json={
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})

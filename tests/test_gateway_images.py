@@ -813,7 +813,8 @@ def test_a_local_stack_records_its_vision_models_processor_settings(
         vision_engine: Any, vision_model_dir: Path, redis_url: str, tmp_path: Path) -> None:
     """`harnessrl up`'s stack gives its gateway the model folder's processor files when the
     model has them (a vision model): an image call through it is recorded with them."""
-    from harnessrl.credentials import CredentialSigner, load_secret
+    from conftest import running_rollout
+    from harnessrl.credentials import load_secret
     from harnessrl.identity import Identity
     from harnessrl.local.stack import Stack, StackConfig
 
@@ -824,12 +825,7 @@ def test_a_local_stack_records_its_vision_models_processor_settings(
     with Stack(cfg) as stack:
         store = StoreClient.connect(stack.store_address,
                                     ident=Identity.from_folder(stack.tls / "controller"))
-        rid = f"run/{uuid.uuid4().hex[:8]}/0"
-        store.create_rollouts([c.Rollout(rollout_id=rid, run_id="run", task_id="t",
-                                         group_id=rid[:-2], group_size=1, max_attempts=1,
-                                         stream="-")])
-        store.start_attempt(rid, 1)
-        key = CredentialSigner(load_secret(None, stack.secret_file)).mint(rid, 1, 600)
+        rid, key = running_rollout(store, load_secret(None, stack.secret_file))
         client = openai.OpenAI(base_url=stack.gateway_url, api_key=key, max_retries=0,
                                timeout=120)
         client.chat.completions.create(
