@@ -52,8 +52,12 @@ class StoreConfig(ServiceConfig):
         "(INVALID_ARGUMENT above; the gateway's own max_image_bytes should not be larger)")
     max_image_store_bytes: int = Field(
         2 * 1024 ** 3, ge=1, description="bytes of images the image store holds at most "
-        "(PutImages answers RESOURCE_EXHAUSTED past it); images are kept in Redis, in memory, "
-        "and not deleted yet: size Redis for them")
+        "(PutImages answers RESOURCE_EXHAUSTED past it); images are kept in Redis, in memory: "
+        "size Redis for them")
+    image_retention_s: float = Field(
+        0.0, ge=0, description="delete an image no PutImages has sent or named for this long "
+        "(each PutImages deletes up to 256 such, before it checks the bounds); 0 keeps every "
+        "image. A call recorded longer ago may then name an image GetImages does not find")
     ready_file: str = Field("", description="write {pid, grpc_port, metrics_port} here once "
                                            "serving")
     metrics_bind: str = Field("", description=METRICS_BIND_HELP)

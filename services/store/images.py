@@ -10,18 +10,28 @@ Keys (under the store's prefix P):
 - `P img:ro:{rollout_id}` the bytes of the images a rollout's calls stored first (its
   gateway names the rollout and its bound, `PutImagesRequest.max_rollout_bytes`), kept for
   `ROLLOUT_COUNT_TTL_S` after its last new image.
+- `P img:used` ZSET: each image's key, scored by the last time (Redis's clock, ms) a PutImages
+  sent or named it (`present`: a gateway names every image of a call it records).
 
 A batch is written by one Lua script: images stored already are left as they are and cost
 nothing (a harness resends a conversation's images every turn: each is kept once), and a batch
 that would take the total over the store's bound, or its rollout's over the rollout's, stores
 nothing (RESOURCE_EXHAUSTED; the rollout's case names "rollout image quota"). So one rollout's
-harness can take at most its bound of the store, not all of it. Images are not deleted yet: a
-deployment sizes `max_store_bytes` (and Redis's memory) for its runs' images.
+harness can take at most its bound of the store, not all of it.
+
+Retention (the store's `image_retention_s`; 0, the default, keeps every image, as rollouts and
+calls are kept): each PutImages first marks the images it sends or names that the store holds
+as used now, then deletes up to 256 images no request has sent or named for that long, taking
+their bytes off the total, and only then checks the bounds, so what expired makes room for the
+new. An image in use is never deleted by its own request. A call recorded longer ago than the
+retention may name an image GetImages answers `found` false (the trainer drops that rollout,
+naming the image). Nothing runs between requests: a store that takes no images deletes none.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from collections.abc import Sequence
 
@@ -29,6 +39,8 @@ import redis.asyncio as aioredis
 
 from harnessrl.errors import InvalidArgument, ResourceExhausted
 from harnessrl.v1 import store_pb2 as spb
+
+log = logging.getLogger(__name__)
 
 MEDIA_TYPES = frozenset(("image/png", "image/jpeg", "image/gif", "image/webp"))
 _HEX = re.compile(r"[0-9a-f]{64}")
@@ -38,13 +50,37 @@ ROLLOUT_COUNT_TTL_S = 7 * 24 * 3600  # a rollout's count outlives any of its cal
 QUOTA = "rollout image quota"  # how a refusal for a rollout's bound starts
 
 _PUT_LUA = """
--- KEYS: total, the rollout's count (or the total again when none), then one key per image;
--- ARGV: max total, max for the rollout (0: none), the count's TTL, then media type and bytes
--- of each image. Returns {0, stored, existing, rollout's bytes}, {1, total} when the new images
--- would take the total over its bound, {2, rollout's bytes} over the rollout's; nothing is
--- stored in those two cases.
+-- KEYS: total, the rollout's count (or the total again when none), the use index, then one key
+-- per image sent and one per image named (`present`);
+-- ARGV: max total, max for the rollout (0: none), the count's TTL, retention in ms (0: keep),
+-- the number of images sent, then media type and bytes of each image sent.
+-- Returns {0, stored, existing, rollout's bytes, swept, missing...} (missing: the 1-based
+-- indices of the named images not stored), {1, total} when the new images would take the
+-- total over its bound, {2, rollout's bytes} over the rollout's; nothing is stored in those two.
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local sent = tonumber(ARGV[5])
+local first_named = 4 + sent
+-- what this request sends or names and the store holds is in use now: it is kept
+for i = 4, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('ZADD', KEYS[3], now, KEYS[i]) end
+end
+-- retention: the images no call has named for that long go, and their bytes leave the total
+local swept = 0
+local keep = tonumber(ARGV[4])
+if keep > 0 then
+  for _, k in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now - keep, 'LIMIT', 0, 256)) do
+    local n = redis.call('HSTRLEN', k, 'd')
+    if n > 0 then
+      redis.call('DEL', k)
+      redis.call('DECRBY', KEYS[1], n)
+      swept = swept + 1
+    end
+    redis.call('ZREM', KEYS[3], k)
+  end
+end
 local seen, order, size = {}, {}, 0
-for i = 3, #KEYS do
+for i = 4, first_named - 1 do
   if not seen[KEYS[i]] and redis.call('EXISTS', KEYS[i]) == 0 then
     seen[KEYS[i]] = true
     order[#order + 1] = i
@@ -61,6 +97,7 @@ if KEYS[2] ~= KEYS[1] then
 end
 for _, i in ipairs(order) do
   redis.call('HSET', KEYS[i], 't', ARGV[2 * i - 2], 'd', ARGV[2 * i - 1])
+  redis.call('ZADD', KEYS[3], now, KEYS[i])
 end
 if size > 0 then
   redis.call('INCRBY', KEYS[1], size)
@@ -69,9 +106,12 @@ if size > 0 then
     redis.call('EXPIRE', KEYS[2], ARGV[3])
   end
 end
-return {0, #order, #KEYS - 2 - #order, rollout}
+local out = {0, #order, sent - #order, rollout, swept}
+for i = first_named, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then out[#out + 1] = i - first_named + 1 end
+end
+return out
 """
-
 
 def check_hash(value: str, what: str = "sha256") -> str:
     if not _HEX.fullmatch(value):
@@ -81,11 +121,12 @@ def check_hash(value: str, what: str = "sha256") -> str:
 
 class ImageStore:
     def __init__(self, redis: aioredis.Redis, prefix: str, max_image_bytes: int,
-                 max_store_bytes: int) -> None:
+                 max_store_bytes: int, retention_s: float = 0.0) -> None:
         self.r = redis
         self.prefix = prefix
         self.max_image_bytes = max_image_bytes
         self.max_store_bytes = max_store_bytes
+        self.retention_ms = max(0, round(retention_s * 1000))
         self._put = redis.register_script(_PUT_LUA)
 
     def key(self, sha256: str) -> str:
@@ -106,25 +147,13 @@ class ImageStore:
             raise InvalidArgument("max_rollout_bytes is given without a rollout_id")
         for i, h in enumerate(present):
             check_hash(h, f"present[{i}]")
-        response = await self._store(images, rollout_id, max_rollout_bytes)
-        response.missing.extend(h for h, n in zip(present, await self._exist(present)) if not n)
-        return response
-
-    async def _exist(self, hashes: Sequence[str]) -> list[int]:
-        if not hashes:
-            return []
-        async with self.r.pipeline(transaction=False) as pipe:
-            for h in hashes:
-                pipe.exists(self.key(h))
-            return [int(x) for x in await pipe.execute()]
-
-    async def _store(self, images: Sequence[spb.StoredImage], rollout_id: str,
-                     max_rollout_bytes: int) -> spb.PutImagesResponse:
         total_key = f"{self.prefix}img:bytes"
         hashes = []
-        keys = [total_key, f"{self.prefix}img:ro:{rollout_id}" if rollout_id else total_key]
+        keys = [total_key, f"{self.prefix}img:ro:{rollout_id}" if rollout_id else total_key,
+                f"{self.prefix}img:used"]
         args = [str(self.max_store_bytes).encode(), str(max_rollout_bytes).encode(),
-                str(ROLLOUT_COUNT_TTL_S).encode()]
+                str(ROLLOUT_COUNT_TTL_S).encode(), str(self.retention_ms).encode(),
+                str(len(images)).encode()]
         for i, img in enumerate(images):
             if not img.data:
                 raise InvalidArgument(f"images[{i}].data is empty")
@@ -141,8 +170,9 @@ class ImageStore:
             hashes.append(digest)
             keys.append(self.key(digest))
             args += [img.media_type.encode(), img.data]
-        if not hashes:
+        if not hashes and not present:
             return spb.PutImagesResponse()
+        keys += [self.key(h) for h in present]
         status, *counts = (int(x) for x in await self._put(keys=keys, args=args))
         if status == 1:
             raise ResourceExhausted(f"the image store is full (max_image_store_bytes "
@@ -152,9 +182,13 @@ class ImageStore:
                 f"{QUOTA}: rollout {rollout_id} has stored {counts[0]} bytes of images; these "
                 f"would take it over its {max_rollout_bytes} (RunSpec.max_rollout_image_bytes "
                 f"or the gateway's max_rollout_image_bytes)")
-        stored, existing, rollout_bytes = counts
+        stored, existing, rollout_bytes, swept, *missing = counts
+        if swept:
+            log.info("image store: %d images no call named for %.0f s deleted (retention)",
+                     swept, self.retention_ms / 1000)
         return spb.PutImagesResponse(stored=stored, existing=existing, sha256=hashes,
-                                     rollout_bytes=rollout_bytes)
+                                     rollout_bytes=rollout_bytes,
+                                     missing=[present[i - 1] for i in missing])
 
     async def get(self, hashes: Sequence[str]) -> list[spb.StoredImage]:
         if len(hashes) > MAX_PER_REQUEST:

@@ -50,7 +50,8 @@ async def serve(cfg: StoreConfig) -> None:
                   mask_passwords(str(exc)), _hint(cfg.redis_url, exc))
         raise SystemExit(1) from None
     store = RolloutStore(client, cfg.key_prefix)
-    images = ImageStore(client, cfg.key_prefix, cfg.max_image_bytes, cfg.max_image_store_bytes)
+    images = ImageStore(client, cfg.key_prefix, cfg.max_image_bytes, cfg.max_image_store_bytes,
+                        cfg.image_retention_s)
 
     async def ready() -> tuple[bool, str]:
         """SERVING while Redis answers a PING within the check interval."""
