@@ -63,8 +63,8 @@ def test_images_unused_past_the_retention_are_deleted_and_make_room(tmp_path: Pa
     try:
         assert store.put_images([stored(a), stored(b)], rollout_id="run/t/0").stored == 2
         now_s, _ = r.time()
-        scores = {bytes(k).decode(): float(v)
-                  for k, v in r.zrange(used, 0, -1, withscores=True)}  # type: ignore[misc]
+        pairs: list[tuple[bytes, float]] = r.zrange(used, 0, -1, withscores=True)  # type: ignore[assignment]
+        scores = {k.decode(): v for k, v in pairs}
         assert set(scores) == {f"{prefix}img:{sha(a)}", f"{prefix}img:{sha(b)}"}
         assert all(abs(s / 1000 - now_s) < 30 for s in scores.values())  # Redis's clock, in ms
         with pytest.raises(grpc.RpcError) as full:  # the store is full: d does not fit
