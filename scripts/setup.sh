@@ -59,8 +59,9 @@ stamp=".venv/.harnessrl-setup-$(sha256sum pyproject.toml | cut -c1-16)-$extra"
 swe_harness() { .venv/bin/python examples/swe/harness_env.py >/dev/null; }
 # The Node examples' packages: `npm ci` from each package-lock.json, once per lock (a stamp in
 # node_modules, which npm ci empties first); a no-op when they are there, skipped without npm.
-# examples/node_sdk: openai (tests/test_node_sdk.py); examples/grpc_node: @grpc/grpc-js and
-# @grpc/proto-loader (tests/test_auth_clients.py).
+# examples/node_sdk: openai and @anthropic-ai/sdk (tests/test_node_sdk.py,
+# test_vision_node_sdk.py); examples/grpc_node: @grpc/grpc-js and @grpc/proto-loader
+# (tests/test_auth_clients.py).
 node_sdk() {
   local dir lock_stamp
   for dir in examples/node_sdk examples/grpc_node; do
