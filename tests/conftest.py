@@ -228,11 +228,12 @@ def vision_model_dir() -> Path:
 def vision_engine(vision_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     """One vLLM server on the tiny VLM for the whole test session (its own: the text model's
     `vllm_engine` serves another model); started as the project starts every engine
-    (`harnessrl.local.engine`)."""
+    (`harnessrl.local.engine`), with the gloo weight-transfer backend: tests/test_vision_trainer.py
+    pushes trained weights into it (and the base weights back after)."""
     from harnessrl.local.engine import start_engine
 
     engine = start_engine(vision_model_dir, workdir=tmp_path_factory.mktemp("vllm-vision"),
-                          max_model_len=4096)
+                          max_model_len=4096, weight_transfer_backend="gloo")
     try:
         engine.wait_healthy(timeout=300)
         yield engine

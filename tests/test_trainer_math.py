@@ -205,13 +205,14 @@ def test_mismatched_logprobs_are_an_error() -> None:
         rollout_samples(rollout("r", [call(0, [1], [2, 3], [-0.1])]), 1.0)
 
 
-def test_a_call_with_images_is_refused_until_the_trainer_trains_on_pixels() -> None:
-    """Its prompt ids hold image placeholders: trained without the pixels behind them, the
-    loss would be computed on a prompt the engine never saw. The group fails to build (the
-    stream reader reports it, and dead-letters it after max_deliveries), loudly."""
+def test_a_call_with_images_is_refused_without_a_vision_model() -> None:
+    """Its prompt ids hold image placeholders: trained without the pixels behind them (a text
+    model's trainer has none: no pixel source), the loss would be computed on a prompt the
+    engine never saw. The group fails to build (the stream reader reports it, and dead-letters
+    it after max_deliveries), loudly. With a vision model: tests/test_vision_trainer.py."""
     with_image = call(0, [1, 5, 5, 2], [3], [-0.5])
     with_image.images.add(sha256="ab" * 32, media_type="image/png", size_bytes=10)
-    with pytest.raises(ValueError, match="does not train on images yet"):
+    with pytest.raises(ValueError, match="is not a vision model"):
         rollout_samples(rollout("r", [with_image]), 1.0)
 
 

@@ -1,7 +1,8 @@
 """The gateway's side of the image store (issue #45): each request's images go to the store's
 content-addressed image store (`Store.PutImages`) after the engine answered and before the call
 is recorded, so the hashes a recorded call carries always resolve; and the processor settings recorded with each call that
-carries images (`Call.processor_json`), read from the served models' folders at start.
+carries images (`Call.processor_json`, `harnessrl.processor_settings`), read from the served
+models' folders at start.
 
 A hash this gateway stored already (the most recent `known_max`) is not sent again (a harness
 resends a conversation's images every turn), only named (`PutImagesRequest.present`): one the
@@ -15,12 +16,11 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 import grpc
-import orjson
 
+from harnessrl.processor_settings import processor_settings
 from harnessrl.v1 import store_pb2 as spb
 from services.gateway.config import GatewayConfig
 from services.gateway.exchange import HTTPError
@@ -32,36 +32,6 @@ log = logging.getLogger("harnessrl.gateway")
 
 # how the store's refusal for a rollout's bound starts (services/store/images.py QUOTA)
 ROLLOUT_QUOTA = "rollout image quota"
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-
-
-# what of the model's config.json decides how an image becomes placeholders (config.json's
-# top level, and its vision_config)
-VISION_KEYS = ("scale_factor", "image_token_id", "image_token_index", "image_seq_len")
-VISION_CONFIG_KEYS = ("image_size", "patch_size")
-
-
-def processor_settings(model: str, folder: str) -> bytes:
-    """The processor settings recorded with the calls of `model` (Call.processor_json): the
-    processor files saved in the model's folder, and the vision settings of its config.json
-    (image and patch size, pixel shuffle, image token), as JSON."""
-    files = {}
-    for name in PROCESSOR_FILES:
-        path = Path(folder) / name
-        if path.is_file():
-            files[name] = orjson.loads(path.read_bytes())
-    if not files:
-        raise ValueError(f"processor_dirs: {folder} (model {model!r}) holds none of "
-                         f"{', '.join(PROCESSOR_FILES)}")
-    out: dict[str, Any] = {"model": model, "files": files}
-    config = Path(folder) / "config.json"
-    if config.is_file():
-        data = orjson.loads(config.read_bytes())
-        vision = {k: data[k] for k in VISION_KEYS if k in data}
-        sub = data.get("vision_config") or {}
-        vision.update({f"vision_config.{k}": sub[k] for k in VISION_CONFIG_KEYS if k in sub})
-        out["vision"] = vision
-    return orjson.dumps(out, option=orjson.OPT_SORT_KEYS)
 
 
 class GatewayImages:

@@ -147,6 +147,7 @@ class Trainer:
         self.tasks = load_tasks(cfg.tasks_file)
         self.model: Any = None
         self.tokenizer: Any = None
+        self.pixels: Any = None  # a vision model: its images' pixels (pixels.py)
         self.optimizer: torch.optim.Optimizer | None = None
         self.reader: StreamReader | None = None  # rank 0
         self.evaluator: Evaluator | None = None  # rank 0
@@ -170,9 +171,9 @@ class Trainer:
         as its policy version: the engines serve exactly the trainer's weights from the start."""
         self.output.mkdir(parents=True, exist_ok=True)
         on_host = self.colo is not None and self.colo.offload.hold_on_host()  # until a step
-        got = load(self.cfg, self.output, self.dist, on_host)
+        got = load(self.cfg, self.output, self.dist, on_host, self.store)
         self.model, self.tokenizer, self.optimizer = got.model, got.tokenizer, got.optimizer
-        self.state = got.state
+        self.state, self.pixels = got.state, got.pixels
         if got.checkpoint is not None:
             self.last_checkpoint, self.checkpointed_step = got.checkpoint, self.state.step
         self.control.show_counts(self.state, policy_version=self.state.policy_version,
@@ -180,8 +181,7 @@ class Trainer:
                                  mode=self.cfg.mode.kind)
         if self.dist.is_main:  # rank 0's parts: the stream, the trackers, the records, evals
             self._attach_stream(self.state.run_prefix)
-            self.trackers = Trackers(self.cfg, self.output, self.state.run_prefix,
-                                     self.state.step)
+            self.trackers = Trackers(self.cfg, self.output, self.state.run_prefix, self.state.step)
             self.recorder = Recorder(self.cfg, self.rollouts_file, self.trackers, self.control,
                                      self.gauges, self.hold is not None)
             self.evaluator = Evaluator(self.cfg, self.launcher, self.store, self.control,
@@ -248,7 +248,7 @@ class Trainer:
         assert self.reader is not None
         groups, self._built = self.reader.screen(  # sync-first: the groups generate took
             self.sync.read(self.reader, run_id, step, tasks, set(self.state.consumed_entries)),
-            lambda g: group_samples(g, self.cfg.advantage, self.cfg.loss.max_sample_len))
+            self.samples_of)
         self._dead_in_step = len(self.reader.dead_groups(run_id))
         return self.dist.agree(groups)
 
@@ -298,12 +298,13 @@ class Trainer:
             self.pool.close()
 
     # -- every step ----------------------------------------------------------------------------
+    def samples_of(self, g: c.Group) -> Any:  # with its images' pixels (a vision model)
+        return group_samples(g, self.cfg.advantage, self.cfg.loss.max_sample_len, self.pixels)
+
     def train(self, groups: list[c.Group], s: StepRecord) -> StepMetrics | None:
         self.control.set_state("training")
         t0 = time.perf_counter()
-        results = [self._built.pop(g.entry_id, None) or
-                   group_samples(g, self.cfg.advantage, self.cfg.loss.max_sample_len)
-                   for g in groups]
+        results = [self._built.pop(g.entry_id, None) or self.samples_of(g) for g in groups]
         self._built.clear()
         samples = s.add_samples(groups, results, self.state.policy_version, self._dead_in_step)
         if self.dist.is_main and self.cfg.sample_rollouts:
@@ -335,8 +336,7 @@ class Trainer:
         self.control.update(policy_version=version)
         s.timed("push_s", t0)
 
-    def finish_step(self, step: int, groups: list[c.Group],
-                    s: StepRecord | None = None) -> None:
+    def finish_step(self, step: int, groups: list[c.Group], s: StepRecord | None = None) -> None:
         """Step done: its entries (trained, skipped or dropped) await the next checkpoint; the
         counts that prove nothing was lost are in the state (and so in the checkpoint)."""
         st = self.state

@@ -96,7 +96,7 @@ class StepRecord:
         for g, r in zip(groups, results, strict=True):
             for ro in g.rollouts:
                 if ro.rollout_id not in self.trained_rollouts:
-                    self.dropped_rollouts[ro.rollout_id] = (
+                    self.dropped_rollouts[ro.rollout_id] = r.drop_reasons.get(ro.rollout_id) or (
                         ("tampered" if ro.tampered else "failed")
                         if ro.rollout_id in r.dropped_rollouts
                         else f"group {r.skipped}" if r.skipped else "no tokens")
@@ -186,7 +186,8 @@ class MetricsRow(BaseModel):
     trained_rollouts: list[str] = _f("ids of the rollouts the step's samples came from")
     dropped_rollouts: dict[str, str] = _f("rollout id -> why it gave no sample (\"failed\", "
                                           "\"tampered\", \"group zero_variance\", \"group "
-                                          "too_few_rollouts\", \"no tokens\", \"stale: ...\")")
+                                          "too_few_rollouts\", \"no tokens\", \"stale: ...\", "
+                                          "\"missing image: ...\")")
     trainer_busy_fraction: float = _f("(train_s + push_s) / step_time_s")
     engine_busy_fraction: float | None = _f("share of the gateway's polls during the step "
                                             "with a call in flight (null: no poll)")

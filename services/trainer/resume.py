@@ -1,7 +1,8 @@
 """The trainer's start, resumed or fresh: the model, its tokenizer and optimizer, and the
 trainer's state (step, policy version, stream entries consumed, RNG states) — from
 `<output_dir>/checkpoints/latest` when there is one (and `resume` is on), else from the initial
-model (`model_path`, or the project's tiny model built on first use).
+model (`model_path`, or the project's tiny model built on first use). A vision-language model
+(pixels.py) loads as one, with the processor saved beside the initial model.
 
 With `lora` set (lora.py) the base model is frozen and a LoRA adapter trains: the initial model
 always loads, and a checkpoint gives the adapter (and an adapter checkpoint needs `lora` set).
@@ -20,12 +21,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from . import checkpoint as ckpt
 from . import lora
 from .config import TrainerConfig
 from .outputs import RUN_FILE, run_prefix_of
+from .pixels import ImagePixels, model_class, vision_pixels
 from .sharding import Dist, ShardingConfig, device_for, shard_model
 from .step import make_optimizer
 
@@ -41,11 +43,14 @@ class Loaded:
     optimizer: torch.optim.Optimizer
     state: ckpt.TrainState
     checkpoint: Path | None  # the checkpoint resumed from; None: a fresh start
+    pixels: ImagePixels | None = None  # a vision model: its images' pixels (pixels.py)
 
 
-def load(cfg: TrainerConfig, output: Path, d: Dist, on_host: bool) -> Loaded:
+def load(cfg: TrainerConfig, output: Path, d: Dist, on_host: bool, store: Any = None
+         ) -> Loaded:
     """Seeds the RNGs, then loads the latest checkpoint or the initial model (`on_host`: built
-    in host memory, collocated offload)."""
+    in host memory, collocated offload). A vision model (pixels.py) loads with its processor,
+    from the initial model's folder, and fetches its images from `store` (a StoreClient)."""
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
@@ -54,7 +59,8 @@ def load(cfg: TrainerConfig, output: Path, d: Dist, on_host: bool) -> Loaded:
     lora.check_resumable(found, cfg.lora)  # an adapter checkpoint needs lora set
     source = found if found is not None and cfg.lora is None else Path(d.agree(
         initial_model(cfg) if d.is_main else ""))  # LoRA: the base, always
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(
+    pixels = vision_pixels(cfg, source, d.world_size, store)  # None: a text model
+    model = model_class(source).from_pretrained(source, dtype=getattr(
         torch, cfg.dtype)).to("cpu" if on_host else device_for(cfg.device, d))
     if cfg.lora is not None:  # base frozen; adapter weights from the checkpoint
         model = lora.apply_lora(model, cfg.lora, found)
@@ -76,7 +82,7 @@ def load(cfg: TrainerConfig, output: Path, d: Dist, on_host: bool) -> Loaded:
     else:
         state = ckpt.TrainState(run_prefix=run_prefix)
         log.info("starting from %s", source)
-    return Loaded(model, tokenizer, optimizer, state, found)
+    return Loaded(model, tokenizer, optimizer, state, found, pixels)
 
 
 def initial_model(cfg: TrainerConfig) -> str:

@@ -35,6 +35,14 @@ drops the tail: the dropped completion tokens are not trained on. The context is
 the left, which would train tokens on a context they were not generated from. A sample left
 with no loss token (the prompt alone reaches `max_len`) is dropped; `GroupSamples` counts the
 completion tokens lost this way.
+
+**Images** (issue #45, docs/vision.md). A call with images (`Call.images`) starts a sample of its
+own, and nothing is appended to it: its prompt holds every image of the conversation as
+placeholder tokens, and the sample carries their hashes (`Sample.images`) and the pixel inputs
+the model's processor makes of their bytes (`Sample.pixels`, from a `PixelSource`: pixels.py's
+`ImagePixels`). Without a pixel source (a text model) a call with images is refused: training
+on its ids without their pixels would be wrong. A rollout an image of which the store does not
+hold is dropped, with the reason, before the group's advantages are computed, as a failed one.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from harnessrl.v1 import common_pb2
 
@@ -66,6 +75,11 @@ class Sample:
     """Policy version of each call merged into this sample, in `seq` order."""
     call_seqs: list[int] = field(default_factory=list)
     """`seq` of each call merged into this sample."""
+    images: list[str] = field(default_factory=list)
+    """sha256 of each image in the prompt, in order (a call with images: a sample of its own)."""
+    pixels: dict[str, Any] | None = None
+    """The processor's pixel inputs of `images` (`pixel_values`, `pixel_attention_mask`: tensors
+    with a batch dimension of 1), passed to the model with `input_ids`; None: no images."""
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -91,13 +105,29 @@ class GroupSamples:
     """Why no sample was made: "too_few_rollouts" or "zero_variance"; None when used."""
     truncated_tokens: int = 0
     """Completion tokens not trained on because of `max_len`."""
+    drop_reasons: dict[str, str] = field(default_factory=dict)
+    """Rollout id -> why a succeeded rollout was left out (an image the store lacks)."""
+
+
+class PixelSource(Protocol):
+    """The pixel inputs of recorded calls' images (pixels.py's `ImagePixels`)."""
+
+    def fetch(self, rollouts: Sequence[common_pb2.Rollout]) -> dict[str, str]:
+        """Fetches the images the rollouts' calls name; returns rollout id -> why it cannot be
+        trained on (an image the store does not hold)."""
+        ...
+
+    def pixels(self, rollout_id: str, call: common_pb2.Call) -> dict[str, Any]:
+        """The pixel inputs of `call`'s images (fetched by `fetch`); ValueError when they
+        cannot be the engine's (other processor settings)."""
+        ...
 
 
 def _extends(prompt: Sequence[int], prefix: Sequence[int]) -> bool:
     return len(prompt) >= len(prefix) and list(prompt[: len(prefix)]) == list(prefix)
 
 
-def _check_call(rollout_id: str, call: common_pb2.Call) -> None:
+def _check_call(rollout_id: str, call: common_pb2.Call, with_pixels: bool) -> None:
     n_tok, n_lp = len(call.completion_token_ids), len(call.logprobs)
     if n_tok != n_lp:
         raise ValueError(
@@ -105,16 +135,18 @@ def _check_call(rollout_id: str, call: common_pb2.Call) -> None:
         )
     if not all(math.isfinite(lp) and lp <= 0.0 for lp in call.logprobs):
         raise ValueError(f"rollout {rollout_id} call {call.seq}: logprobs must be finite and <= 0")
-    if call.images:  # its prompt ids hold image placeholders that only its pixels give meaning
+    if call.images and not with_pixels:  # placeholders only their pixels give meaning
         raise ValueError(f"rollout {rollout_id} call {call.seq}: the call has images, and the "
-                         f"trainer does not train on images yet (issue #45, docs/vision.md): "
-                         f"training on its token ids without their pixels would be wrong")
+                         f"trainer's model is not a vision model (docs/vision.md): training on "
+                         f"its token ids without their pixels would be wrong")
 
 
 def rollout_samples(
-    rollout: common_pb2.Rollout, advantage: float, max_len: int | None = None
+    rollout: common_pb2.Rollout, advantage: float, max_len: int | None = None,
+    pixels: PixelSource | None = None,
 ) -> tuple[list[Sample], int]:
-    """Samples of one rollout (see the module docstring) and the completion tokens truncated."""
+    """Samples of one rollout (see the module docstring) and the completion tokens truncated;
+    `pixels`: the pixel inputs of its calls' images (fetched already)."""
     if max_len is not None and max_len < 2:
         raise ValueError(f"max_len must be >= 2, got {max_len}")
     calls = sorted(rollout.calls, key=lambda c: c.seq)
@@ -146,7 +178,7 @@ def rollout_samples(
     for call in calls:
         if call.aborted:  # the harness never received this response: not a trajectory step
             continue
-        _check_call(rollout.rollout_id, call)
+        _check_call(rollout.rollout_id, call, pixels is not None)
         prompt, completion = list(call.prompt_token_ids), list(call.completion_token_ids)
         fits = max_len is None or len(prompt) + len(completion) <= max_len
         if call.segment_start == common_pb2.SEGMENT_START_CONTINUED:
@@ -160,6 +192,8 @@ def rollout_samples(
                 else None
         else:
             parent = None
+        if call.images or (parent is not None and parent.images):
+            parent = None  # an image call's sample is its own (its pixels are the prompt's)
         if parent is not None and fits:
             current, inserted = parent, prompt[len(parent.input_ids):]
         else:
@@ -173,6 +207,9 @@ def rollout_samples(
         current.policy_versions.append(call.policy_version)
         current.call_seqs.append(call.seq)
         by_last_seq[call.seq] = current
+        if call.images and pixels is not None:
+            current.images = [i.sha256 for i in call.images]
+            current.pixels = pixels.pixels(rollout.rollout_id, call)
     for sample in opened:
         finish(sample)
     return samples, truncated
@@ -186,15 +223,20 @@ def group_samples(
     group: common_pb2.Group,
     config: AdvantageConfig | None = None,
     max_len: int | None = None,
+    pixels: PixelSource | None = None,
 ) -> GroupSamples:
-    """Training samples of one completed group, each carrying its rollout's advantage."""
+    """Training samples of one completed group, each carrying its rollout's advantage;
+    `pixels`: where the pixel inputs of its calls' images come from (a vision model)."""
     config = config or AdvantageConfig()
     usable = [r for r in group.rollouts if _usable(r)]
-    dropped = [r.rollout_id for r in group.rollouts if not _usable(r)]
+    reasons = pixels.fetch(usable) if pixels is not None else {}  # an image not stored
+    usable = [r for r in usable if r.rollout_id not in reasons]
+    kept = {r.rollout_id for r in usable}
+    dropped = [r.rollout_id for r in group.rollouts if r.rollout_id not in kept]
     rewards = [r.reward for r in usable]
     result = GroupSamples(
         group_id=group.group_id, samples=[], rewards=rewards, advantages=[],
-        dropped_rollouts=dropped,
+        dropped_rollouts=dropped, drop_reasons=reasons,
     )
     if len(usable) < config.min_rollouts:
         result.skipped = "too_few_rollouts"
@@ -204,7 +246,7 @@ def group_samples(
         result.skipped = "zero_variance"
         return result
     for rollout, advantage in zip(usable, result.advantages, strict=True):
-        samples, truncated = rollout_samples(rollout, advantage, max_len)
+        samples, truncated = rollout_samples(rollout, advantage, max_len, pixels)
         result.samples += samples
         result.truncated_tokens += truncated
     return result

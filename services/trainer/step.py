@@ -1,4 +1,5 @@
-"""One optimizer step of a causal LM on a list of samples.
+"""One optimizer step of a causal LM (or a vision-language model: samples with images pass
+their pixels, pixels.py) on a list of samples.
 
 `train_step` reads top to bottom: normalisation weights over the whole batch → micro-batches
 (samples sorted longest first, right-padded) → per micro-batch: forward, float32 logprobs of the
@@ -31,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .loss import LossConfig, LossTerms, policy_loss, sample_weights
+from .pixels import pixel_inputs
 from .samples import Sample
 from .sharding import Dist
 
@@ -128,6 +130,18 @@ def token_logprobs(
     return logprobs, entropy
 
 
+def sample_logprobs(model: torch.nn.Module, rows: Sequence[Sample], pad_token_id: int,
+                    device: torch.device, with_entropy: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's float32 logprob of each token of `rows` given the ones before it ([B, T-1]:
+    position i is token i + 1), right-padded, with the rows' images' pixels (pixels.py), and
+    the next-token entropies (`token_logprobs`)."""
+    input_ids = _pad([s.input_ids for s in rows], pad_token_id, torch.long, device)
+    logits = model(input_ids=input_ids, use_cache=False,
+                   **pixel_inputs(rows, device)).logits[:, :-1]
+    return token_logprobs(logits, input_ids[:, 1:], with_entropy)
+
+
 def _pad(rows: list[list], value: float | int, dtype: torch.dtype, device: torch.device
          ) -> torch.Tensor:
     width = max(len(r) for r in rows)
@@ -162,7 +176,6 @@ def train_step(
             continue
         batch = batches[k]
         rows = [samples[i] for i in batch]
-        input_ids = _pad([s.input_ids for s in rows], config.pad_token_id, torch.long, device)
         # position i of the shifted tensors is token i + 1, predicted from position i
         mask = _pad([s.loss_mask for s in rows], 0, torch.bool, device)[:, 1:]
         behaviour = _pad([s.behaviour_logprobs for s in rows], 0.0, torch.float32, device)[:, 1:]
@@ -171,13 +184,12 @@ def train_step(
         token_w = torch.tensor([weights[i] for i in batch], dtype=torch.float32,
                                device=device)[:, None].expand_as(behaviour)
 
-        logits = model(input_ids=input_ids, use_cache=False).logits[:, :-1]
-        logprobs, entropy = token_logprobs(logits, input_ids[:, 1:])
+        logprobs, entropy = sample_logprobs(model, rows, config.pad_token_id, device)
         terms = policy_loss(logprobs, behaviour, advantages, mask, token_w, config.loss, entropy)
         terms.loss.backward()
         terms.loss = terms.loss.detach()
         total = terms if total is None else total + terms
-        del logits, logprobs, entropy, terms
+        del logprobs, entropy, terms
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = _clip_gradients(params, config.max_grad_norm, d)
