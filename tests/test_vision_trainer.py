@@ -38,7 +38,8 @@ import torch
 from harnessrl.model.vision import draw_shape
 from harnessrl.v1 import common_pb2 as c
 from services.trainer.config import TrainerConfig
-from services.trainer.pixels import vision_pixels
+from services.trainer.pixels import GET_BATCH, GET_BATCH_BYTES, ImagePixels, _batches, \
+    pixel_inputs, vision_pixels
 from services.trainer.records import StepRecord
 from services.trainer.resume import Loaded, load
 from services.trainer.samples import GroupSamples, Sample, group_samples
@@ -188,9 +189,10 @@ def test_after_a_step_and_a_push_the_engine_moved_and_parity_holds(
         print(f"VISION-PUSH parity after {after}, engine moved by {moved_by}")
         assert moved_by > 10 * PARITY_TOL, moved_by
         assert after <= PARITY_TOL, after
-    finally:  # the session's engine serves the base weights again, for any later test
+    finally:  # the base weights again, in the engine (the session's) and in the trainer
         with EngineWeights(vlm_world.admin, cfg.push, attempts=1) as sink:
             push_model(old_model, sink, 2, Dist.single(), cfg, "vt-base")
+        model.load_state_dict(old_model.state_dict())
     base = samples_of([record(vlm_world, vision_engine.model_name, m, s)
                        for m, s in ((SINGLE, 7), (MULTI, 8))], trainer).samples
     assert len(base) == 2 and parity(old_model, base) <= PARITY_TOL
@@ -238,3 +240,44 @@ def test_fsdp2_and_lora_with_a_vision_model_are_refused_at_start(
     cfg = trainer_config(vision_model_dir, tmp_path / "lora", lora={"rank": 4})
     with pytest.raises(ValueError, match="LoRA on a vision model is not implemented"):
         load(cfg, tmp_path / "lora", Dist.single(), False, None)
+
+
+def test_pixel_inputs_pad_images_height_width_and_mask() -> None:
+    """A micro-batch's rows: their images padded to the most images, the largest height and
+    width, with zeros, the mask false on the padding (the processor's own pixel mask kept);
+    a row without images all padding; no row with images: nothing passed."""
+    def row(n: int, h: int, w: int, hole: bool = False) -> Sample:
+        mask = torch.ones((1, n, h, w), dtype=torch.bool)
+        if hole:
+            mask[0, 0, 0, 0] = False
+        return Sample(input_ids=[1], loss_mask=[0], behaviour_logprobs=[0.0], advantage=0.0,
+                      reward=0.0, rollout_id="r", pixels={"pixel_values": torch.full((1, n, 3, h, w), 0.5),
+                              "pixel_attention_mask": mask})
+    text = Sample(input_ids=[1], loss_mask=[0], behaviour_logprobs=[0.0], advantage=0.0,
+                  reward=0.0, rollout_id="t")
+    got = pixel_inputs([row(1, 4, 6, hole=True), text, row(2, 5, 3)], torch.device("cpu"))
+    values, mask = got["pixel_values"], got["pixel_attention_mask"]
+    assert values.shape == (3, 2, 3, 5, 6) and mask.shape == (3, 2, 5, 6)
+    assert mask[0, 0, :4, :6].sum() == 4 * 6 - 1 and not mask[0, 0, 4:].any()
+    assert not mask[0, 1].any() and not mask[1].any() and not values[1].any()
+    assert mask[2, :, :5, :3].all() and not mask[2, :, :, 3:].any()
+    assert (values[2, :, :, :5, :3] == 0.5).all() and not values[2, :, :, :, 3:].any()
+    assert pixel_inputs([text], torch.device("cpu")) == {}
+
+
+def test_image_fetches_are_bounded_in_hashes_and_bytes() -> None:
+    many = {f"{i:064x}": 1 for i in range(GET_BATCH + 1)}
+    assert [len(b) for b in _batches(many)] == [GET_BATCH, 1]
+    big = GET_BATCH_BYTES // 3 + 1  # three do not fit one request
+    sizes = {"a" * 64: big, "b" * 64: big, "c" * 64: big, "d" * 64: GET_BATCH_BYTES * 2}
+    assert _batches(sizes) == [["a" * 64, "b" * 64], ["c" * 64], ["d" * 64]]
+
+
+def test_image_tokens_in_a_call_naming_no_image_are_refused(vision_model_dir: Path) -> None:
+    """A call's prompt is its whole conversation: image tokens with no image named would be
+    trained as bare placeholders, without the pixels behind them."""
+    pixels = ImagePixels.load(vision_model_dir, None)
+    text = c.Call(seq=3, prompt_token_ids=[5, 6, pixels.image_token_id, 7])
+    with pytest.raises(ValueError, match="holds image tokens and the call names no image"):
+        pixels.pixels("r", text)
+    assert pixels.pixels("r", c.Call(seq=4, prompt_token_ids=[5, 6, 7])) is None

@@ -9,7 +9,7 @@
 // Configured by the environment, as a harness under the controller is:
 // - OPENAI_BASE_URL, OPENAI_API_KEY: read by the openai client itself (the gateway's
 //   `http://host:port/v1` and this rollout attempt's credential);
-// - ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY: the Anthropic client's; unset, they are
+// - ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY: the Anthropic client's, when both are set; else
 //   OPENAI_BASE_URL without its `/v1` (the SDK adds `/v1/messages`) and OPENAI_API_KEY (sent
 //   as `x-api-key`, which the gateway takes as it takes `Authorization: Bearer`);
 // - HARNESSRL_MODEL: the model name.
@@ -37,9 +37,12 @@ const model = process.env.HARNESSRL_MODEL;
 const question = "What colour is this image?";
 
 const openai = new OpenAI({ maxRetries: 0, timeout: 30_000 });
+// The Anthropic key is used only with the Anthropic base URL: a shell's real key must not go
+// to the gateway of OPENAI_BASE_URL.
+const ownAnthropic = Boolean(process.env.ANTHROPIC_BASE_URL && process.env.ANTHROPIC_API_KEY);
 const anthropic = new Anthropic({
-  baseURL: process.env.ANTHROPIC_BASE_URL ?? openai.baseURL.replace(/\/v1\/?$/, ""),
-  apiKey: process.env.ANTHROPIC_API_KEY ?? openai.apiKey,
+  baseURL: ownAnthropic ? process.env.ANTHROPIC_BASE_URL : openai.baseURL.replace(/\/v1\/?$/, ""),
+  apiKey: ownAnthropic ? process.env.ANTHROPIC_API_KEY : openai.apiKey,
   maxRetries: 0,
   timeout: 30_000,
 });

@@ -112,8 +112,9 @@ class GatewayImages:
         deadline = time.monotonic() + self.hold_timeout_s  # for both puts together
         missing = await self._put(found, list(new.values()), list(known), deadline)
         if missing:  # the store lost them: sent again, counted as new against this rollout
-            log.warning("the image store lost %d image(s) this gateway had stored (a Redis "
-                        "restart that lost its last writes?): sending them again", len(missing))
+            log.warning("the image store no longer holds %d image(s) this gateway had stored "
+                        "(deleted past the store's image_retention_s, or lost by a Redis "
+                        "restart): sending them again", len(missing))
             for h in missing:
                 self._known.pop(h, None)
             await self._put(found, [known[h] for h in missing], [], deadline)

@@ -72,7 +72,7 @@ if keep > 0 then
   for _, k in ipairs(redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now - keep, 'LIMIT', 0, 256)) do
     local n = redis.call('HSTRLEN', k, 'd')
     if n > 0 then
-      redis.call('DEL', k)
+      redis.call('UNLINK', k)
       redis.call('DECRBY', KEYS[1], n)
       swept = swept + 1
     end

@@ -223,10 +223,9 @@ class Trainer:
         return self.dist.agree(not self.control.skip_checkpoint)
 
     def checkpoint_due(self) -> bool:
-        return self.dist.agree(
-            self.state.step % self.cfg.checkpoint_every == 0
-            or self.state.step >= self.cfg.steps
-            or (self.control.stop_requested and not self.control.skip_checkpoint))
+        st = self.state
+        return self.dist.agree(st.step % self.cfg.checkpoint_every == 0 or st.step >= self.cfg.steps
+                               or (self.control.stop_requested and not self.control.skip_checkpoint))
 
     # -- one sync step -------------------------------------------------------------------------
     def generate(self, step: int, s: StepRecord) -> tuple[str, list[str]]:
@@ -272,13 +271,14 @@ class Trainer:
             self.pool.open(self.state, self.tasks)
 
     def take_groups(self, s: StepRecord) -> list[c.Group]:
-        """The step's groups from the pool (dropped ones in `s`); rank 0 takes them, every
-        rank gets the same."""
+        """The step's groups from the pool (dropped ones in `s`), the same on every rank."""
         self.control.set_state("generating")
         if not self.dist.is_main:
             return self.dist.agree([])
         assert self.reader is not None
-        return self.dist.agree(self.pool.take(self.reader, s, self.state))
+        groups = self.pool.take(self.reader, s, self.state)
+        self._built = {g.entry_id: self.samples_of(g) for g in groups}  # before hold_calls
+        return self.dist.agree(groups)
 
     def hold_calls(self, s: StepRecord) -> None:
         if self.colo is not None:  # collocation.py has the sequence
@@ -304,8 +304,8 @@ class Trainer:
     def train(self, groups: list[c.Group], s: StepRecord) -> StepMetrics | None:
         self.control.set_state("training")
         t0 = time.perf_counter()
-        results = [self._built.pop(g.entry_id, None) or self.samples_of(g) for g in groups]
-        self._built.clear()
+        built, self._built = self._built, {}
+        results = [built.get(g.entry_id) or self.samples_of(g) for g in groups]
         samples = s.add_samples(groups, results, self.state.policy_version, self._dead_in_step)
         if self.dist.is_main and self.cfg.sample_rollouts:
             s.rollouts = render_rollouts(groups, self.tokenizer, self.cfg.sample_rollouts, s.step)

@@ -20,7 +20,10 @@ computed its logprobs from.
   without settings (a gateway without `processor_dirs`) is refused too: nothing shows its
   pixels are the engine's. After, the prompt's `<image>` tokens must be as many as the pixels
   give (patches x `image_seq_len`), so no image goes missing in between. Both are errors of the
-  group (ValueError: the stream reader redelivers it, then dead-letters it).
+  group (ValueError: in sync mode the stream reader redelivers it, then dead-letters it; in
+  the pool modes, which build a step's samples when they take its groups, before any hold, the
+  trainer stops, as for any group whose samples cannot be built). So is a call that names no
+  image and whose prompt holds image tokens (nothing would give them their pixels).
 - **The forward** (`pixel_inputs`): a micro-batch with images passes `pixel_values` and
   `pixel_attention_mask`, the samples' images padded with all-zero images, which Idefics3
   removes before its vision tower; a micro-batch without images passes nothing (as a text
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +51,11 @@ from harnessrl.v1 import common_pb2 as c
 
 from .samples import Sample
 
-GET_BATCH = 32  # hashes per GetImages request (bounds one answer's size)
+log = logging.getLogger("harnessrl.trainer")
+
+GET_BATCH = 32  # hashes per GetImages request at most ...
+GET_BATCH_BYTES = 64 * 1024 * 1024  # ... and recorded bytes (an answer stays well under gRPC's
+# 256 MiB message bound, harnessrl/rpc.py; one image over it goes alone)
 
 
 def is_vision_model(folder: str | Path) -> bool:
@@ -137,14 +145,12 @@ class ImagePixels:
         return cls(AutoProcessor.from_pretrained(str(folder)), folder, store)
 
     def fetch(self, rollouts: Sequence[c.Rollout]) -> dict[str, str]:
-        needed = {i.sha256: None for r in rollouts for call in r.calls if not call.aborted
-                  for i in call.images}
-        hashes = list(needed)
+        needed = {i.sha256: i.size_bytes for r in rollouts for call in r.calls
+                  if not call.aborted for i in call.images}
         self._data = {}
-        if hashes and self.store is None:
+        if needed and self.store is None:
             raise RuntimeError("the trainer has no store client to fetch images from")
-        for k in range(0, len(hashes), GET_BATCH):
-            part = hashes[k:k + GET_BATCH]
+        for part in _batches(needed):
             got = self.store.get_images(part).images
             self._data.update((h, g.data) for h, g in zip(part, got, strict=True) if g.found)
         reasons = {}
@@ -155,10 +161,18 @@ class ImagePixels:
                 seq, sha = missing[0]
                 reasons[r.rollout_id] = (f"missing image: call {seq}'s image {sha} is not in "
                                          f"the image store ({len(missing)} missing)")
+        if reasons:  # the store's image_retention_s shorter than a group's wait to be trained?
+            log.warning("%d rollouts left out: images the store does not hold (%s)",
+                        len(reasons), next(iter(reasons.values())))
         return reasons
 
-    def pixels(self, rollout_id: str, call: c.Call) -> dict[str, Any]:
+    def pixels(self, rollout_id: str, call: c.Call) -> dict[str, Any] | None:
         where = f"rollout {rollout_id} call {call.seq}"
+        if not call.images:  # a call's prompt is its whole conversation, images included
+            if self.image_token_id in call.prompt_token_ids:
+                raise ValueError(f"{where}: its prompt holds image tokens and the call names no "
+                                 "image: its pixels cannot be rebuilt")
+            return None
         if not call.processor_json:
             raise ValueError(f"{where}: recorded without processor settings (a gateway without "
                              "processor_dirs): nothing shows its pixels would be the engine's")
@@ -176,6 +190,20 @@ class ImagePixels:
             raise ValueError(f"{where}: its prompt holds {placeholders} image tokens, and its "
                              f"{len(images)} images give {expected}")
         return inputs
+
+
+def _batches(sizes: dict[str, int]) -> list[list[str]]:
+    """The hashes in GetImages requests of at most GET_BATCH hashes and GET_BATCH_BYTES
+    recorded bytes (an image over that alone)."""
+    out: list[list[str]] = []
+    total = GET_BATCH_BYTES + 1
+    for h, size in sizes.items():
+        if len(out) == 0 or len(out[-1]) >= GET_BATCH or total + size > GET_BATCH_BYTES:
+            out.append([])
+            total = 0
+        out[-1].append(h)
+        total += size
+    return out
 
 
 def pixel_inputs(rows: Sequence[Sample], device: torch.device) -> dict[str, torch.Tensor]:

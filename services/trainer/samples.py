@@ -117,9 +117,10 @@ class PixelSource(Protocol):
         trained on (an image the store does not hold)."""
         ...
 
-    def pixels(self, rollout_id: str, call: common_pb2.Call) -> dict[str, Any]:
-        """The pixel inputs of `call`'s images (fetched by `fetch`); ValueError when they
-        cannot be the engine's (other processor settings)."""
+    def pixels(self, rollout_id: str, call: common_pb2.Call) -> dict[str, Any] | None:
+        """The pixel inputs of `call`'s images (fetched by `fetch`; None: it has none);
+        ValueError when they cannot be the engine's (other processor settings, image tokens in
+        a call that names no image)."""
         ...
 
 
@@ -207,9 +208,8 @@ def rollout_samples(
         current.policy_versions.append(call.policy_version)
         current.call_seqs.append(call.seq)
         by_last_seq[call.seq] = current
-        if call.images and pixels is not None:
-            current.images = [i.sha256 for i in call.images]
-            current.pixels = pixels.pixels(rollout.rollout_id, call)
+        if pixels is not None and (inputs := pixels.pixels(rollout.rollout_id, call)):
+            current.images, current.pixels = [i.sha256 for i in call.images], inputs
     for sample in opened:
         finish(sample)
     return samples, truncated
