@@ -6,30 +6,17 @@ kept. Against a real store process and Redis; time is moved by writing an image'
 
 from __future__ import annotations
 
-import hashlib
-import io
-import random
 import uuid
 from pathlib import Path
 
 import grpc
 import pytest
 import redis
-from PIL import Image as PILImage
 
 from harnessrl import procs
 from harnessrl.clients import StoreClient
 from harnessrl.v1 import store_pb2 as spb
-
-
-def unique_png(size: int = 8) -> bytes:
-    buf = io.BytesIO()
-    PILImage.new("RGB", (size, size), "#%06x" % random.randrange(1 << 24)).save(buf, "PNG")
-    return buf.getvalue()
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+from test_gateway_images import sha, unique_png
 
 
 def stored(data: bytes) -> spb.StoredImage:
